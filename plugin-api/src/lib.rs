@@ -1,0 +1,35 @@
+//! # plugin-api: write worker-selection policies that `router-host` loads from a `.so`
+//!
+//! This crate is the only place that defines types crossing the host/plugin boundary
+//! ([`abi`]). Policy authors use the safe layer instead:
+//!
+//! 1. implement [`Policy`] (`inputs`, `pick`, optionally `explain`) over plain slices
+//!    ([`Rows`]) and a [`Context`];
+//! 2. implement [`PolicyType`] (name, summary, parameter docs, `create`), parsing parameters with
+//!    [`Parameters::parse`] into a `#[serde(deny_unknown_fields)]` struct;
+//! 3. export the library with [`export_plugin!`] and build the crate as a `cdylib`.
+//!
+//! Every callback runs under `catch_unwind`: a panic becomes an error for that request and
+//! poisons the instance; it never unwinds into the host. Plugin `tracing` events are forwarded to
+//! the host's log, tagged with the plugin name.
+//!
+//! The crate version is the ABI version, versioned separately from the host: a plugin built
+//! against `1.x` loads into any host built against `1.y`. See `docs/writing-a-policy.md`.
+
+pub mod abi;
+mod create;
+pub mod export;
+mod policy;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use abi::{Inputs, RowId, API_VERSION};
+pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
+pub use policy::{
+    AffinityTarget, Context, Explanation, Load, Overlap, PickError, Policy, Role, Rows, ViewError,
+};
+
+#[doc(hidden)]
+pub mod __private {
+    pub use abi_stable;
+}

@@ -1,0 +1,417 @@
+//! The safe authoring layer: what a policy author implements and reads.
+
+use std::fmt;
+
+use abi_stable::std_types::ROption;
+
+pub use crate::abi::RowId;
+use crate::abi::{
+    Extension, ExtensionValue, Inputs, RawCandidateView, RawRequestContext, RoleCode,
+};
+
+/// Request role (a.k.a. stage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Aggregated,
+    Prefill,
+    Decode,
+    /// A role added by a newer host than this plugin was built for.
+    Other(u8),
+}
+
+impl Role {
+    /// The ABI code of this role.
+    pub fn code(self) -> RoleCode {
+        match self {
+            Role::Aggregated => RoleCode::AGGREGATED,
+            Role::Prefill => RoleCode::PREFILL,
+            Role::Decode => RoleCode::DECODE,
+            Role::Other(code) => RoleCode(code),
+        }
+    }
+
+    /// The role for an ABI code.
+    pub fn from_code(code: RoleCode) -> Role {
+        match code {
+            RoleCode::AGGREGATED => Role::Aggregated,
+            RoleCode::PREFILL => Role::Prefill,
+            RoleCode::DECODE => Role::Decode,
+            RoleCode(other) => Role::Other(other),
+        }
+    }
+
+    /// The YAML / JSON spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Other(_) => "other",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Advisory affinity target. `dp_rank: None` is a worker-level target (every rank matches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AffinityTarget {
+    pub worker_id: u64,
+    pub dp_rank: Option<u32>,
+}
+
+impl AffinityTarget {
+    /// The match rule of the design: same worker, and same rank unless the target is worker-level.
+    #[inline]
+    pub fn matches(&self, row: RowId) -> bool {
+        row.worker_id == self.worker_id && self.dp_rank.is_none_or(|rank| rank == row.dp_rank)
+    }
+}
+
+/// The request being routed, as the host describes it. Cheap to copy; borrowed for one call.
+#[derive(Clone, Copy)]
+pub struct Context<'a> {
+    raw: &'a RawRequestContext<'a>,
+}
+
+impl<'a> Context<'a> {
+    /// Wrap the ABI context (done by the adapter; tests use [`crate::testing`]).
+    #[inline]
+    pub fn from_raw(raw: &'a RawRequestContext<'a>) -> Self {
+        Context { raw }
+    }
+
+    /// The ABI context this wraps.
+    pub fn raw(&self) -> &'a RawRequestContext<'a> {
+        self.raw
+    }
+
+    /// Prompt length in tokens (ISL).
+    #[inline]
+    pub fn prompt_tokens(&self) -> u64 {
+        self.raw.prompt_tokens
+    }
+
+    /// `ceil(prompt_tokens / block_size)`.
+    #[inline]
+    pub fn request_blocks(&self) -> u64 {
+        self.raw.request_blocks
+    }
+
+    /// Tokens per KV block.
+    #[inline]
+    pub fn block_size(&self) -> u32 {
+        self.raw.block_size
+    }
+
+    #[inline]
+    pub fn role(&self) -> Role {
+        Role::from_code(self.raw.role)
+    }
+
+    /// The advisory soft-affinity target, if the request has one. It may match no row.
+    #[inline]
+    pub fn affinity_target(&self) -> Option<AffinityTarget> {
+        match self.raw.affinity_target {
+            ROption::RSome(t) => Some(AffinityTarget {
+                worker_id: t.worker_id,
+                dp_rank: t.dp_rank.into_option(),
+            }),
+            ROption::RNone => None,
+        }
+    }
+
+    /// The row the caller pinned; when set, the host has already reduced the rows to it.
+    #[inline]
+    pub fn pinned_worker(&self) -> Option<RowId> {
+        self.raw.pinned_worker.into_option()
+    }
+
+    #[inline]
+    pub fn session_id(&self) -> Option<&'a str> {
+        match self.raw.session_id {
+            ROption::RSome(s) => Some(s.as_str()),
+            ROption::RNone => None,
+        }
+    }
+
+    #[inline]
+    pub fn expected_output_tokens(&self) -> Option<u64> {
+        self.raw.expected_output_tokens.into_option()
+    }
+
+    #[inline]
+    pub fn priority(&self) -> i32 {
+        self.raw.priority
+    }
+
+    /// A value added to the context by a newer 1.x host, by name.
+    pub fn extension(&self, name: &str) -> Option<ExtensionValue<'a>> {
+        find_extension(self.raw.extensions.as_slice(), name)
+    }
+}
+
+pub(crate) fn find_extension<'a>(list: &[Extension<'a>], name: &str) -> Option<ExtensionValue<'a>> {
+    list.iter()
+        .find(|e| e.name.as_str() == name)
+        .map(|e| e.value)
+}
+
+impl fmt::Debug for Context<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("prompt_tokens", &self.prompt_tokens())
+            .field("request_blocks", &self.request_blocks())
+            .field("block_size", &self.block_size())
+            .field("role", &self.role())
+            .field("affinity_target", &self.affinity_target())
+            .field("pinned_worker", &self.pinned_worker())
+            .field("session_id", &self.session_id())
+            .field("expected_output_tokens", &self.expected_output_tokens())
+            .field("priority", &self.priority())
+            .finish()
+    }
+}
+
+/// Overlap columns: leading prompt blocks already cached on each row, per tier.
+#[derive(Debug, Clone, Copy)]
+pub struct Overlap<'a> {
+    pub device: &'a [f64],
+    pub host: &'a [f64],
+    pub disk: &'a [f64],
+}
+
+/// Load columns of each row.
+#[derive(Debug, Clone, Copy)]
+pub struct Load<'a> {
+    /// `false`: the host has no load observation for this row (unknown, not idle).
+    pub available: &'a [bool],
+    pub active_requests: &'a [u64],
+    pub active_prefill_tokens: &'a [u64],
+    pub decode_blocks: &'a [u64],
+}
+
+/// The eligible rows, as index-aligned columns. Row order is unspecified: never depend on it.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    worker_id: &'a [u64],
+    dp_rank: &'a [u32],
+    overlap: Option<Overlap<'a>>,
+    load: Option<Load<'a>>,
+    raw: &'a RawCandidateView<'a>,
+}
+
+/// The view's columns do not line up (a host bug, reported instead of trusted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ViewError(pub String);
+
+impl<'a> Rows<'a> {
+    /// Check and wrap the ABI view: every present column must have one value per row.
+    #[inline]
+    pub fn from_raw(raw: &'a RawCandidateView<'a>) -> Result<Self, ViewError> {
+        let n = raw.worker_id.len();
+        let same = |len: usize, what: &str| {
+            if len == n {
+                Ok(())
+            } else {
+                Err(ViewError(format!(
+                    "column `{what}` has {len} values for {n} rows"
+                )))
+            }
+        };
+        same(raw.dp_rank.len(), "dp_rank")?;
+        let overlap = if raw.present.contains(Inputs::CACHE) {
+            same(raw.device_blocks.len(), "device_blocks")?;
+            same(raw.host_blocks.len(), "host_blocks")?;
+            same(raw.disk_blocks.len(), "disk_blocks")?;
+            Some(Overlap {
+                device: raw.device_blocks.as_slice(),
+                host: raw.host_blocks.as_slice(),
+                disk: raw.disk_blocks.as_slice(),
+            })
+        } else {
+            None
+        };
+        let load = if raw.present.contains(Inputs::LOAD) {
+            same(raw.available.len(), "available")?;
+            same(raw.active_requests.len(), "active_requests")?;
+            same(raw.active_prefill_tokens.len(), "active_prefill_tokens")?;
+            same(raw.decode_blocks.len(), "decode_blocks")?;
+            Some(Load {
+                available: raw.available.as_slice(),
+                active_requests: raw.active_requests.as_slice(),
+                active_prefill_tokens: raw.active_prefill_tokens.as_slice(),
+                decode_blocks: raw.decode_blocks.as_slice(),
+            })
+        } else {
+            None
+        };
+        Ok(Rows {
+            worker_id: raw.worker_id.as_slice(),
+            dp_rank: raw.dp_rank.as_slice(),
+            overlap,
+            load,
+            raw,
+        })
+    }
+
+    /// Number of rows.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.worker_id.len()
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.worker_id.is_empty()
+    }
+
+    /// Identity of row `i`. Panics if `i >= len()`, like slice indexing.
+    #[inline]
+    pub fn row(&self, i: usize) -> RowId {
+        RowId {
+            worker_id: self.worker_id[i],
+            dp_rank: self.dp_rank[i],
+        }
+    }
+
+    #[inline]
+    pub fn worker_ids(&self) -> &'a [u64] {
+        self.worker_id
+    }
+
+    #[inline]
+    pub fn dp_ranks(&self) -> &'a [u32] {
+        self.dp_rank
+    }
+
+    /// Overlap columns; `Some` exactly when the policy declared [`Inputs::CACHE`].
+    #[inline]
+    pub fn overlap(&self) -> Option<Overlap<'a>> {
+        self.overlap
+    }
+
+    /// Load columns; `Some` exactly when the policy declared [`Inputs::LOAD`].
+    #[inline]
+    pub fn load(&self) -> Option<Load<'a>> {
+        self.load
+    }
+
+    /// A per-row signal added by a newer 1.x host, by name.
+    pub fn extra_column(&self, name: &str) -> Option<&'a [f64]> {
+        self.raw
+            .extra_columns
+            .as_slice()
+            .iter()
+            .find(|c| c.name.as_str() == name)
+            .map(|c| c.values.as_slice())
+            .filter(|values| values.len() == self.len())
+    }
+
+    /// Indices of the rows matching an affinity target.
+    pub fn matching(&self, target: AffinityTarget) -> impl Iterator<Item = usize> + 'a {
+        let (workers, ranks) = (self.worker_id, self.dp_rank);
+        (0..workers.len()).filter(move |&i| {
+            target.matches(RowId {
+                worker_id: workers[i],
+                dp_rank: ranks[i],
+            })
+        })
+    }
+}
+
+/// Error a policy returns from `pick`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PickError {
+    message: String,
+}
+
+impl PickError {
+    pub fn new(message: impl Into<String>) -> Self {
+        PickError {
+            message: message.into(),
+        }
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for PickError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for PickError {}
+
+/// Why a policy picked a row: a stable reason string plus named numbers and labels.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Explanation {
+    pub row: usize,
+    pub reason: String,
+    pub fields: Vec<(String, f64)>,
+    pub labels: Vec<(String, String)>,
+}
+
+impl Explanation {
+    pub fn new(row: usize, reason: impl Into<String>) -> Self {
+        Explanation {
+            row,
+            reason: reason.into(),
+            fields: Vec::new(),
+            labels: Vec::new(),
+        }
+    }
+
+    /// Add a named number.
+    pub fn field(mut self, name: impl Into<String>, value: f64) -> Self {
+        self.fields.push((name.into(), value));
+        self
+    }
+
+    /// Add a named label.
+    pub fn label(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.labels.push((name.into(), value.into()));
+        self
+    }
+
+    /// Look up a named number.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.fields.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+
+    /// Look up a named label.
+    pub fn get_label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A worker-selection policy instance: the one trait a policy author implements.
+///
+/// The host calls `pick` once per request with the **full eligible row set** (only the columns
+/// declared by [`Policy::inputs`]) and an advisory affinity target in the context. The returned
+/// index is bounds-checked by the host; an error or panic books nothing. Instances are shared
+/// across threads: keep state behind atomics or locks.
+pub trait Policy: Send + Sync + 'static {
+    /// Which column groups to materialise. Read once, when the instance is created.
+    fn inputs(&self) -> Inputs;
+
+    /// Choose one row; return its index in `rows`.
+    fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError>;
+
+    /// Explain the decision `pick` would make on the same input. Called only when the host wants
+    /// a trace (`router-host select`, debug logging); may allocate.
+    fn explain(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<Explanation> {
+        let _ = (ctx, rows);
+        None
+    }
+}

@@ -1,0 +1,326 @@
+//! Unit-test a policy with hand-written rows and no host.
+//!
+//! ```
+//! use plugin_api::testing::{TestRequest, TestRow, TestRows};
+//! # use plugin_api::{Context, Inputs, Policy, PickError, Rows};
+//! # struct First;
+//! # impl Policy for First {
+//! #     fn inputs(&self) -> Inputs { Inputs::LOAD }
+//! #     fn pick(&self, _: &Context<'_>, _: &Rows<'_>) -> Result<usize, PickError> { Ok(0) }
+//! # }
+//! let rows = TestRows::new(vec![
+//!     TestRow::new(29, 0).active(0),
+//!     TestRow::new(41, 0).device(6.0).active(4),
+//! ]);
+//! let request = TestRequest::new(160, 16).target(29, None);
+//! let picked = rows.pick(&First, &request).unwrap();
+//! assert_eq!(rows.row(picked).worker_id, 29);
+//! ```
+//!
+//! [`TestRows::pick`] materialises only the columns the policy declares, as the host does, and
+//! calls the policy directly. [`TestRows::pick_through_abi`] goes through the same adapter the
+//! exported library uses, so panics and poisoning can be tested too.
+
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
+
+use crate::abi::{
+    Inputs, PickFailure, PolicyBox, RawAffinityTarget, RawCandidateView, RawRequestContext,
+    RoleCode, RowId,
+};
+use crate::create::{CreateContext, CreateError, Parameters, PolicyType};
+use crate::policy::{Context, Explanation, PickError, Policy, Role, Rows};
+
+/// One hand-written row; unspecified signals are zero (and `available` is true).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TestRow {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub device: f64,
+    pub host: f64,
+    pub disk: f64,
+    pub available: bool,
+    pub active_requests: u64,
+    pub active_prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+impl TestRow {
+    pub fn new(worker_id: u64, dp_rank: u32) -> Self {
+        TestRow {
+            worker_id,
+            dp_rank,
+            device: 0.0,
+            host: 0.0,
+            disk: 0.0,
+            available: true,
+            active_requests: 0,
+            active_prefill_tokens: 0,
+            decode_blocks: 0,
+        }
+    }
+    pub fn device(mut self, blocks: f64) -> Self {
+        self.device = blocks;
+        self
+    }
+    pub fn host(mut self, blocks: f64) -> Self {
+        self.host = blocks;
+        self
+    }
+    pub fn disk(mut self, blocks: f64) -> Self {
+        self.disk = blocks;
+        self
+    }
+    pub fn active(mut self, requests: u64) -> Self {
+        self.active_requests = requests;
+        self
+    }
+    pub fn prefill_tokens(mut self, tokens: u64) -> Self {
+        self.active_prefill_tokens = tokens;
+        self
+    }
+    pub fn decode_blocks(mut self, blocks: u64) -> Self {
+        self.decode_blocks = blocks;
+        self
+    }
+    pub fn unavailable(mut self) -> Self {
+        self.available = false;
+        self
+    }
+}
+
+/// A request for tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TestRequest {
+    pub prompt_tokens: u64,
+    pub block_size: u32,
+    pub role: Role,
+    pub target: Option<(u64, Option<u32>)>,
+    pub pinned: Option<RowId>,
+    pub session_id: Option<String>,
+    pub expected_output_tokens: Option<u64>,
+    pub priority: i32,
+}
+
+impl TestRequest {
+    pub fn new(prompt_tokens: u64, block_size: u32) -> Self {
+        TestRequest {
+            prompt_tokens,
+            block_size,
+            role: Role::Aggregated,
+            target: None,
+            pinned: None,
+            session_id: None,
+            expected_output_tokens: None,
+            priority: 0,
+        }
+    }
+    /// Set the advisory affinity target (`dp_rank: None` = worker-level).
+    pub fn target(mut self, worker_id: u64, dp_rank: Option<u32>) -> Self {
+        self.target = Some((worker_id, dp_rank));
+        self
+    }
+    pub fn pinned(mut self, worker_id: u64, dp_rank: u32) -> Self {
+        self.pinned = Some(RowId { worker_id, dp_rank });
+        self
+    }
+    pub fn session(mut self, id: &str) -> Self {
+        self.session_id = Some(id.to_string());
+        self
+    }
+    pub fn role(mut self, role: Role) -> Self {
+        self.role = role;
+        self
+    }
+
+    /// `ceil(prompt_tokens / block_size)` (0 when block_size is 0).
+    pub fn request_blocks(&self) -> u64 {
+        if self.block_size == 0 {
+            0
+        } else {
+            self.prompt_tokens.div_ceil(u64::from(self.block_size))
+        }
+    }
+
+    /// Run `f` with the ABI context for this request.
+    pub fn with_raw<R>(&self, f: impl FnOnce(&RawRequestContext<'_>) -> R) -> R {
+        let raw = RawRequestContext {
+            prompt_tokens: self.prompt_tokens,
+            request_blocks: self.request_blocks(),
+            block_size: self.block_size,
+            role: match self.role {
+                Role::Other(code) => RoleCode(code),
+                role => role.code(),
+            },
+            affinity_target: match self.target {
+                Some((worker_id, dp_rank)) => ROption::RSome(RawAffinityTarget {
+                    worker_id,
+                    dp_rank: dp_rank.into(),
+                }),
+                None => ROption::RNone,
+            },
+            pinned_worker: self.pinned.into(),
+            session_id: match &self.session_id {
+                Some(s) => ROption::RSome(RStr::from_str(s)),
+                None => ROption::RNone,
+            },
+            expected_output_tokens: self.expected_output_tokens.into(),
+            priority: self.priority,
+            extensions: RSlice::EMPTY,
+        };
+        f(&raw)
+    }
+}
+
+/// Hand-written rows, stored as the columns the host would pass.
+#[derive(Debug, Clone, Default)]
+pub struct TestRows {
+    worker_id: Vec<u64>,
+    dp_rank: Vec<u32>,
+    device: Vec<f64>,
+    host: Vec<f64>,
+    disk: Vec<f64>,
+    available: Vec<bool>,
+    active_requests: Vec<u64>,
+    active_prefill_tokens: Vec<u64>,
+    decode_blocks: Vec<u64>,
+}
+
+impl TestRows {
+    pub fn new(rows: Vec<TestRow>) -> Self {
+        let mut out = TestRows::default();
+        for r in rows {
+            out.worker_id.push(r.worker_id);
+            out.dp_rank.push(r.dp_rank);
+            out.device.push(r.device);
+            out.host.push(r.host);
+            out.disk.push(r.disk);
+            out.available.push(r.available);
+            out.active_requests.push(r.active_requests);
+            out.active_prefill_tokens.push(r.active_prefill_tokens);
+            out.decode_blocks.push(r.decode_blocks);
+        }
+        out
+    }
+
+    pub fn len(&self) -> usize {
+        self.worker_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.worker_id.is_empty()
+    }
+
+    /// Identity of row `i`.
+    pub fn row(&self, i: usize) -> RowId {
+        RowId {
+            worker_id: self.worker_id[i],
+            dp_rank: self.dp_rank[i],
+        }
+    }
+
+    /// The ABI view with only the `inputs` column groups present, as the host builds it.
+    pub fn view(&self, inputs: Inputs) -> RawCandidateView<'_> {
+        let cache = inputs.contains(Inputs::CACHE);
+        let load = inputs.contains(Inputs::LOAD);
+        fn col<T>(on: bool, v: &[T]) -> RSlice<'_, T> {
+            if on {
+                RSlice::from_slice(v)
+            } else {
+                RSlice::from_slice(&[])
+            }
+        }
+        RawCandidateView {
+            present: inputs,
+            worker_id: RSlice::from_slice(&self.worker_id),
+            dp_rank: RSlice::from_slice(&self.dp_rank),
+            device_blocks: col(cache, &self.device),
+            host_blocks: col(cache, &self.host),
+            disk_blocks: col(cache, &self.disk),
+            available: col(load, &self.available),
+            active_requests: col(load, &self.active_requests),
+            active_prefill_tokens: col(load, &self.active_prefill_tokens),
+            decode_blocks: col(load, &self.decode_blocks),
+            extra_columns: RSlice::EMPTY,
+        }
+    }
+
+    /// Call `policy.pick` directly with the columns it declares.
+    pub fn pick<P: Policy>(&self, policy: &P, request: &TestRequest) -> Result<usize, PickError> {
+        self.call(policy, request, |p, ctx, rows| p.pick(ctx, rows))
+    }
+
+    /// Call `policy.explain` directly with the columns it declares.
+    pub fn explain<P: Policy>(&self, policy: &P, request: &TestRequest) -> Option<Explanation> {
+        self.call(policy, request, |p, ctx, rows| Ok(p.explain(ctx, rows)))
+            .ok()
+            .flatten()
+    }
+
+    /// The worker id `policy` picks (convenient for decision tables).
+    pub fn pick_worker<P: Policy>(
+        &self,
+        policy: &P,
+        request: &TestRequest,
+    ) -> Result<RowId, PickError> {
+        self.pick(policy, request).map(|i| self.row(i))
+    }
+
+    fn call<P: Policy, R>(
+        &self,
+        policy: &P,
+        request: &TestRequest,
+        f: impl FnOnce(&P, &Context<'_>, &Rows<'_>) -> Result<R, PickError>,
+    ) -> Result<R, PickError> {
+        let view = self.view(policy.inputs());
+        let rows = Rows::from_raw(&view).map_err(|e| PickError::new(e.0))?;
+        request.with_raw(|raw| f(policy, &Context::from_raw(raw), &rows))
+    }
+
+    /// Call an ABI policy object (e.g. from [`create`]) as the host would.
+    pub fn pick_through_abi(
+        &self,
+        policy: &PolicyBox,
+        request: &TestRequest,
+    ) -> Result<usize, PickFailure> {
+        let view = self.view(policy.required_inputs());
+        request.with_raw(|raw| match policy.pick(raw, &view) {
+            RResult::ROk(i) => Ok(i),
+            RResult::RErr(e) => Err(e),
+        })
+    }
+}
+
+/// Parse `parameters_json` and create an instance of `T`, with the host defaults
+/// (`host_cache_hit_weight` 0.75, `disk_cache_hit_weight` 0.25, block size 16).
+pub fn create<T: PolicyType>(parameters_json: &str) -> Result<T::Policy, CreateError> {
+    create_with::<T>(parameters_json, 0.75, 16)
+}
+
+/// Like [`create`] with a chosen `host_cache_hit_weight` and block size.
+pub fn create_with<T: PolicyType>(
+    parameters_json: &str,
+    host_cache_hit_weight: f64,
+    block_size: u32,
+) -> Result<T::Policy, CreateError> {
+    extern "C" fn discard(_: &crate::abi::LogRecord<'_>) {}
+    let raw = crate::abi::RawCreateContext {
+        instance_name: RStr::from_str("test"),
+        host_cache_hit_weight,
+        disk_cache_hit_weight: 0.25,
+        block_size,
+        log: crate::abi::HostLog {
+            emit: discard,
+            max_level: crate::abi::LogLevel::TRACE,
+        },
+        extensions: RSlice::EMPTY,
+    };
+    T::create(
+        &Parameters::from_json(parameters_json),
+        &CreateContext::from_raw(&raw),
+    )
+}
+
+/// Create `T` and box it through the same adapter the exported library uses.
+pub fn create_boxed<T: PolicyType>(parameters_json: &str) -> Result<PolicyBox, CreateError> {
+    crate::export::into_policy_box(create_with::<T>(parameters_json, 0.75, 16)?)
+}
