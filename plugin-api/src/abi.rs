@@ -194,7 +194,7 @@ impl PickFailureKind {
 
 /// Error returned across the boundary by `pick` and `explain`.
 #[repr(C)]
-#[derive(StableAbi, Debug, Clone)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
 pub struct PickFailure {
     pub kind: PickFailureKind,
     pub message: RString,

@@ -84,23 +84,20 @@ impl<'a> Parameters<'a> {
             let path = err.path().to_string();
             let inner = err.into_inner();
             let message = inner.to_string();
-            // serde reports an unknown key at its parent's path; name the key itself.
-            let key = unknown_field_name(&message)
-                .map(|field| {
-                    if path == "." || path.is_empty() {
-                        field.to_string()
-                    } else {
-                        format!("{path}.{field}")
-                    }
-                })
-                .unwrap_or(if path == "." { String::new() } else { path });
+            // Name the key itself: serde reports a missing key at its parent's path.
+            let key = match (named_field(&message, "missing field `"), path.as_str()) {
+                (Some(field), "." | "") => field.to_string(),
+                (Some(field), parent) => format!("{parent}.{field}"),
+                (None, ".") => String::new(),
+                (None, _) => path,
+            };
             CreateError::invalid(key, strip_position(&message))
         })
     }
 }
 
-fn unknown_field_name(message: &str) -> Option<&str> {
-    let rest = message.strip_prefix("unknown field `")?;
+fn named_field<'m>(message: &'m str, prefix: &str) -> Option<&'m str> {
+    let rest = message.strip_prefix(prefix)?;
     rest.split('`').next()
 }
 
@@ -247,5 +244,53 @@ pub mod check {
                 format!("must be a finite number >= {lo:?}, got {value}"),
             ))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct P {
+        limit: u64,
+        #[serde(default)]
+        nested: Option<Inner>,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Inner {
+        depth: u32,
+    }
+
+    fn key_of(json: &str) -> (String, String) {
+        let err = Parameters::from_json(json).parse::<P>().unwrap_err();
+        (err.key().to_string(), err.message().to_string())
+    }
+
+    #[test]
+    fn errors_name_the_offending_key_once() {
+        assert_eq!(key_of(r#"{"limit": 1, "limt": 2}"#).0, "limt");
+        assert_eq!(key_of(r#"{}"#).0, "limit");
+        assert_eq!(key_of(r#"{"limit": "x"}"#).0, "limit");
+        assert_eq!(
+            key_of(r#"{"limit": 1, "nested": {"deep": 1}}"#).0,
+            "nested.deep"
+        );
+        assert_eq!(key_of(r#"{"limit": 1, "nested": {}}"#).0, "nested.depth");
+        let (_, message) = key_of(r#"{"limit": -1}"#);
+        assert!(!message.contains("at line"), "{message}");
+    }
+
+    #[test]
+    fn absent_parameters_parse_as_an_empty_object() {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Empty {}
+        assert!(Parameters::from_json("").parse::<Empty>().is_ok());
     }
 }
