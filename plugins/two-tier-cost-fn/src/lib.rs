@@ -1,1 +1,162 @@
+//! `dynamo-two-tier-cost-fn`: a load tier, then a cache tier, then least-loaded (design §8).
+//!
+//! 1. Load tier: if active requests are too uneven (absolute gap and ratio, both strict), pick the
+//!    least-loaded row.
+//! 2. Cache tier: if the best effective overlap (`device + host_cache_weight * host`) covers more
+//!    than `cache_threshold` of the prompt, pick the least-loaded row among the best-cached ones.
+//! 3. Otherwise pick the least-loaded row.
+//!
+//! Ties always go to the lowest `(worker_id, dp_rank)`, so the row order the host uses never
+//! matters. With `respect_soft_affinity` the same rules run over the soft target's rows first
+//! (see [`decision::decide`]).
+//!
+//! The picker is public so benchmarks can link the rlib and call it without the ABI:
+//! build a [`TwoTierCostFn`] with [`TwoTierCostFn::new`] and call [`Policy::pick`].
 
+pub mod decision;
+pub mod params;
+
+use plugin_api::{
+    Context, CreateContext, CreateError, Explanation, Inputs, ParamDoc, Parameters, PickError,
+    Policy, PolicyType, RowId, Rows,
+};
+
+pub use decision::{Decision, SoftAffinity, Tier, TierDecision};
+pub use params::{ResolvedParams, TwoTierParams, WeightSource};
+
+use decision::Columns;
+
+/// A `dynamo-two-tier-cost-fn` instance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TwoTierCostFn {
+    params: ResolvedParams,
+}
+
+impl TwoTierCostFn {
+    /// Validate `params`; `host_cache_hit_weight` is the host's setting, used when the policy
+    /// does not set `host_cache_weight`.
+    pub fn new(params: &TwoTierParams, host_cache_hit_weight: f64) -> Result<Self, CreateError> {
+        params
+            .validate(host_cache_hit_weight)
+            .map(Self::from_resolved)
+    }
+
+    /// An instance with already validated parameters.
+    pub fn from_resolved(params: ResolvedParams) -> Self {
+        TwoTierCostFn { params }
+    }
+
+    /// The parameters in force.
+    pub fn params(&self) -> &ResolvedParams {
+        &self.params
+    }
+
+    /// The decision `pick` returns and `explain` describes.
+    pub fn decide(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<Decision, PickError> {
+        let cols = Columns::from_rows(rows)?;
+        decision::decide(
+            &self.params,
+            &cols,
+            ctx.request_blocks(),
+            ctx.affinity_target(),
+        )
+    }
+
+    fn explanation(&self, decision: &Decision, rows: &Rows<'_>) -> Explanation {
+        let p = &self.params;
+        let all = &decision.all;
+        let mut e = Explanation::new(decision.row, decision.reason())
+            .field("cache_threshold", p.cache_threshold)
+            .field("balance_abs_threshold", p.balance_abs_threshold as f64)
+            .field("balance_rel_threshold", p.balance_rel_threshold)
+            .field("host_cache_weight", p.host_cache_weight)
+            .field("cache_ratio", all.cache_ratio)
+            .field("max_effective_overlap", all.max_effective_overlap)
+            .field("min_active_requests", all.min_active as f64)
+            .field("max_active_requests", all.max_active as f64)
+            .label("tier", decision.deciding().tier.reason())
+            .label("max_overlap_row", row_label(rows.row(all.max_overlap_row)))
+            .label("soft_affinity", decision.soft_affinity.as_str());
+        if p.respect_soft_affinity && p.soft_affinity_load_gate {
+            e = e
+                .field("soft_affinity_gate_abs", p.soft_affinity_gate_abs as f64)
+                .field("soft_affinity_gate_rel", p.soft_affinity_gate_rel);
+        }
+        if let Some(target) = &decision.target {
+            e = e
+                .field("target_active_requests", target.row_active as f64)
+                .label("target_row", row_label(rows.row(target.row)));
+        }
+        e
+    }
+}
+
+fn row_label(row: RowId) -> String {
+    format!("{}:{}", row.worker_id, row.dp_rank)
+}
+
+impl Policy for TwoTierCostFn {
+    fn inputs(&self) -> Inputs {
+        Inputs::CACHE | Inputs::LOAD
+    }
+
+    fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
+        self.decide(ctx, rows).map(|d| d.row)
+    }
+
+    fn explain(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<Explanation> {
+        let decision = self.decide(ctx, rows).ok()?;
+        Some(self.explanation(&decision, rows))
+    }
+}
+
+/// The `dynamo-two-tier-cost-fn` policy type.
+pub struct TwoTierCostFnType;
+
+impl PolicyType for TwoTierCostFnType {
+    type Policy = TwoTierCostFn;
+    const NAME: &'static str = "dynamo-two-tier-cost-fn";
+    const SUMMARY: &'static str =
+        "Dynamo two-tier policy: least-loaded on load imbalance, else best KV-cache overlap, \
+         else least-loaded";
+
+    fn parameters() -> Vec<ParamDoc> {
+        params::docs()
+    }
+
+    fn create(
+        params: &Parameters<'_>,
+        ctx: &CreateContext<'_>,
+    ) -> Result<TwoTierCostFn, CreateError> {
+        let policy = TwoTierCostFn::new(&params.parse()?, ctx.host_cache_hit_weight())?;
+        log_resolved(ctx.instance_name(), policy.params());
+        Ok(policy)
+    }
+}
+
+/// Log the values in force (not just what the YAML said), once per instance.
+fn log_resolved(instance: &str, p: &ResolvedParams) {
+    tracing::info!(
+        instance,
+        policy = TwoTierCostFnType::NAME,
+        cache_threshold = p.cache_threshold,
+        balance_abs_threshold = p.balance_abs_threshold,
+        balance_rel_threshold = p.balance_rel_threshold,
+        host_cache_weight = p.host_cache_weight,
+        host_cache_weight_source = p.host_cache_weight_source.as_str(),
+        respect_soft_affinity = p.respect_soft_affinity,
+        soft_affinity_load_gate = p.soft_affinity_load_gate,
+        soft_affinity_gate_abs = p.soft_affinity_gate_abs,
+        soft_affinity_gate_rel = p.soft_affinity_gate_rel,
+        "two-tier policy instance created with resolved parameters"
+    );
+}
+
+plugin_api::export_plugin! {
+    name: "two-tier-cost-fn",
+    version: env!("CARGO_PKG_VERSION"),
+    policies: [TwoTierCostFnType],
+}
+
+#[cfg(test)]
+mod tests;

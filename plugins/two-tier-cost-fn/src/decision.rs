@@ -1,0 +1,291 @@
+//! The two-tier decision (design §8), shared by `pick` and `explain`.
+//!
+//! Allocation-free: a row set is a predicate over row indices, and each tier run is one pass.
+
+use plugin_api::{AffinityTarget, PickError, RowId, Rows};
+
+use crate::params::ResolvedParams;
+
+/// Which rule chose a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Active requests too uneven: least-loaded row.
+    LoadImbalance,
+    /// A row caches enough of the prompt: least-loaded row among the best-cached ones.
+    Cache,
+    /// Neither tier fired: least-loaded row.
+    LeastLoaded,
+}
+
+impl Tier {
+    /// The stable reason string of this tier.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Tier::LoadImbalance => "load_imbalance_least_loaded",
+            Tier::Cache => "cache_tier_least_loaded_among_max_overlap",
+            Tier::LeastLoaded => "least_loaded_no_cache_winner",
+        }
+    }
+}
+
+/// The result of running both tiers over one row set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierDecision {
+    /// Index of the chosen row.
+    pub row: usize,
+    /// Active requests of the chosen row: `load(K)` when this is the target's decision.
+    pub row_active: u64,
+    pub tier: Tier,
+    pub min_active: u64,
+    pub max_active: u64,
+    /// Highest `device + host_cache_weight * host` in the set.
+    pub max_effective_overlap: f64,
+    /// Least-loaded row among those with the highest effective overlap (the cache tier's pick).
+    pub max_overlap_row: usize,
+    /// `max_effective_overlap / request_blocks` (0 when the request has no blocks).
+    pub cache_ratio: f64,
+}
+
+/// What soft affinity did to the decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SoftAffinity {
+    /// No target, or `respect_soft_affinity` is off.
+    None,
+    /// The target's rows decided.
+    Kept,
+    /// The target was too loaded compared with the least-loaded row; the all-rows decision won.
+    ReleasedByGate,
+    /// No eligible row matches the target; the all-rows decision won.
+    NotEligible,
+}
+
+impl SoftAffinity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SoftAffinity::None => "none",
+            SoftAffinity::Kept => "kept",
+            SoftAffinity::ReleasedByGate => "released_by_gate",
+            SoftAffinity::NotEligible => "not_eligible",
+        }
+    }
+}
+
+/// The whole decision for one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// Index of the chosen row.
+    pub row: usize,
+    /// G: the decision over every row.
+    pub all: TierDecision,
+    /// K: the decision over the target's rows, when soft affinity is respected and a row matches.
+    pub target: Option<TierDecision>,
+    pub soft_affinity: SoftAffinity,
+}
+
+impl Decision {
+    /// The stable reason string for the explanation.
+    pub fn reason(&self) -> &'static str {
+        match self.soft_affinity {
+            SoftAffinity::Kept => "soft_affinity_target",
+            SoftAffinity::ReleasedByGate => "soft_affinity_released_load_gate",
+            SoftAffinity::None | SoftAffinity::NotEligible => self.all.tier.reason(),
+        }
+    }
+
+    /// The tier run whose row was chosen.
+    pub fn deciding(&self) -> &TierDecision {
+        match (self.soft_affinity, &self.target) {
+            (SoftAffinity::Kept, Some(target)) => target,
+            _ => &self.all,
+        }
+    }
+}
+
+/// The columns the decision reads, checked present once per call.
+#[derive(Debug, Clone, Copy)]
+pub struct Columns<'a> {
+    worker_id: &'a [u64],
+    dp_rank: &'a [u32],
+    device: &'a [f64],
+    host: &'a [f64],
+    active: &'a [u64],
+}
+
+impl<'a> Columns<'a> {
+    /// The overlap and load columns of `rows`; an error if the host left either out.
+    pub fn from_rows(rows: &Rows<'a>) -> Result<Self, PickError> {
+        let overlap = rows
+            .overlap()
+            .ok_or_else(|| PickError::new("overlap columns missing (CACHE was declared)"))?;
+        let load = rows
+            .load()
+            .ok_or_else(|| PickError::new("load columns missing (LOAD was declared)"))?;
+        Ok(Columns {
+            worker_id: rows.worker_ids(),
+            dp_rank: rows.dp_ranks(),
+            device: overlap.device,
+            host: overlap.host,
+            active: load.active_requests,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.worker_id.len()
+    }
+
+    pub fn row(&self, i: usize) -> RowId {
+        RowId {
+            worker_id: self.worker_id[i],
+            dp_rank: self.dp_rank[i],
+        }
+    }
+
+    pub fn active(&self, i: usize) -> u64 {
+        self.active[i]
+    }
+
+    /// Least-loaded order: fewer active requests first, then lowest `(worker_id, dp_rank)`.
+    fn load_key(&self, i: usize) -> (u64, RowId) {
+        (self.active[i], self.row(i))
+    }
+
+    /// `device + weight * host`. A NaN (no meaningful overlap) counts as nothing cached, which
+    /// also keeps the comparisons below total.
+    fn effective_overlap(&self, i: usize, host_weight: f64) -> f64 {
+        let eff = self.device[i] + host_weight * self.host[i];
+        if eff.is_nan() {
+            0.0
+        } else {
+            eff
+        }
+    }
+}
+
+/// Both the load tier and the soft-affinity gate: is `load` too far above `min`, by an absolute
+/// gap (saturating) and by a ratio, both strict?
+pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
+    load.saturating_sub(min) > abs && load as f64 > rel * min as f64
+}
+
+/// Running statistics of one pass over a row set.
+struct Scan {
+    least_loaded: usize,
+    max_active: u64,
+    best_row: usize,
+    best_eff: f64,
+}
+
+impl Scan {
+    fn first(i: usize, eff: f64, cols: &Columns<'_>) -> Scan {
+        Scan {
+            least_loaded: i,
+            max_active: cols.active(i),
+            best_row: i,
+            best_eff: eff,
+        }
+    }
+
+    fn add(&mut self, i: usize, eff: f64, cols: &Columns<'_>) {
+        let key = cols.load_key(i);
+        if key < cols.load_key(self.least_loaded) {
+            self.least_loaded = i;
+        }
+        self.max_active = self.max_active.max(cols.active(i));
+        // Highest overlap wins; among equal overlap, the least-loaded row.
+        if eff > self.best_eff || (eff == self.best_eff && key < cols.load_key(self.best_row)) {
+            self.best_row = i;
+            self.best_eff = eff;
+        }
+    }
+}
+
+/// Run the load tier, then the cache tier, over the rows where `in_set` holds.
+/// `None` when the set is empty.
+pub fn run_tiers(
+    params: &ResolvedParams,
+    cols: &Columns<'_>,
+    request_blocks: u64,
+    in_set: impl Fn(usize) -> bool,
+) -> Option<TierDecision> {
+    let mut scan: Option<Scan> = None;
+    for i in (0..cols.len()).filter(|&i| in_set(i)) {
+        let eff = cols.effective_overlap(i, params.host_cache_weight);
+        match scan.as_mut() {
+            Some(scan) => scan.add(i, eff, cols),
+            None => scan = Some(Scan::first(i, eff, cols)),
+        }
+    }
+    let scan = scan?;
+    let min_active = cols.active(scan.least_loaded);
+    let cache_ratio = if request_blocks == 0 {
+        0.0
+    } else {
+        scan.best_eff / request_blocks as f64
+    };
+    let imbalanced = exceeds(
+        scan.max_active,
+        min_active,
+        params.balance_abs_threshold,
+        params.balance_rel_threshold,
+    );
+    let (row, tier) = if imbalanced {
+        (scan.least_loaded, Tier::LoadImbalance)
+    } else if cache_ratio > params.cache_threshold {
+        (scan.best_row, Tier::Cache)
+    } else {
+        (scan.least_loaded, Tier::LeastLoaded)
+    };
+    Some(TierDecision {
+        row,
+        row_active: cols.active(row),
+        tier,
+        min_active,
+        max_active: scan.max_active,
+        max_effective_overlap: scan.best_eff,
+        max_overlap_row: scan.best_row,
+        cache_ratio,
+    })
+}
+
+/// The full decision: G over every row, then soft affinity (K over the target's rows, the gate).
+pub fn decide(
+    params: &ResolvedParams,
+    cols: &Columns<'_>,
+    request_blocks: u64,
+    target: Option<AffinityTarget>,
+) -> Result<Decision, PickError> {
+    let all = run_tiers(params, cols, request_blocks, |_| true)
+        .ok_or_else(|| PickError::new("no rows to pick from"))?;
+    let only_all = |soft_affinity| Decision {
+        row: all.row,
+        all,
+        target: None,
+        soft_affinity,
+    };
+    let Some(target) = target.filter(|_| params.respect_soft_affinity) else {
+        return Ok(only_all(SoftAffinity::None));
+    };
+    let Some(kept) = run_tiers(params, cols, request_blocks, |i| {
+        target.matches(cols.row(i))
+    }) else {
+        return Ok(only_all(SoftAffinity::NotEligible));
+    };
+    let released = params.soft_affinity_load_gate
+        && exceeds(
+            kept.row_active,
+            all.min_active,
+            params.soft_affinity_gate_abs,
+            params.soft_affinity_gate_rel,
+        );
+    let (row, soft_affinity) = if released {
+        (all.row, SoftAffinity::ReleasedByGate)
+    } else {
+        (kept.row, SoftAffinity::Kept)
+    };
+    Ok(Decision {
+        row,
+        all,
+        target: Some(kept),
+        soft_affinity,
+    })
+}

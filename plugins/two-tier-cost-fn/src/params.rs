@@ -1,0 +1,179 @@
+//! Parameters of `dynamo-two-tier-cost-fn`: what the YAML may say, and the values in force.
+
+use plugin_api::{check, CreateError, ParamDoc};
+use serde::Deserialize;
+
+pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.5;
+pub const DEFAULT_BALANCE_ABS_THRESHOLD: u64 = 32;
+pub const DEFAULT_BALANCE_REL_THRESHOLD: f64 = 1.1;
+
+/// The instance's `parameters:` mapping as written. Every key is optional; unknown keys are
+/// rejected. `None` means "absent" where absence has its own meaning (see [`Self::validate`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TwoTierParams {
+    pub cache_threshold: f64,
+    pub balance_abs_threshold: u64,
+    pub balance_rel_threshold: f64,
+    /// Absent: the host's `host_cache_hit_weight`.
+    pub host_cache_weight: Option<f64>,
+    pub respect_soft_affinity: bool,
+    pub soft_affinity_load_gate: bool,
+    /// Absent: `balance_abs_threshold`.
+    pub soft_affinity_gate_abs: Option<u64>,
+    /// Absent: `balance_rel_threshold`.
+    pub soft_affinity_gate_rel: Option<f64>,
+}
+
+impl Default for TwoTierParams {
+    fn default() -> Self {
+        TwoTierParams {
+            cache_threshold: DEFAULT_CACHE_THRESHOLD,
+            balance_abs_threshold: DEFAULT_BALANCE_ABS_THRESHOLD,
+            balance_rel_threshold: DEFAULT_BALANCE_REL_THRESHOLD,
+            host_cache_weight: None,
+            respect_soft_affinity: false,
+            soft_affinity_load_gate: false,
+            soft_affinity_gate_abs: None,
+            soft_affinity_gate_rel: None,
+        }
+    }
+}
+
+/// Where the host-tier weight in force came from (logged at construction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightSource {
+    /// The policy's own `host_cache_weight` parameter.
+    Policy,
+    /// The host's `host_cache_hit_weight` setting.
+    HostSetting,
+}
+
+impl WeightSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WeightSource::Policy => "policy",
+            WeightSource::HostSetting => "host setting",
+        }
+    }
+}
+
+/// Validated parameters with every default applied: what the decision actually uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ResolvedParams {
+    pub cache_threshold: f64,
+    pub balance_abs_threshold: u64,
+    pub balance_rel_threshold: f64,
+    pub host_cache_weight: f64,
+    pub host_cache_weight_source: WeightSource,
+    pub respect_soft_affinity: bool,
+    pub soft_affinity_load_gate: bool,
+    pub soft_affinity_gate_abs: u64,
+    pub soft_affinity_gate_rel: f64,
+}
+
+impl TwoTierParams {
+    /// Check every range and apply the defaults that depend on other values.
+    /// `host_cache_hit_weight` is the host's setting, used when `host_cache_weight` is absent.
+    pub fn validate(&self, host_cache_hit_weight: f64) -> Result<ResolvedParams, CreateError> {
+        let cache_threshold = check::finite_in("cache_threshold", self.cache_threshold, 0.0, 1.0)?;
+        let balance_rel_threshold =
+            check::finite_at_least("balance_rel_threshold", self.balance_rel_threshold, 1.0)?;
+        let (host_cache_weight, host_cache_weight_source) = match self.host_cache_weight {
+            Some(weight) => (
+                check::finite_at_least("host_cache_weight", weight, 0.0)?,
+                WeightSource::Policy,
+            ),
+            None => (
+                host_setting_weight(host_cache_hit_weight)?,
+                WeightSource::HostSetting,
+            ),
+        };
+        let soft_affinity_gate_rel = match self.soft_affinity_gate_rel {
+            Some(rel) => check::finite_at_least("soft_affinity_gate_rel", rel, 1.0)?,
+            None => balance_rel_threshold,
+        };
+        Ok(ResolvedParams {
+            cache_threshold,
+            balance_abs_threshold: self.balance_abs_threshold,
+            balance_rel_threshold,
+            host_cache_weight,
+            host_cache_weight_source,
+            respect_soft_affinity: self.respect_soft_affinity,
+            soft_affinity_load_gate: self.soft_affinity_load_gate,
+            soft_affinity_gate_abs: self
+                .soft_affinity_gate_abs
+                .unwrap_or(self.balance_abs_threshold),
+            soft_affinity_gate_rel,
+        })
+    }
+}
+
+/// The host validates its own setting; re-check it so the decision can rely on a sane weight,
+/// and blame the host setting rather than a policy key the operator never wrote.
+fn host_setting_weight(weight: f64) -> Result<f64, CreateError> {
+    if weight.is_finite() && weight >= 0.0 {
+        Ok(weight)
+    } else {
+        Err(CreateError::failed(format!(
+            "the host setting host_cache_hit_weight must be a finite number >= 0.0, got {weight}; \
+             set `host_cache_weight` on this policy to override it"
+        )))
+    }
+}
+
+/// Parameter documentation for `router-host describe`.
+pub fn docs() -> Vec<ParamDoc> {
+    vec![
+        ParamDoc::optional(
+            "cache_threshold",
+            "f64",
+            "0.5",
+            "cache tier fires when max effective overlap / request blocks is strictly above this; \
+             finite, 0.0..=1.0",
+        ),
+        ParamDoc::optional(
+            "balance_abs_threshold",
+            "u64",
+            "32",
+            "load tier needs max - min active requests strictly above this; >= 0",
+        ),
+        ParamDoc::optional(
+            "balance_rel_threshold",
+            "f64",
+            "1.1",
+            "load tier also needs max strictly above this times min active requests; finite, >= 1.0",
+        ),
+        ParamDoc::optional(
+            "host_cache_weight",
+            "f64 or absent",
+            "absent (the host's host_cache_hit_weight)",
+            "weight of host-tier (CPU) overlap in the effective overlap; finite, >= 0.0",
+        ),
+        ParamDoc::optional(
+            "respect_soft_affinity",
+            "bool",
+            "false",
+            "keep a request on its soft-affinity target's rows when it has eligible ones",
+        ),
+        ParamDoc::optional(
+            "soft_affinity_load_gate",
+            "bool",
+            "false",
+            "release a kept target when its load exceeds the least-loaded row by both gates; \
+             only meaningful with respect_soft_affinity",
+        ),
+        ParamDoc::optional(
+            "soft_affinity_gate_abs",
+            "u64 or absent",
+            "absent (balance_abs_threshold)",
+            "absolute gap in active requests above which the gate releases; >= 0",
+        ),
+        ParamDoc::optional(
+            "soft_affinity_gate_rel",
+            "f64 or absent",
+            "absent (balance_rel_threshold)",
+            "ratio to the least-loaded row above which the gate releases; finite, >= 1.0",
+        ),
+    ]
+}

@@ -1,0 +1,602 @@
+use std::sync::{Arc, Mutex};
+
+use plugin_api::abi::PickFailureKind;
+use plugin_api::testing::{create, create_boxed, create_with, TestRequest, TestRow, TestRows};
+use plugin_api::{Explanation, RowId};
+
+use super::*;
+
+const A: u64 = 29;
+const B: u64 = 41;
+const DEFAULTS: &str = "{}";
+const RESPECT: &str = r#"{"respect_soft_affinity": true}"#;
+const RESPECT_GATE: &str = r#"{"respect_soft_affinity": true, "soft_affinity_load_gate": true}"#;
+
+/// isl 160 at block size 16: R = 10.
+fn request() -> TestRequest {
+    TestRequest::new(160, 16)
+}
+
+fn policy(json: &str) -> TwoTierCostFn {
+    create::<TwoTierCostFnType>(json).expect("valid parameters")
+}
+
+/// A rank-0 row written as in the design table: (worker, device, host, active).
+fn row(worker: u64, device: f64, host: f64, active: u64) -> TestRow {
+    TestRow::new(worker, 0)
+        .device(device)
+        .host(host)
+        .active(active)
+}
+
+fn picked(policy: &TwoTierCostFn, rows: &[TestRow], request: &TestRequest) -> RowId {
+    TestRows::new(rows.to_vec())
+        .pick_worker(policy, request)
+        .expect("a row is picked")
+}
+
+fn explained(policy: &TwoTierCostFn, rows: &[TestRow], request: &TestRequest) -> Explanation {
+    let rows = TestRows::new(rows.to_vec());
+    let explanation = rows.explain(policy, request).expect("an explanation");
+    // explain describes exactly the row pick returns.
+    assert_eq!(Ok(explanation.row), rows.pick(policy, request));
+    explanation
+}
+
+fn at(worker_id: u64, dp_rank: u32) -> RowId {
+    RowId { worker_id, dp_rank }
+}
+
+// ---- conformance table of design §8 ------------------------------------------------------------
+
+struct Case {
+    params: &'static str,
+    target: Option<u64>,
+    rows: [(u64, f64, f64, u64); 2],
+    picks: u64,
+    why: &'static str,
+}
+
+#[rustfmt::skip]
+const CONFORMANCE: &[Case] = &[
+    Case { params: DEFAULTS, target: None, rows: [(A, 0.0, 0.0, 0), (B, 6.0, 0.0, 4)], picks: B, why: "0.6 > 0.5" },
+    Case { params: DEFAULTS, target: None, rows: [(A, 0.0, 0.0, 0), (B, 5.0, 0.0, 4)], picks: A, why: "0.5 is not > 0.5" },
+    Case { params: r#"{"cache_threshold": 0.2}"#, target: None, rows: [(A, 0.0, 0.0, 0), (B, 3.0, 0.0, 4)], picks: B, why: "0.3 > 0.2" },
+    Case { params: DEFAULTS, target: None, rows: [(A, 0.0, 0.0, 0), (B, 10.0, 0.0, 40)], picks: A, why: "load tier" },
+    Case { params: DEFAULTS, target: None, rows: [(A, 0.0, 0.0, 640), (B, 10.0, 0.0, 704)], picks: B, why: "704 is not > 1.1*640" },
+    Case { params: DEFAULTS, target: None, rows: [(A, 0.0, 0.0, 640), (B, 10.0, 0.0, 705)], picks: A, why: "705 > 1.1*640" },
+    Case { params: DEFAULTS, target: None, rows: [(A, 0.0, 0.0, 0), (B, 0.0, 8.0, 4)], picks: B, why: "8*0.75 = 6 -> 0.6" },
+    Case { params: r#"{"host_cache_weight": 0}"#, target: None, rows: [(A, 0.0, 0.0, 0), (B, 0.0, 8.0, 4)], picks: A, why: "host tier ignored" },
+    Case { params: DEFAULTS, target: Some(A), rows: [(A, 0.0, 0.0, 0), (B, 6.0, 0.0, 4)], picks: B, why: "target ignored by default" },
+    Case { params: RESPECT, target: Some(A), rows: [(A, 0.0, 0.0, 0), (B, 6.0, 0.0, 4)], picks: A, why: "target respected" },
+    Case { params: RESPECT, target: Some(999), rows: [(A, 0.0, 0.0, 0), (B, 6.0, 0.0, 4)], picks: B, why: "fallback" },
+    Case { params: RESPECT, target: Some(A), rows: [(A, 0.0, 0.0, 40), (B, 0.0, 0.0, 2)], picks: A, why: "no gate: overloaded target kept" },
+    Case { params: RESPECT_GATE, target: Some(A), rows: [(A, 0.0, 0.0, 40), (B, 0.0, 0.0, 2)], picks: B, why: "released" },
+    Case { params: RESPECT_GATE, target: Some(A), rows: [(A, 0.0, 0.0, 30), (B, 0.0, 0.0, 2)], picks: A, why: "gap 28 is not > 32" },
+];
+
+#[test]
+fn conformance_table_of_the_design() {
+    for (n, case) in CONFORMANCE.iter().enumerate() {
+        let policy = policy(case.params);
+        let request = match case.target {
+            Some(worker) => request().target(worker, None),
+            None => request(),
+        };
+        let rows: Vec<TestRow> = case
+            .rows
+            .iter()
+            .map(|&(w, device, host, active)| row(w, device, host, active))
+            .collect();
+        let mut reversed = rows.clone();
+        reversed.reverse();
+        for rows in [rows, reversed] {
+            assert_eq!(
+                picked(&policy, &rows, &request),
+                at(case.picks, 0),
+                "case {n} ({}, {})",
+                case.params,
+                case.why
+            );
+        }
+    }
+}
+
+// ---- validation ---------------------------------------------------------------------------------
+
+fn invalid(json: &str) -> CreateError {
+    create::<TwoTierCostFnType>(json).expect_err("parameters must be rejected")
+}
+
+/// The error names `key`, the valid range and the bad value.
+fn assert_names(err: &CreateError, key: &str, range: &str, value: &str) {
+    assert_eq!(err.key(), key, "{err}");
+    let text = err.to_string();
+    for part in [key, range, value] {
+        assert!(text.contains(part), "`{text}` should mention `{part}`");
+    }
+}
+
+#[test]
+fn cache_threshold_out_of_range_is_rejected() {
+    assert_names(
+        &invalid(r#"{"cache_threshold": -0.1}"#),
+        "cache_threshold",
+        "0.0..=1.0",
+        "-0.1",
+    );
+    assert_names(
+        &invalid(r#"{"cache_threshold": 1.1}"#),
+        "cache_threshold",
+        "0.0..=1.0",
+        "1.1",
+    );
+}
+
+#[test]
+fn nan_thresholds_are_rejected() {
+    let nan_cache = TwoTierParams {
+        cache_threshold: f64::NAN,
+        ..TwoTierParams::default()
+    };
+    let err = nan_cache.validate(0.75).expect_err("NaN cache_threshold");
+    assert_names(&err, "cache_threshold", "0.0..=1.0", "NaN");
+
+    let nan_rel = TwoTierParams {
+        balance_rel_threshold: f64::NAN,
+        ..TwoTierParams::default()
+    };
+    let err = TwoTierCostFn::new(&nan_rel, 0.75).expect_err("NaN balance_rel_threshold");
+    assert_names(&err, "balance_rel_threshold", ">= 1.0", "NaN");
+
+    let nan_gate = TwoTierParams {
+        soft_affinity_gate_rel: Some(f64::NAN),
+        ..TwoTierParams::default()
+    };
+    let err = nan_gate
+        .validate(0.75)
+        .expect_err("NaN soft_affinity_gate_rel");
+    assert_names(&err, "soft_affinity_gate_rel", ">= 1.0", "NaN");
+}
+
+#[test]
+fn balance_rel_threshold_below_one_is_rejected() {
+    assert_names(
+        &invalid(r#"{"balance_rel_threshold": 0.9}"#),
+        "balance_rel_threshold",
+        ">= 1.0",
+        "0.9",
+    );
+}
+
+#[test]
+fn negative_host_cache_weight_is_rejected() {
+    assert_names(
+        &invalid(r#"{"host_cache_weight": -0.1}"#),
+        "host_cache_weight",
+        ">= 0.0",
+        "-0.1",
+    );
+}
+
+#[test]
+fn soft_affinity_gate_rel_below_one_is_rejected() {
+    assert_names(
+        &invalid(r#"{"soft_affinity_gate_rel": 0.5}"#),
+        "soft_affinity_gate_rel",
+        ">= 1.0",
+        "0.5",
+    );
+}
+
+#[test]
+fn unknown_key_is_rejected_by_name() {
+    let err = invalid(r#"{"cache_affinity_threshold": 0.5}"#);
+    assert!(
+        err.to_string().contains("cache_affinity_threshold"),
+        "{err}"
+    );
+    // plugin-api 1.0.0 doubles the key (`cache_affinity_threshold.cache_affinity_threshold`);
+    // accept both that and the fixed spelling.
+    assert!(err.key().ends_with("cache_affinity_threshold"), "{err}");
+}
+
+#[test]
+fn mistyped_value_is_rejected_by_name() {
+    let err = invalid(r#"{"balance_abs_threshold": -1}"#);
+    assert_eq!(err.key(), "balance_abs_threshold", "{err}");
+}
+
+#[test]
+fn invalid_host_setting_is_blamed_on_the_host_not_a_policy_key() {
+    let err =
+        create_with::<TwoTierCostFnType>(DEFAULTS, f64::NAN, 16).expect_err("NaN host weight");
+    assert_eq!(err.key(), "");
+    assert!(err.message().contains("host_cache_hit_weight"), "{err}");
+    // A policy value overrides the broken host setting.
+    assert!(
+        create_with::<TwoTierCostFnType>(r#"{"host_cache_weight": 0.5}"#, f64::NAN, 16).is_ok()
+    );
+}
+
+#[test]
+fn defaults_are_resolved_per_the_design() {
+    let p = *policy(DEFAULTS).params();
+    assert_eq!(
+        p,
+        ResolvedParams {
+            cache_threshold: 0.5,
+            balance_abs_threshold: 32,
+            balance_rel_threshold: 1.1,
+            host_cache_weight: 0.75,
+            host_cache_weight_source: WeightSource::HostSetting,
+            respect_soft_affinity: false,
+            soft_affinity_load_gate: false,
+            soft_affinity_gate_abs: 32,
+            soft_affinity_gate_rel: 1.1,
+        }
+    );
+}
+
+#[test]
+fn gate_thresholds_default_to_the_balance_thresholds_in_force() {
+    let p = *policy(r#"{"balance_abs_threshold": 5, "balance_rel_threshold": 2.0}"#).params();
+    assert_eq!(
+        (p.soft_affinity_gate_abs, p.soft_affinity_gate_rel),
+        (5, 2.0)
+    );
+    let p = *policy(r#"{"balance_abs_threshold": 5, "soft_affinity_gate_abs": 7, "soft_affinity_gate_rel": 3.0}"#)
+        .params();
+    assert_eq!(
+        (p.soft_affinity_gate_abs, p.soft_affinity_gate_rel),
+        (7, 3.0)
+    );
+}
+
+// ---- host_cache_weight source -------------------------------------------------------------------
+
+#[test]
+fn host_cache_weight_defaults_to_the_host_setting() {
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 0.0, 8.0, 4)];
+    let ignoring_host_tier = create_with::<TwoTierCostFnType>(DEFAULTS, 0.0, 16).unwrap();
+    assert_eq!(ignoring_host_tier.params().host_cache_weight, 0.0);
+    assert_eq!(picked(&ignoring_host_tier, &rows, &request()), at(A, 0));
+
+    let crediting_host_tier = create_with::<TwoTierCostFnType>(DEFAULTS, 0.75, 16).unwrap();
+    assert_eq!(crediting_host_tier.params().host_cache_weight, 0.75);
+    assert_eq!(picked(&crediting_host_tier, &rows, &request()), at(B, 0));
+}
+
+#[test]
+fn policy_host_cache_weight_overrides_the_host_setting() {
+    let policy =
+        create_with::<TwoTierCostFnType>(r#"{"host_cache_weight": 0.75}"#, 0.0, 16).unwrap();
+    assert_eq!(
+        policy.params().host_cache_weight_source,
+        WeightSource::Policy
+    );
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 0.0, 8.0, 4)];
+    assert_eq!(picked(&policy, &rows, &request()), at(B, 0));
+}
+
+// ---- data-parallel ranks and soft targets ------------------------------------------------------
+
+#[test]
+fn worker_target_runs_the_cache_tier_across_its_ranks() {
+    // G alone would pick B (full overlap); K over A's ranks: A:1 covers 0.8 > 0.5.
+    let rows = [
+        TestRow::new(A, 0).active(0),
+        TestRow::new(A, 1).device(8.0).active(3),
+        TestRow::new(B, 0).device(10.0).active(0),
+    ];
+    let policy = policy(RESPECT);
+    let request = request().target(A, None);
+    assert_eq!(picked(&policy, &rows, &request), at(A, 1));
+    let e = explained(&policy, &rows, &request);
+    assert_eq!(e.reason, "soft_affinity_target");
+    assert_eq!(
+        e.get_label("tier"),
+        Some("cache_tier_least_loaded_among_max_overlap")
+    );
+    assert_eq!(e.get_label("target_row"), Some("29:1"));
+    assert_eq!(e.get("target_active_requests"), Some(3.0));
+}
+
+#[test]
+fn worker_target_runs_the_load_tier_across_its_ranks() {
+    // K over A's ranks: 40 vs 2 is imbalanced, so A's least-loaded rank wins despite A:0's cache.
+    let rows = [
+        TestRow::new(A, 0).device(10.0).active(40),
+        TestRow::new(A, 1).active(2),
+        TestRow::new(B, 0).active(0),
+    ];
+    let policy = policy(RESPECT);
+    let request = request().target(A, None);
+    assert_eq!(picked(&policy, &rows, &request), at(A, 1));
+    let e = explained(&policy, &rows, &request);
+    assert_eq!(e.reason, "soft_affinity_target");
+    assert_eq!(e.get_label("tier"), Some("load_imbalance_least_loaded"));
+}
+
+#[test]
+fn rank_target_picks_that_rank() {
+    let rows = [
+        TestRow::new(A, 0).device(10.0).active(0),
+        TestRow::new(A, 1).active(5),
+        TestRow::new(B, 0).device(10.0).active(0),
+    ];
+    let request = request().target(A, Some(1));
+    assert_eq!(picked(&policy(RESPECT), &rows, &request), at(A, 1));
+}
+
+#[test]
+fn rank_target_whose_rank_is_excluded_falls_back_to_all_rows() {
+    let rows = [TestRow::new(A, 0).active(0), row(B, 6.0, 0.0, 4)];
+    let policy = policy(RESPECT);
+    let request = request().target(A, Some(1));
+    assert_eq!(picked(&policy, &rows, &request), at(B, 0));
+    let e = explained(&policy, &rows, &request);
+    assert_eq!(e.reason, "cache_tier_least_loaded_among_max_overlap");
+    assert_eq!(e.get_label("soft_affinity"), Some("not_eligible"));
+    assert_eq!(e.get("target_active_requests"), None);
+}
+
+#[test]
+fn gate_compares_the_target_row_with_the_least_loaded_row_of_all() {
+    // K picks A:1 (active 3); G.min is B's 0. Gate 1/1.0: 3 - 0 > 1 and 3 > 0 -> released.
+    let rows = [
+        TestRow::new(A, 0).active(5),
+        TestRow::new(A, 1).active(3),
+        TestRow::new(B, 0).active(0),
+    ];
+    let gated = policy(
+        r#"{"respect_soft_affinity": true, "soft_affinity_load_gate": true,
+            "soft_affinity_gate_abs": 1, "soft_affinity_gate_rel": 1.0}"#,
+    );
+    let request = request().target(A, None);
+    assert_eq!(picked(&gated, &rows, &request), at(B, 0));
+    let e = explained(&gated, &rows, &request);
+    assert_eq!(e.reason, "soft_affinity_released_load_gate");
+    assert_eq!(e.get_label("soft_affinity"), Some("released_by_gate"));
+    assert_eq!(e.get("target_active_requests"), Some(3.0));
+    assert_eq!(e.get("soft_affinity_gate_abs"), Some(1.0));
+    assert_eq!(e.get("min_active_requests"), Some(0.0));
+}
+
+// ---- determinism --------------------------------------------------------------------------------
+
+/// Every rotation of `rows`, forwards and backwards.
+fn orders(rows: &[TestRow]) -> Vec<Vec<TestRow>> {
+    let mut out = Vec::new();
+    for shift in 0..rows.len() {
+        let mut order = rows.to_vec();
+        order.rotate_left(shift);
+        out.push(order.clone());
+        order.reverse();
+        out.push(order);
+    }
+    out
+}
+
+#[test]
+fn row_order_does_not_change_the_pick() {
+    // Ties everywhere: equal overlap, equal load, several ranks per worker.
+    let rows = [
+        TestRow::new(B, 1).device(7.0).active(2),
+        TestRow::new(A, 1).device(7.0).active(2),
+        TestRow::new(B, 0).device(7.0).active(2),
+        TestRow::new(A, 2).device(3.0).active(1),
+        TestRow::new(A, 0).device(7.0).active(2),
+        TestRow::new(77, 0).active(1),
+    ];
+    let cases = [
+        (DEFAULTS, request(), at(A, 0)), // cache tier: lowest id among best, equal load
+        (DEFAULTS, TestRequest::new(1600, 16), at(A, 2)), // no cache winner: least-loaded, lowest id
+        (RESPECT, request().target(B, None), at(B, 0)),
+        (RESPECT, request().target(A, Some(2)), at(A, 2)),
+    ];
+    for (params, request, expected) in cases {
+        let policy = policy(params);
+        for order in orders(&rows) {
+            assert_eq!(
+                picked(&policy, &order, &request),
+                expected,
+                "{params} {order:?}"
+            );
+        }
+    }
+}
+
+// ---- explanations -------------------------------------------------------------------------------
+
+#[test]
+fn explanation_of_the_cache_tier_reports_thresholds_and_overlap() {
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 6.0, 0.0, 4)];
+    let e = explained(&policy(DEFAULTS), &rows, &request());
+    assert_eq!(e.reason, "cache_tier_least_loaded_among_max_overlap");
+    for (name, value) in [
+        ("cache_threshold", 0.5),
+        ("balance_abs_threshold", 32.0),
+        ("balance_rel_threshold", 1.1),
+        ("host_cache_weight", 0.75),
+        ("cache_ratio", 0.6),
+        ("max_effective_overlap", 6.0),
+        ("min_active_requests", 0.0),
+        ("max_active_requests", 4.0),
+    ] {
+        assert_eq!(e.get(name), Some(value), "{name}");
+    }
+    assert_eq!(e.get_label("max_overlap_row"), Some("41:0"));
+    assert_eq!(e.get_label("soft_affinity"), Some("none"));
+    assert_eq!(e.get("target_active_requests"), None);
+}
+
+#[test]
+fn explanation_of_the_load_tier() {
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 10.0, 0.0, 40)];
+    let e = explained(&policy(DEFAULTS), &rows, &request());
+    assert_eq!(e.reason, "load_imbalance_least_loaded");
+    assert_eq!(e.get("max_active_requests"), Some(40.0));
+    assert_eq!(e.get("cache_ratio"), Some(1.0));
+}
+
+#[test]
+fn explanation_of_least_loaded_without_cache_winner() {
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 5.0, 0.0, 4)];
+    let e = explained(&policy(DEFAULTS), &rows, &request());
+    assert_eq!(e.reason, "least_loaded_no_cache_winner");
+    assert_eq!(e.get("cache_ratio"), Some(0.5));
+}
+
+#[test]
+fn explanation_of_a_kept_and_a_released_target() {
+    let rows = [row(A, 0.0, 0.0, 40), row(B, 0.0, 0.0, 2)];
+    let request = request().target(A, None);
+
+    let kept = explained(&policy(RESPECT), &rows, &request);
+    assert_eq!(kept.reason, "soft_affinity_target");
+    assert_eq!(kept.get_label("soft_affinity"), Some("kept"));
+    assert_eq!(kept.get("target_active_requests"), Some(40.0));
+
+    let released = explained(&policy(RESPECT_GATE), &rows, &request);
+    assert_eq!(released.reason, "soft_affinity_released_load_gate");
+    assert_eq!(
+        released.get_label("soft_affinity"),
+        Some("released_by_gate")
+    );
+    assert_eq!(
+        released.get_label("tier"),
+        Some("load_imbalance_least_loaded")
+    );
+}
+
+#[test]
+fn explanation_when_the_target_is_absent() {
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 6.0, 0.0, 4)];
+    let e = explained(&policy(RESPECT), &rows, &request().target(999, None));
+    assert_eq!(e.reason, "cache_tier_least_loaded_among_max_overlap");
+    assert_eq!(e.get_label("soft_affinity"), Some("not_eligible"));
+}
+
+// ---- edge cases ---------------------------------------------------------------------------------
+
+#[test]
+fn a_request_without_blocks_has_no_cache_winner() {
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 6.0, 0.0, 4)];
+    let e = explained(&policy(DEFAULTS), &rows, &TestRequest::new(0, 16));
+    assert_eq!(e.row, 0);
+    assert_eq!(e.get("cache_ratio"), Some(0.0));
+}
+
+#[test]
+fn nan_overlap_counts_as_nothing_cached() {
+    let rows = [row(A, f64::NAN, 0.0, 0), row(B, 6.0, 0.0, 4)];
+    assert_eq!(picked(&policy(DEFAULTS), &rows, &request()), at(B, 0));
+    let rows = [row(A, 0.0, 0.0, 0), row(B, f64::NAN, 0.0, 4)];
+    assert_eq!(picked(&policy(DEFAULTS), &rows, &request()), at(A, 0));
+}
+
+#[test]
+fn zero_rows_is_an_error() {
+    let err = TestRows::new(vec![])
+        .pick(&policy(DEFAULTS), &request())
+        .expect_err("no rows");
+    assert!(err.message().contains("no rows"), "{err}");
+    assert!(TestRows::new(vec![])
+        .explain(&policy(DEFAULTS), &request())
+        .is_none());
+}
+
+#[test]
+fn exported_adapter_picks_and_reports_errors_without_panicking() {
+    let boxed = create_boxed::<TwoTierCostFnType>(DEFAULTS).expect("valid parameters");
+    let rows = TestRows::new(vec![row(A, 0.0, 0.0, 0), row(B, 6.0, 0.0, 4)]);
+    let picked = rows.pick_through_abi(&boxed, &request()).ok();
+    assert_eq!(picked.map(|i| rows.row(i)), Some(at(B, 0)));
+
+    let failure = TestRows::new(vec![])
+        .pick_through_abi(&boxed, &request())
+        .expect_err("no rows");
+    assert_eq!(failure.kind, PickFailureKind::FAILED);
+    // An error is not a panic: the instance keeps working.
+    assert_eq!(rows.pick_through_abi(&boxed, &request()).ok(), Some(1));
+}
+
+// ---- construction log ---------------------------------------------------------------------------
+
+/// A `tracing` subscriber that keeps each event's rendered fields.
+struct Capture(Arc<Mutex<Vec<String>>>);
+
+struct Render(String);
+
+impl tracing::field::Visit for Render {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!(" {}={value:?}", field.name()));
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.push_str(&format!(" {}={value}", field.name()));
+    }
+}
+
+impl tracing::Subscriber for Capture {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut text = Render(String::new());
+        event.record(&mut text);
+        self.0.lock().unwrap().push(text.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+fn creation_log(json: &str, host_cache_hit_weight: f64) -> Vec<String> {
+    let events = Arc::new(Mutex::new(Vec::new()));
+    tracing::subscriber::with_default(Capture(events.clone()), || {
+        create_with::<TwoTierCostFnType>(json, host_cache_hit_weight, 16).expect("valid parameters")
+    });
+    let events = events.lock().unwrap().clone();
+    events
+}
+
+#[test]
+fn construction_logs_resolved_parameters_once() {
+    let events = creation_log(r#"{"balance_abs_threshold": 8}"#, 0.5);
+    assert_eq!(events.len(), 1, "{events:?}");
+    for part in [
+        "instance=test",
+        "cache_threshold=0.5",
+        "balance_abs_threshold=8",
+        "balance_rel_threshold=1.1",
+        "host_cache_weight=0.5",
+        "host_cache_weight_source=host setting",
+        "respect_soft_affinity=false",
+        "soft_affinity_load_gate=false",
+        "soft_affinity_gate_abs=8",
+        "soft_affinity_gate_rel=1.1",
+    ] {
+        assert!(
+            events[0].contains(part),
+            "`{}` should contain `{part}`",
+            events[0]
+        );
+    }
+    let events = creation_log(r#"{"host_cache_weight": 0.25}"#, 0.5);
+    assert!(
+        events[0].contains("host_cache_weight=0.25"),
+        "{}",
+        events[0]
+    );
+    assert!(
+        events[0].contains("host_cache_weight_source=policy"),
+        "{}",
+        events[0]
+    );
+}
