@@ -1,1 +1,19 @@
+//! # router-host
+//!
+//! The host side of the router: it loads worker-selection policies from shared objects
+//! ([`loader`]), validates configuration ([`config`]), decides which rows a request may use
+//! ([`eligibility`]), calls the configured policy ([`router`]) and runs the request lifecycle
+//! around it: session bindings ([`sessions`]), load booking and completion ([`host`]).
+//!
+//! Architecture, invariants and the crate map are in `docs/architecture.md`.
 
+pub mod builtin;
+pub mod config;
+pub mod eligibility;
+pub mod host;
+pub mod loader;
+pub mod model;
+pub mod policies;
+pub mod router;
+pub mod scenario;
+pub mod sessions;

@@ -1,1 +1,256 @@
-fn main() {}
+//! `router-host`: load policy plugins named in YAML and route requests with them.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+
+use router_host::config::RouterConfig;
+use router_host::host::Host;
+use router_host::loader::{open_library, PolicyTypeDoc, SearchPath};
+use router_host::router::Router;
+use router_host::scenario::{self, Scenario};
+
+#[derive(Parser)]
+#[command(
+    name = "router-host",
+    version,
+    about = "KV-cache-aware LLM request router with worker-selection policies loaded from shared objects"
+)]
+struct Cli {
+    /// More log output on stderr (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options shared by every command that reads a router config.
+#[derive(clap::Args)]
+struct ConfigArgs {
+    /// Router YAML file.
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Directory searched first for plugins given by `name:` (repeatable).
+    #[arg(long = "plugin-dir")]
+    plugin_dirs: Vec<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load the config and every plugin, create every instance, and print what was loaded.
+    Check(ConfigArgs),
+    /// Print the policy types and parameter documentation of one plugin file.
+    Describe {
+        /// The plugin shared object (`lib<name>.so`).
+        plugin: PathBuf,
+    },
+    /// Decide a scripted sequence of requests and print one JSON object per line.
+    Select {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Scenario JSON file (see docs/select.md).
+        #[arg(long, short)]
+        scenario: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    match run(cli.command) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `select` exits 2 for a config or scenario it cannot use at all.
+fn unusable(err: anyhow::Error) -> ExitCode {
+    eprintln!("error: {err:#}");
+    ExitCode::from(2)
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Check(args) => check(&args),
+        Command::Describe { plugin } => describe(&plugin),
+        Command::Select { config, scenario } => select(&config, &scenario),
+    }
+}
+
+fn load(args: &ConfigArgs) -> anyhow::Result<(RouterConfig, Router)> {
+    let config = RouterConfig::from_file(&args.config)?;
+    let search = SearchPath::new(args.plugin_dirs.clone(), Some(&args.config));
+    let router = Router::from_config(&config, &search)
+        .with_context(|| format!("config {}", args.config.display()))?;
+    Ok((config, router))
+}
+
+fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
+    let (_, router) = load(args)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "config {}: OK", args.config.display())?;
+    writeln!(out, "plugins:")?;
+    if router.catalog().libraries().is_empty() {
+        writeln!(out, "  (none)")?;
+    }
+    for lib in router.catalog().libraries() {
+        writeln!(
+            out,
+            "  {} {} (plugin-api {}) at {}",
+            lib.plugin_name,
+            lib.plugin_version,
+            lib.api_version,
+            lib.path.display()
+        )?;
+    }
+    writeln!(out, "policy types:")?;
+    for (name, origin, doc) in router.catalog().types() {
+        let from = router.catalog().origin_name(origin);
+        writeln!(out, "  {name} [{from}]: {}", doc.summary)?;
+    }
+    writeln!(out, "instances:")?;
+    for instance in router.instances() {
+        writeln!(
+            out,
+            "  {} = {} [{}] inputs {}",
+            instance.name, instance.type_name, instance.origin, instance.inputs
+        )?;
+        let doc = router
+            .catalog()
+            .types()
+            .find(|(name, _, _)| *name == instance.type_name)
+            .map(|(_, _, doc)| doc);
+        for line in resolved_parameters(&instance.parameters_json, doc) {
+            writeln!(out, "      {line}")?;
+        }
+    }
+    writeln!(out, "roles:")?;
+    for role in router_host::model::RequestRole::ALL {
+        let instance = router.instance(router.instance_for(role));
+        writeln!(
+            out,
+            "  {} -> {} ({})",
+            role.as_str(),
+            instance.name,
+            instance.type_name
+        )?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `key = value` for every parameter given, then `key = default (default)` for the rest.
+fn resolved_parameters(parameters_json: &str, doc: Option<&PolicyTypeDoc>) -> Vec<String> {
+    let given: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(parameters_json).unwrap_or_default();
+    let mut lines: Vec<String> = given.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+    if let Some(doc) = doc {
+        for p in &doc.parameters {
+            if !given.contains_key(&p.name) {
+                let default = if p.default.is_empty() {
+                    "(required)".to_string()
+                } else {
+                    format!("{} (default)", p.default)
+                };
+                lines.push(format!("{} = {default}", p.name));
+            }
+        }
+    }
+    lines
+}
+
+fn describe(plugin: &Path) -> anyhow::Result<ExitCode> {
+    let library = open_library(plugin)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{} {} (plugin-api {}) at {}",
+        library.plugin_name,
+        library.plugin_version,
+        library.api_version,
+        library.path.display()
+    )?;
+    for doc in &library.types {
+        print_type(&mut out, doc)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_type(out: &mut impl Write, doc: &PolicyTypeDoc) -> std::io::Result<()> {
+    writeln!(out, "\npolicy type `{}`: {}", doc.name, doc.summary)?;
+    if doc.parameters.is_empty() {
+        return writeln!(out, "  parameters: none");
+    }
+    writeln!(out, "  parameters:")?;
+    for p in &doc.parameters {
+        let default = if p.default.is_empty() {
+            "required".to_string()
+        } else {
+            format!("default {}", p.default)
+        };
+        writeln!(
+            out,
+            "    {} ({}, {}): {}",
+            p.name, p.type_name, default, p.meaning
+        )?;
+    }
+    Ok(())
+}
+
+fn select(args: &ConfigArgs, scenario_file: &Path) -> anyhow::Result<ExitCode> {
+    let (config, router) = match load(args) {
+        Ok(loaded) => loaded,
+        Err(err) => return Ok(unusable(err)),
+    };
+    let scenario = match Scenario::from_file(scenario_file) {
+        Ok(scenario) => scenario,
+        Err(err) => return Ok(unusable(err.into())),
+    };
+    if let Some(block_size) = scenario.block_size {
+        if block_size != config.block_size {
+            return Ok(unusable(anyhow::anyhow!(
+                "scenario {} says block_size {block_size}, but config {} has block_size {}",
+                scenario_file.display(),
+                args.config.display(),
+                config.block_size
+            )));
+        }
+    }
+    let mut host = Host::new(
+        router,
+        scenario.cluster.clone(),
+        config.session_affinity.as_ref(),
+    );
+    let outcomes = scenario::run(&mut host, &scenario);
+    let mut out = std::io::stdout().lock();
+    let mut all_routed = true;
+    for (index, outcome) in outcomes.iter().enumerate() {
+        all_routed &= outcome.is_ok();
+        let line = scenario::outcome_json(&host, index, outcome);
+        writeln!(out, "{line}")?;
+    }
+    Ok(if all_routed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}

@@ -1,0 +1,167 @@
+//! The one eligibility view (design §3): which rows a request may be routed to.
+//!
+//! Every caller that needs "the rows this request could go to" (selection, queue-admission busy
+//! checks, queue readiness) goes through [`eligible_rows`], computed from one cluster snapshot,
+//! so admission and selection can never disagree about eligibility.
+
+use crate::model::{Cluster, Request, RowId};
+
+/// Why a request has no row to go to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EligibilityError {
+    #[error("pinned worker not allowed: worker {} is not in the request's allow-list", .0.worker_id)]
+    PinnedNotAllowed(RowId),
+    #[error("no endpoints: pinned worker {}:{} is unknown, has no such rank, or is unavailable", .0.worker_id, .0.dp_rank)]
+    PinnedUnavailable(RowId),
+    #[error("pinned worker overloaded: worker {}", .0.worker_id)]
+    PinnedOverloaded(RowId),
+    #[error("no endpoints: no registered, available worker is allowed for this request")]
+    NoEndpoints,
+    #[error("all eligible workers overloaded")]
+    AllOverloaded,
+}
+
+fn allowed(request: &Request, worker_id: u64) -> bool {
+    request
+        .allowed_worker_ids
+        .as_ref()
+        .is_none_or(|ids| ids.contains(&worker_id))
+}
+
+/// Fill `out` with the eligible rows of `request` (worker order, then rank order).
+///
+/// `pin` is the row the request must go to, if any: the explicit pinned worker, or a hard session
+/// binding (which behaves like a pin). With a pin the only row is the pin itself.
+pub fn eligible_rows(
+    cluster: &Cluster,
+    request: &Request,
+    pin: Option<RowId>,
+    out: &mut Vec<RowId>,
+) -> Result<(), EligibilityError> {
+    out.clear();
+    if let Some(pin) = pin {
+        check_pin(cluster, request, pin)?;
+        out.push(pin);
+        return Ok(());
+    }
+    let mut excluded_for_overload = false;
+    for worker in cluster.workers() {
+        if !worker.available || !allowed(request, worker.worker_id) {
+            continue;
+        }
+        if worker.overloaded {
+            excluded_for_overload = true;
+            continue;
+        }
+        out.extend(worker.rows());
+    }
+    if out.is_empty() {
+        return Err(if excluded_for_overload {
+            EligibilityError::AllOverloaded
+        } else {
+            EligibilityError::NoEndpoints
+        });
+    }
+    Ok(())
+}
+
+/// The pin rules of §3: allow-list first, then existence/availability, then overload.
+pub fn check_pin(cluster: &Cluster, request: &Request, pin: RowId) -> Result<(), EligibilityError> {
+    if !allowed(request, pin.worker_id) {
+        return Err(EligibilityError::PinnedNotAllowed(pin));
+    }
+    match cluster.worker(pin.worker_id) {
+        Some(w) if w.available && w.has_rank(pin.dp_rank) => {
+            if w.overloaded {
+                Err(EligibilityError::PinnedOverloaded(pin))
+            } else {
+                Ok(())
+            }
+        }
+        _ => Err(EligibilityError::PinnedUnavailable(pin)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Worker;
+
+    fn cluster() -> Cluster {
+        let mut busy = Worker::new(3);
+        busy.overloaded = true;
+        let mut down = Worker::new(4);
+        down.available = false;
+        Cluster::new(vec![
+            Worker::new(2).with_ranks(0, 2),
+            Worker::new(1),
+            busy,
+            down,
+        ])
+        .unwrap()
+    }
+
+    fn rows(request: &Request, pin: Option<RowId>) -> Result<Vec<RowId>, EligibilityError> {
+        let mut out = Vec::new();
+        eligible_rows(&cluster(), request, pin, &mut out).map(|()| out)
+    }
+
+    fn row(worker_id: u64, dp_rank: u32) -> RowId {
+        RowId { worker_id, dp_rank }
+    }
+
+    #[test]
+    fn every_rank_of_every_available_not_overloaded_worker_in_worker_order() {
+        let got = rows(&Request::default(), None).unwrap();
+        assert_eq!(got, vec![row(1, 0), row(2, 0), row(2, 1)]);
+    }
+
+    #[test]
+    fn allow_list_restricts_workers() {
+        let request = Request {
+            allowed_worker_ids: Some(vec![2]),
+            ..Default::default()
+        };
+        assert_eq!(rows(&request, None).unwrap(), vec![row(2, 0), row(2, 1)]);
+    }
+
+    #[test]
+    fn only_overloaded_left_is_reported_as_overload() {
+        let request = Request {
+            allowed_worker_ids: Some(vec![3, 4]),
+            ..Default::default()
+        };
+        assert_eq!(rows(&request, None), Err(EligibilityError::AllOverloaded));
+        let request = Request {
+            allowed_worker_ids: Some(vec![4, 99]),
+            ..Default::default()
+        };
+        assert_eq!(rows(&request, None), Err(EligibilityError::NoEndpoints));
+    }
+
+    #[test]
+    fn pin_rules_in_design_order() {
+        assert_eq!(
+            rows(&Request::default(), Some(row(2, 1))).unwrap(),
+            vec![row(2, 1)]
+        );
+        let restricted = Request {
+            allowed_worker_ids: Some(vec![1]),
+            ..Default::default()
+        };
+        assert_eq!(
+            rows(&restricted, Some(row(2, 0))),
+            Err(EligibilityError::PinnedNotAllowed(row(2, 0)))
+        );
+        for gone in [row(99, 0), row(2, 2), row(4, 0)] {
+            assert_eq!(
+                rows(&Request::default(), Some(gone)),
+                Err(EligibilityError::PinnedUnavailable(gone))
+            );
+        }
+        assert_eq!(
+            rows(&Request::default(), Some(row(3, 0))),
+            Err(EligibilityError::PinnedOverloaded(row(3, 0)))
+        );
+    }
+}

@@ -1,0 +1,403 @@
+//! Finding, opening and validating policy libraries.
+//!
+//! Order of operations for each configured plugin, each step with its own error:
+//! 1. resolve the entry to a file (`path:` as given, `name:` through the search path);
+//! 2. identify it by canonical path and (device, inode), so one file listed twice or reached
+//!    through a symlink is loaded once;
+//! 3. `dlopen` it with `RTLD_NOW | RTLD_LOCAL`, so a missing symbol fails here, not at the first
+//!    request (abi_stable's own open is lazy);
+//! 4. read the header with `lib_header_from_path(..).init_root_module()` *per file*
+//!    (`RootModule::load_from_file` caches the first module of a type and would hand it back for
+//!    every path), which checks the abi_stable header, the plugin-api major version and the
+//!    root module's layout;
+//! 5. refuse `panic = "abort"` builds, whose panics could not be contained.
+//!
+//! Libraries are never unloaded: a file replaced on disk after startup has no effect.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
+use abi_stable::std_types::RVec;
+use plugin_api::abi::{PolicyLibraryRef, RawPolicyTypeInfo};
+use plugin_api::ParamDoc;
+
+use crate::config::{PluginSource, PluginSpec};
+
+/// Why a plugin could not be loaded. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("plugin `{name}` not found; tried: {}", list_paths(.tried))]
+    NotFound { name: String, tried: Vec<PathBuf> },
+
+    #[error("plugin file {}: {message}", .path.display())]
+    Unreadable { path: PathBuf, message: String },
+
+    #[error("plugin file {}: cannot be loaded: {message}", .path.display())]
+    Open { path: PathBuf, message: String },
+
+    #[error("plugin file {}: not a policy library (it does not export the router policy root module)", .path.display())]
+    NotAPolicyLibrary { path: PathBuf },
+
+    #[error("plugin file {}: built with an incompatible abi_stable ({found}); this host uses {expected}", .path.display())]
+    AbiStableMismatch {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+
+    #[error("plugin file {}: built for plugin-api {plugin}, host supports {host}", .path.display())]
+    IncompatibleApi {
+        path: PathBuf,
+        plugin: String,
+        host: String,
+    },
+
+    #[error("plugin file {}: its plugin-api types do not match this host's (plugin built against plugin-api {plugin_api}, host has {host_api}): {summary}", .path.display())]
+    LayoutMismatch {
+        path: PathBuf,
+        plugin_api: String,
+        host_api: String,
+        summary: String,
+        /// abi_stable's full layout report (pages long); logged at debug level.
+        detail: String,
+    },
+
+    #[error("plugin file {}: root module failed to initialise: {message}", .path.display())]
+    RootModule { path: PathBuf, message: String },
+
+    #[error("plugin file {}: plugin `{plugin}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display())]
+    PanicAbort { path: PathBuf, plugin: String },
+}
+
+fn list_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Where `name:` entries are looked up, in order.
+#[derive(Debug, Clone, Default)]
+pub struct SearchPath {
+    /// `--plugin-dir` directories, in the order given.
+    pub plugin_dirs: Vec<PathBuf>,
+    /// The YAML file's directory.
+    pub config_dir: Option<PathBuf>,
+    /// The directory of the running `router-host` executable.
+    pub exe_dir: Option<PathBuf>,
+}
+
+impl SearchPath {
+    /// Plugin dirs, then the config's directory, then the executable's directory.
+    pub fn new(plugin_dirs: Vec<PathBuf>, config_file: Option<&Path>) -> Self {
+        SearchPath {
+            plugin_dirs,
+            config_dir: config_file
+                .and_then(Path::parent)
+                .map(|d| {
+                    if d.as_os_str().is_empty() {
+                        Path::new(".")
+                    } else {
+                        d
+                    }
+                })
+                .map(Path::to_path_buf),
+            exe_dir: std::env::current_exe()
+                .ok()
+                .and_then(|exe| exe.parent().map(Path::to_path_buf)),
+        }
+    }
+
+    fn candidates(&self, library_name: &str) -> Vec<PathBuf> {
+        let file = format!("lib{library_name}.so");
+        self.plugin_dirs
+            .iter()
+            .chain(self.config_dir.iter())
+            .chain(self.exe_dir.iter())
+            .map(|dir| dir.join(&file))
+            .collect()
+    }
+}
+
+/// Resolve a configured plugin entry to an existing file.
+pub fn resolve(spec: &PluginSpec, search: &SearchPath) -> Result<PathBuf, LoadError> {
+    match &spec.source {
+        PluginSource::Path(path) => {
+            if path.is_file() {
+                Ok(path.clone())
+            } else {
+                Err(LoadError::NotFound {
+                    name: path.display().to_string(),
+                    tried: vec![path.clone()],
+                })
+            }
+        }
+        PluginSource::Name(name) => {
+            let tried = search.candidates(name);
+            tried
+                .iter()
+                .find(|p| p.is_file())
+                .cloned()
+                .ok_or_else(|| LoadError::NotFound {
+                    name: name.clone(),
+                    tried,
+                })
+        }
+    }
+}
+
+/// Documentation of one policy type, as exported by a library or built in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyTypeDoc {
+    pub name: String,
+    pub summary: String,
+    pub parameters: Vec<ParamDoc>,
+}
+
+impl From<&RawPolicyTypeInfo> for PolicyTypeDoc {
+    fn from(raw: &RawPolicyTypeInfo) -> Self {
+        PolicyTypeDoc {
+            name: raw.name.to_string(),
+            summary: raw.summary.to_string(),
+            parameters: raw
+                .parameters
+                .iter()
+                .map(|p| ParamDoc {
+                    name: p.name.to_string(),
+                    type_name: p.type_name.to_string(),
+                    default: p.default.to_string(),
+                    meaning: p.meaning.to_string(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A loaded, validated policy library.
+pub struct PolicyLibrary {
+    /// Canonical path of the file.
+    pub path: PathBuf,
+    pub plugin_name: String,
+    pub plugin_version: String,
+    /// The plugin-api version the plugin was built against.
+    pub api_version: String,
+    pub types: Vec<PolicyTypeDoc>,
+    pub(crate) module: PolicyLibraryRef,
+}
+
+impl std::fmt::Debug for PolicyLibrary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyLibrary")
+            .field("path", &self.path)
+            .field("plugin_name", &self.plugin_name)
+            .field("plugin_version", &self.plugin_version)
+            .field("api_version", &self.api_version)
+            .field("types", &self.types)
+            .finish_non_exhaustive()
+    }
+}
+
+/// (device, inode): the identity of a file whatever path reaches it.
+type FileId = (u64, u64);
+
+fn file_id(path: &Path) -> Result<(PathBuf, FileId), LoadError> {
+    let unreadable = |e: std::io::Error| LoadError::Unreadable {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let canonical = path.canonicalize().map_err(unreadable)?;
+    let meta = std::fs::metadata(&canonical).map_err(unreadable)?;
+    Ok((canonical, (meta.dev(), meta.ino())))
+}
+
+/// Loads each distinct file once.
+#[derive(Debug, Default)]
+pub struct Loader {
+    libraries: Vec<PolicyLibrary>,
+    by_file: HashMap<FileId, usize>,
+}
+
+impl Loader {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Load `path` (or return the library already loaded from the same file).
+    pub fn load(&mut self, path: &Path) -> Result<usize, LoadError> {
+        let (canonical, id) = file_id(path)?;
+        if let Some(&index) = self.by_file.get(&id) {
+            tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
+            return Ok(index);
+        }
+        let library = open_library(&canonical)?;
+        tracing::info!(
+            path = %library.path.display(),
+            plugin = %library.plugin_name,
+            version = %library.plugin_version,
+            api = %library.api_version,
+            types = ?library.types.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+            "loaded policy library"
+        );
+        self.libraries.push(library);
+        let index = self.libraries.len() - 1;
+        self.by_file.insert(id, index);
+        Ok(index)
+    }
+
+    pub fn libraries(&self) -> &[PolicyLibrary] {
+        &self.libraries
+    }
+
+    pub fn into_libraries(self) -> Vec<PolicyLibrary> {
+        self.libraries
+    }
+}
+
+/// Open and validate one library file (steps 3-5 of the module docs).
+pub fn open_library(path: &Path) -> Result<PolicyLibrary, LoadError> {
+    open_now(path)?;
+    let header = lib_header_from_path(path).map_err(|e| library_error(path, e))?;
+    let module: PolicyLibraryRef = header.init_root_module().map_err(|e| {
+        let err = library_error(path, e);
+        if let LoadError::LayoutMismatch { detail, .. } = &err {
+            tracing::debug!(path = %path.display(), "full abi_stable layout report:\n{detail}");
+        }
+        // Fill in the plugin's own API version, which only the header knows.
+        match err {
+            LoadError::LayoutMismatch {
+                path,
+                host_api,
+                summary,
+                detail,
+                ..
+            } => LoadError::LayoutMismatch {
+                path,
+                plugin_api: header.version_strings().version.to_string(),
+                host_api,
+                summary,
+                detail,
+            },
+            other => other,
+        }
+    })?;
+    let plugin_name = module.plugin_name().to_string();
+    if !module.panic_unwind() {
+        return Err(LoadError::PanicAbort {
+            path: path.to_path_buf(),
+            plugin: plugin_name,
+        });
+    }
+    let types: RVec<RawPolicyTypeInfo> = (module.policy_types())();
+    Ok(PolicyLibrary {
+        path: path.to_path_buf(),
+        plugin_name,
+        plugin_version: module.plugin_version().to_string(),
+        api_version: module.api_version().to_string(),
+        types: types.iter().map(PolicyTypeDoc::from).collect(),
+        module,
+    })
+}
+
+/// `dlopen(RTLD_NOW | RTLD_LOCAL)` and keep the handle forever, so unresolved symbols fail at
+/// startup and abi_stable's later (lazy) open finds the library already bound.
+fn open_now(path: &Path) -> Result<(), LoadError> {
+    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    // SAFETY: loading a library runs its initialisers; plugins are trusted native code (see
+    // docs/reliability.md). The handle is leaked on purpose: libraries are never unloaded.
+    let library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| {
+        LoadError::Open {
+            path: path.to_path_buf(),
+            message: error_chain(&e),
+        }
+    })?;
+    std::mem::forget(library);
+    Ok(())
+}
+
+/// libloading hides `dlerror`'s text in `source()`: print the whole chain.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        let next = s.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = s.source();
+    }
+    text
+}
+
+fn library_error(path: &Path, err: LibraryError) -> LoadError {
+    let path = path.to_path_buf();
+    match err {
+        LibraryError::OpenError { err, .. } => LoadError::Open {
+            path,
+            message: error_chain(&*err),
+        },
+        LibraryError::GetSymbolError { .. } => LoadError::NotAPolicyLibrary { path },
+        LibraryError::InvalidAbiHeader(found) => LoadError::AbiStableMismatch {
+            path,
+            found: format!("abi_stable ABI {}.{}", found.abi_major, found.abi_minor),
+            expected: {
+                let host = abi_stable::library::AbiHeader::VALUE;
+                format!("abi_stable ABI {}.{}", host.abi_major, host.abi_minor)
+            },
+        },
+        LibraryError::IncompatibleVersionNumber {
+            expected_version,
+            actual_version,
+            ..
+        } => LoadError::IncompatibleApi {
+            path,
+            plugin: actual_version.to_string(),
+            host: format!("{}.x", expected_version.major),
+        },
+        LibraryError::AbiInstability(report) => {
+            let detail = report.to_string();
+            LoadError::LayoutMismatch {
+                path,
+                plugin_api: String::new(),
+                host_api: plugin_api::API_VERSION.to_string(),
+                summary: layout_summary(&detail),
+                detail,
+            }
+        }
+        LibraryError::RootModule { err, .. } => LoadError::RootModule {
+            path,
+            message: err.to_string(),
+        },
+        other => LoadError::Open {
+            path,
+            message: other.to_string().trim().to_string(),
+        },
+    }
+}
+
+/// One line out of abi_stable's layout report: the first line that names what differs.
+fn layout_summary(detail: &str) -> String {
+    let interesting = detail
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .find(|l| {
+            let l = l.to_ascii_lowercase();
+            l.contains("mismatch") || l.contains("expected") || l.contains("found")
+        });
+    match interesting {
+        Some(line) => format!(
+            "{line} (run with RUST_LOG=router_host=debug for the full layout report)"
+        ),
+        None => "root module layout differs (run with RUST_LOG=router_host=debug for the full layout report)"
+            .to_string(),
+    }
+}
+
+/// The root-module name the host expects, for messages.
+pub fn root_module_name() -> &'static str {
+    <PolicyLibraryRef as RootModule>::NAME
+}

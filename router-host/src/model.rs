@@ -1,0 +1,228 @@
+//! The host's vocabulary: workers, rows, requests and the per-row signals policies see.
+
+pub use plugin_api::{AffinityTarget, Role, RowId};
+
+/// One engine process and its data-parallel ranks `dp_start .. dp_start + dp_size`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Worker {
+    pub worker_id: u64,
+    pub dp_start: u32,
+    pub dp_size: u32,
+    /// `false`: not serving (no endpoints).
+    pub available: bool,
+    /// Overloaded workers are excluded from selection.
+    pub overloaded: bool,
+    /// Prefill token budget per step, for queue admission; `None` = unknown (never busy).
+    pub max_num_batched_tokens: Option<u64>,
+    /// KV capacity in blocks, when known.
+    pub total_kv_blocks: Option<u64>,
+}
+
+impl Worker {
+    /// A serving worker with one rank.
+    pub fn new(worker_id: u64) -> Self {
+        Worker {
+            worker_id,
+            dp_start: 0,
+            dp_size: 1,
+            available: true,
+            overloaded: false,
+            max_num_batched_tokens: None,
+            total_kv_blocks: None,
+        }
+    }
+
+    pub fn with_ranks(mut self, dp_start: u32, dp_size: u32) -> Self {
+        self.dp_start = dp_start;
+        self.dp_size = dp_size;
+        self
+    }
+
+    /// Whether `rank` is one of this worker's ranks.
+    pub fn has_rank(&self, rank: u32) -> bool {
+        rank >= self.dp_start
+            && u64::from(rank) < u64::from(self.dp_start) + u64::from(self.dp_size)
+    }
+
+    /// Every row of this worker, in rank order.
+    pub fn rows(&self) -> impl Iterator<Item = RowId> + '_ {
+        (0..self.dp_size).map(move |i| RowId {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_start + i,
+        })
+    }
+}
+
+/// Why a set of workers is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClusterError {
+    #[error("duplicate worker_id {0}")]
+    DuplicateWorker(u64),
+    #[error("worker {worker_id}: dp_size must be at least 1")]
+    NoRanks { worker_id: u64 },
+    #[error("worker {worker_id}: ranks {dp_start}..{dp_start}+{dp_size} overflow u32")]
+    RankOverflow {
+        worker_id: u64,
+        dp_start: u32,
+        dp_size: u32,
+    },
+}
+
+/// The registered workers, sorted by id (so row order is deterministic).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Cluster {
+    workers: Vec<Worker>,
+}
+
+impl Cluster {
+    pub fn new(mut workers: Vec<Worker>) -> Result<Self, ClusterError> {
+        workers.sort_by_key(|w| w.worker_id);
+        for pair in workers.windows(2) {
+            if pair[0].worker_id == pair[1].worker_id {
+                return Err(ClusterError::DuplicateWorker(pair[0].worker_id));
+            }
+        }
+        for w in &workers {
+            if w.dp_size == 0 {
+                return Err(ClusterError::NoRanks {
+                    worker_id: w.worker_id,
+                });
+            }
+            if w.dp_start.checked_add(w.dp_size).is_none() {
+                return Err(ClusterError::RankOverflow {
+                    worker_id: w.worker_id,
+                    dp_start: w.dp_start,
+                    dp_size: w.dp_size,
+                });
+            }
+        }
+        Ok(Cluster { workers })
+    }
+
+    pub fn workers(&self) -> &[Worker] {
+        &self.workers
+    }
+
+    pub fn worker(&self, worker_id: u64) -> Option<&Worker> {
+        self.workers
+            .binary_search_by_key(&worker_id, |w| w.worker_id)
+            .ok()
+            .map(|i| &self.workers[i])
+    }
+
+    pub fn worker_mut(&mut self, worker_id: u64) -> Option<&mut Worker> {
+        self.workers
+            .binary_search_by_key(&worker_id, |w| w.worker_id)
+            .ok()
+            .map(|i| &mut self.workers[i])
+    }
+
+    /// Whether `row` names a registered worker and one of its ranks.
+    pub fn has_row(&self, row: RowId) -> bool {
+        self.worker(row.worker_id)
+            .is_some_and(|w| w.has_rank(row.dp_rank))
+    }
+
+    /// Total number of rows.
+    pub fn row_count(&self) -> usize {
+        self.workers.iter().map(|w| w.dp_size as usize).sum()
+    }
+}
+
+/// One request to route.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Request {
+    /// Prompt length in tokens.
+    pub isl_tokens: u64,
+    pub role: RequestRole,
+    pub session_id: Option<String>,
+    /// Explicit advisory target; when `None`, soft session affinity may supply one.
+    pub affinity_target: Option<AffinityTarget>,
+    /// Explicit pin: the only acceptable row.
+    pub pinned_worker: Option<RowId>,
+    /// Allow-list of worker ids; `None` = every worker.
+    pub allowed_worker_ids: Option<Vec<u64>>,
+    pub expected_output_tokens: Option<u64>,
+    pub priority: i32,
+}
+
+/// [`Role`] with a `Default` (aggregated), so requests can be built with `..Default::default()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RequestRole {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+impl RequestRole {
+    pub fn role(self) -> Role {
+        match self {
+            RequestRole::Aggregated => Role::Aggregated,
+            RequestRole::Prefill => Role::Prefill,
+            RequestRole::Decode => Role::Decode,
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub const ALL: [RequestRole; 3] = [
+        RequestRole::Aggregated,
+        RequestRole::Prefill,
+        RequestRole::Decode,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        self.role().as_str()
+    }
+}
+
+/// Prompt blocks already cached on a row, per tier.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TierOverlap {
+    pub device: f64,
+    pub host: f64,
+    pub disk: f64,
+}
+
+/// Load of one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowLoad {
+    /// `false`: no observation for this row (unknown, not idle).
+    pub available: bool,
+    pub active_requests: u64,
+    pub active_prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+impl Default for RowLoad {
+    fn default() -> Self {
+        RowLoad {
+            available: true,
+            active_requests: 0,
+            active_prefill_tokens: 0,
+            decode_blocks: 0,
+        }
+    }
+}
+
+/// Where selection reads per-row overlap (for this request) and load from.
+pub trait Signals {
+    fn overlap(&self, row: RowId) -> TierOverlap;
+    fn load(&self, row: RowId) -> RowLoad;
+}
+
+/// No cache, no load: every row idle and cold.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoSignals;
+
+impl Signals for NoSignals {
+    fn overlap(&self, _: RowId) -> TierOverlap {
+        TierOverlap::default()
+    }
+    fn load(&self, _: RowId) -> RowLoad {
+        RowLoad::default()
+    }
+}

@@ -1,0 +1,328 @@
+//! The policy registry: which type names exist (built-in or from which library), and the
+//! configured instances created from them at startup.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use abi_stable::std_types::{RResult, RSlice, RStr};
+use plugin_api::abi::{HostLog, LogLevel, LogRecord, PolicyBox, RawCreateContext};
+use plugin_api::Inputs;
+
+use crate::builtin::{Builtin, BuiltinSettings};
+use crate::config::{InstanceConfig, OnError};
+use crate::loader::{PolicyLibrary, PolicyTypeDoc};
+
+/// Where a policy type comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TypeOrigin {
+    Builtin(Builtin),
+    /// Index into [`Catalog::libraries`].
+    Plugin(usize),
+}
+
+/// Every policy type the host can instantiate.
+#[derive(Debug)]
+pub struct Catalog {
+    libraries: Vec<PolicyLibrary>,
+    types: BTreeMap<String, (TypeOrigin, PolicyTypeDoc)>,
+}
+
+/// Startup errors about policy types and instances.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("policy type `{type_name}` is exported by two libraries: {first} and {second}")]
+    DuplicateType {
+        type_name: String,
+        first: String,
+        second: String,
+    },
+    #[error("instance `{instance}`: unknown policy type `{type_name}`; known types: {}", .known.join(", "))]
+    UnknownType {
+        instance: String,
+        type_name: String,
+        known: Vec<String>,
+    },
+    #[error("instance `{instance}` (type `{type_name}`, from {origin}): {}{message}", key_prefix(.key))]
+    InvalidParameters {
+        instance: String,
+        type_name: String,
+        origin: String,
+        key: String,
+        message: String,
+    },
+    #[error("instance `{instance}` (type `{type_name}`, from {origin}): constructor {}: {message}", if *.panicked { "panicked" } else { "failed" })]
+    CreateFailed {
+        instance: String,
+        type_name: String,
+        origin: String,
+        panicked: bool,
+        message: String,
+    },
+    #[error("instance `{instance}` (type `{type_name}`, from {origin}): declares inputs {inputs} this host does not provide")]
+    UnknownInputs {
+        instance: String,
+        type_name: String,
+        origin: String,
+        inputs: Inputs,
+    },
+}
+
+fn key_prefix(key: &str) -> String {
+    if key.is_empty() {
+        String::new()
+    } else {
+        format!("parameter `{key}`: ")
+    }
+}
+
+impl Catalog {
+    /// Built-ins plus every type of every library; a name exported twice is an error naming both.
+    pub fn new(libraries: Vec<PolicyLibrary>) -> Result<Self, PolicyError> {
+        let mut types = BTreeMap::new();
+        for builtin in Builtin::ALL {
+            types.insert(
+                builtin.type_name().to_string(),
+                (TypeOrigin::Builtin(builtin), builtin.doc()),
+            );
+        }
+        let mut catalog = Catalog {
+            libraries,
+            types: BTreeMap::new(),
+        };
+        for (index, library) in catalog.libraries.iter().enumerate() {
+            for doc in &library.types {
+                if let Some((origin, _)) = types.get(&doc.name) {
+                    return Err(PolicyError::DuplicateType {
+                        type_name: doc.name.clone(),
+                        first: catalog.origin_name(*origin),
+                        second: library.path.display().to_string(),
+                    });
+                }
+                types.insert(doc.name.clone(), (TypeOrigin::Plugin(index), doc.clone()));
+            }
+        }
+        catalog.types = types;
+        Ok(catalog)
+    }
+
+    /// "built-in" or the library's path.
+    pub fn origin_name(&self, origin: TypeOrigin) -> String {
+        match origin {
+            TypeOrigin::Builtin(_) => "built-in".to_string(),
+            TypeOrigin::Plugin(i) => self.libraries[i].path.display().to_string(),
+        }
+    }
+
+    pub fn libraries(&self) -> &[PolicyLibrary] {
+        &self.libraries
+    }
+
+    /// Every type, sorted by name.
+    pub fn types(&self) -> impl Iterator<Item = (&str, TypeOrigin, &PolicyTypeDoc)> {
+        self.types
+            .iter()
+            .map(|(name, (origin, doc))| (name.as_str(), *origin, doc))
+    }
+
+    /// Create one configured instance (validating its parameters).
+    pub fn instantiate(
+        &self,
+        config: &InstanceConfig,
+        settings: &HostSettings,
+    ) -> Result<PolicyInstance, PolicyError> {
+        let Some((origin, _)) = self.types.get(&config.type_name) else {
+            return Err(PolicyError::UnknownType {
+                instance: config.name.clone(),
+                type_name: config.type_name.clone(),
+                known: self.types.keys().cloned().collect(),
+            });
+        };
+        let origin_name = self.origin_name(*origin);
+        let created = match origin {
+            TypeOrigin::Builtin(builtin) => builtin
+                .create(&config.parameters_json, &settings.builtin)
+                .map_err(|e| (e.kind(), e.key().to_string(), e.message().to_string())),
+            TypeOrigin::Plugin(index) => {
+                let library = &self.libraries[*index];
+                let ctx = RawCreateContext {
+                    instance_name: RStr::from_str(&config.name),
+                    host_cache_hit_weight: settings.builtin.host_cache_hit_weight,
+                    disk_cache_hit_weight: settings.builtin.disk_cache_hit_weight,
+                    block_size: settings.block_size,
+                    log: host_log(),
+                    extensions: RSlice::EMPTY,
+                };
+                match (library.module.create())(
+                    RStr::from_str(&config.type_name),
+                    RStr::from_str(&config.parameters_json),
+                    &ctx,
+                ) {
+                    RResult::ROk(policy) => Ok(policy),
+                    RResult::RErr(e) => Err((e.kind, e.key.to_string(), e.message.to_string())),
+                }
+            }
+        };
+        let policy = created.map_err(|(kind, key, message)| {
+            use plugin_api::abi::CreateFailureKind as K;
+            if kind == K::INVALID_PARAMETERS {
+                PolicyError::InvalidParameters {
+                    instance: config.name.clone(),
+                    type_name: config.type_name.clone(),
+                    origin: origin_name.clone(),
+                    key,
+                    message,
+                }
+            } else {
+                PolicyError::CreateFailed {
+                    instance: config.name.clone(),
+                    type_name: config.type_name.clone(),
+                    origin: origin_name.clone(),
+                    panicked: kind == K::PANICKED,
+                    message,
+                }
+            }
+        })?;
+        let inputs = policy.required_inputs();
+        if !Inputs::KNOWN.contains(inputs) {
+            return Err(PolicyError::UnknownInputs {
+                instance: config.name.clone(),
+                type_name: config.type_name.clone(),
+                origin: origin_name,
+                inputs,
+            });
+        }
+        Ok(PolicyInstance {
+            name: config.name.clone(),
+            type_name: config.type_name.clone(),
+            origin: origin_name,
+            narrows_soft_target: *origin == TypeOrigin::Builtin(Builtin::Default),
+            parameters_json: config.parameters_json.clone(),
+            on_error: config.on_error,
+            pick_budget: config.pick_budget,
+            inputs,
+            policy,
+            stats: InstanceStats::default(),
+            poisoned: AtomicBool::new(false),
+        })
+    }
+}
+
+/// Host settings passed to every instance at creation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostSettings {
+    pub block_size: u32,
+    pub builtin: BuiltinSettings,
+}
+
+/// Counters per instance, readable while the host runs.
+#[derive(Debug, Default)]
+pub struct InstanceStats {
+    pub picks: AtomicU64,
+    pub errors: AtomicU64,
+    pub panics: AtomicU64,
+    pub out_of_range: AtomicU64,
+    pub fallbacks: AtomicU64,
+    pub slow_picks: AtomicU64,
+}
+
+/// A plain copy of [`InstanceStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct InstanceCounters {
+    pub picks: u64,
+    pub errors: u64,
+    pub panics: u64,
+    pub out_of_range: u64,
+    pub fallbacks: u64,
+    pub slow_picks: u64,
+}
+
+impl InstanceStats {
+    pub fn snapshot(&self) -> InstanceCounters {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        InstanceCounters {
+            picks: get(&self.picks),
+            errors: get(&self.errors),
+            panics: get(&self.panics),
+            out_of_range: get(&self.out_of_range),
+            fallbacks: get(&self.fallbacks),
+            slow_picks: get(&self.slow_picks),
+        }
+    }
+}
+
+/// One configured policy instance.
+pub struct PolicyInstance {
+    pub name: String,
+    pub type_name: String,
+    /// "built-in" or the plugin file's path.
+    pub origin: String,
+    /// Only the built-in `default` selector: the host narrows its rows to an eligible soft
+    /// target. A one-off compatibility rule, not something a plugin can ask for.
+    pub narrows_soft_target: bool,
+    pub parameters_json: String,
+    pub on_error: OnError,
+    pub pick_budget: Duration,
+    pub inputs: Inputs,
+    pub(crate) policy: PolicyBox,
+    pub stats: InstanceStats,
+    /// Set after the policy panicked: it is no longer called.
+    pub(crate) poisoned: AtomicBool,
+}
+
+impl PolicyInstance {
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Relaxed)
+    }
+}
+
+impl std::fmt::Debug for PolicyInstance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyInstance")
+            .field("name", &self.name)
+            .field("type_name", &self.type_name)
+            .field("origin", &self.origin)
+            .field("inputs", &self.inputs)
+            .finish_non_exhaustive()
+    }
+}
+
+// ---- plugin log bridge ------------------------------------------------------------------------
+
+/// The log sink handed to plugins: their events re-enter the host's `tracing` here.
+pub fn host_log() -> HostLog {
+    use tracing::level_filters::LevelFilter;
+    let max_level = match LevelFilter::current() {
+        LevelFilter::OFF => LogLevel(0),
+        LevelFilter::ERROR => LogLevel::ERROR,
+        LevelFilter::WARN => LogLevel::WARN,
+        LevelFilter::INFO => LogLevel::INFO,
+        LevelFilter::DEBUG => LogLevel::DEBUG,
+        _ => LogLevel::TRACE,
+    };
+    HostLog {
+        emit: emit_plugin_log,
+        max_level,
+    }
+}
+
+extern "C" fn emit_plugin_log(record: &LogRecord<'_>) {
+    let plugin = record.plugin.as_str();
+    let target = record.target.as_str();
+    let message = record.message.as_str();
+    match record.level {
+        LogLevel::ERROR => {
+            tracing::error!(target: "plugin", plugin, plugin_target = target, "{message}")
+        }
+        LogLevel::WARN => {
+            tracing::warn!(target: "plugin", plugin, plugin_target = target, "{message}")
+        }
+        LogLevel::INFO => {
+            tracing::info!(target: "plugin", plugin, plugin_target = target, "{message}")
+        }
+        LogLevel::DEBUG => {
+            tracing::debug!(target: "plugin", plugin, plugin_target = target, "{message}")
+        }
+        _ => tracing::trace!(target: "plugin", plugin, plugin_target = target, "{message}"),
+    }
+}

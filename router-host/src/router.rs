@@ -1,0 +1,466 @@
+//! Startup (config -> libraries -> catalog -> instances) and the per-request policy call.
+//!
+//! [`Router::select`] is the only place a policy is called. Per request it: computes the
+//! eligible rows (one [`crate::eligibility`] view); for the built-in `default` only, narrows them
+//! to an eligible soft target; materialises the columns the instance declared; calls `pick`
+//! once; bounds-checks the index. An error, a panic or an out-of-range index never yields a row
+//! from that policy: the request gets the instance's fallback (`on_error: fallback`, the built-in
+//! default over the same rows) or an error (`on_error: fail`).
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
+use plugin_api::abi::{
+    PickFailure, PickFailureKind, RawAffinityTarget, RawCandidateView, RawExplanation,
+    RawRequestContext,
+};
+use plugin_api::{Explanation, Inputs};
+
+use crate::builtin::{Builtin, BuiltinSettings};
+use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
+use crate::eligibility::{eligible_rows, EligibilityError};
+use crate::loader::{resolve, LoadError, Loader, SearchPath};
+use crate::model::{AffinityTarget, Cluster, Request, RequestRole, RowId, Signals};
+use crate::policies::{Catalog, HostSettings, PolicyError, PolicyInstance};
+
+/// Why the host could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error("plugins[{index}]{}: {source}", .line.map(|l| format!(" (line {l})")).unwrap_or_default())]
+    Plugin {
+        index: usize,
+        line: Option<usize>,
+        #[source]
+        source: Box<LoadError>,
+    },
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}
+
+/// Why one request got no row.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SelectError {
+    #[error(transparent)]
+    Eligibility(#[from] EligibilityError),
+    #[error("instance `{instance}` ({origin}): {failure}")]
+    Policy {
+        instance: String,
+        origin: String,
+        failure: PolicyFailure,
+    },
+}
+
+/// How a policy call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyFailure {
+    #[error("policy returned an error: {0}")]
+    Failed(String),
+    #[error("policy panicked: {0}; the instance is poisoned")]
+    Panicked(String),
+    #[error("policy is poisoned after an earlier panic")]
+    Poisoned,
+    #[error("policy returned row index {index}, but only {rows} rows were given")]
+    OutOfRange { index: usize, rows: usize },
+    #[error("host passed an inconsistent view: {0}")]
+    BadView(String),
+}
+
+impl PolicyFailure {
+    fn from_abi(failure: PickFailure) -> Self {
+        let message = failure.message.to_string();
+        match failure.kind {
+            PickFailureKind::PANICKED => PolicyFailure::Panicked(message),
+            PickFailureKind::POISONED => PolicyFailure::Poisoned,
+            PickFailureKind::BAD_VIEW => PolicyFailure::BadView(message),
+            _ => PolicyFailure::Failed(message),
+        }
+    }
+}
+
+/// Index of an instance in [`Router::instances`].
+pub type InstanceId = usize;
+
+/// What selection decided for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub row: RowId,
+    /// The instance configured for the request's role.
+    pub instance: InstanceId,
+    /// Set when the configured instance failed and the built-in default decided instead.
+    pub fallback: Option<PolicyFailure>,
+    /// The deciding policy's explanation, when asked for.
+    pub explanation: Option<Explanation>,
+    /// Rows handed to the policy.
+    pub candidates: usize,
+    /// Wall-clock time of the policy call.
+    pub pick_ns: u64,
+}
+
+/// One request's routing inputs after the host applied session bindings.
+#[derive(Debug, Clone, Copy)]
+pub struct Selection<'a> {
+    pub request: &'a Request,
+    /// The row the request must go to: its pinned worker, or a hard session binding.
+    pub pin: Option<RowId>,
+    /// Advisory target: explicit, or from a soft session binding.
+    pub target: Option<AffinityTarget>,
+    /// Ask the deciding policy to explain itself (allocates; off the hot path).
+    pub explain: bool,
+}
+
+impl<'a> Selection<'a> {
+    /// The request's own pin and target, no session binding applied.
+    pub fn of(request: &'a Request) -> Self {
+        Selection {
+            request,
+            pin: request.pinned_worker,
+            target: request.affinity_target,
+            explain: false,
+        }
+    }
+
+    pub fn explained(mut self) -> Self {
+        self.explain = true;
+        self
+    }
+}
+
+/// Reusable buffers for one selecting thread: steady-state selection allocates nothing.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    rows: Vec<RowId>,
+    narrowed: Vec<RowId>,
+    worker_id: Vec<u64>,
+    dp_rank: Vec<u32>,
+    device: Vec<f64>,
+    host: Vec<f64>,
+    disk: Vec<f64>,
+    available: Vec<bool>,
+    active_requests: Vec<u64>,
+    active_prefill_tokens: Vec<u64>,
+    decode_blocks: Vec<u64>,
+}
+
+impl Scratch {
+    /// The rows handed to the last policy called (after default-selector narrowing).
+    pub fn last_candidates(&self) -> &[RowId] {
+        &self.narrowed
+    }
+
+    /// Fill the columns `inputs` asks for, for `rows`.
+    fn materialise<S: Signals + ?Sized>(&mut self, rows: &[RowId], inputs: Inputs, signals: &S) {
+        self.worker_id.clear();
+        self.dp_rank.clear();
+        self.worker_id.extend(rows.iter().map(|r| r.worker_id));
+        self.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
+        self.device.clear();
+        self.host.clear();
+        self.disk.clear();
+        if inputs.contains(Inputs::CACHE) {
+            for &row in rows {
+                let o = signals.overlap(row);
+                self.device.push(o.device);
+                self.host.push(o.host);
+                self.disk.push(o.disk);
+            }
+        }
+        self.available.clear();
+        self.active_requests.clear();
+        self.active_prefill_tokens.clear();
+        self.decode_blocks.clear();
+        if inputs.contains(Inputs::LOAD) {
+            for &row in rows {
+                let l = signals.load(row);
+                self.available.push(l.available);
+                self.active_requests.push(l.active_requests);
+                self.active_prefill_tokens.push(l.active_prefill_tokens);
+                self.decode_blocks.push(l.decode_blocks);
+            }
+        }
+    }
+
+    fn view(&self, inputs: Inputs) -> RawCandidateView<'_> {
+        RawCandidateView {
+            present: inputs,
+            worker_id: RSlice::from_slice(&self.worker_id),
+            dp_rank: RSlice::from_slice(&self.dp_rank),
+            device_blocks: RSlice::from_slice(&self.device),
+            host_blocks: RSlice::from_slice(&self.host),
+            disk_blocks: RSlice::from_slice(&self.disk),
+            available: RSlice::from_slice(&self.available),
+            active_requests: RSlice::from_slice(&self.active_requests),
+            active_prefill_tokens: RSlice::from_slice(&self.active_prefill_tokens),
+            decode_blocks: RSlice::from_slice(&self.decode_blocks),
+            extra_columns: RSlice::EMPTY,
+        }
+    }
+}
+
+/// The loaded policies and which instance serves which role.
+#[derive(Debug)]
+pub struct Router {
+    catalog: Catalog,
+    instances: Vec<PolicyInstance>,
+    roles: [InstanceId; 3],
+    default_instance: InstanceId,
+    settings: HostSettings,
+}
+
+impl Router {
+    /// Load every plugin, build the catalog, create every instance (so bad parameters fail here,
+    /// before any request) and wire the roles.
+    pub fn from_config(config: &RouterConfig, search: &SearchPath) -> Result<Router, StartupError> {
+        let mut loader = Loader::new();
+        for (index, spec) in config.plugins.iter().enumerate() {
+            let plugin_error = |source| StartupError::Plugin {
+                index,
+                line: spec.line,
+                source: Box::new(source),
+            };
+            let path = resolve(spec, search).map_err(plugin_error)?;
+            loader.load(&path).map_err(plugin_error)?;
+        }
+        let catalog = Catalog::new(loader.into_libraries())?;
+        let settings = HostSettings {
+            block_size: config.block_size,
+            builtin: BuiltinSettings {
+                host_cache_hit_weight: config.host_cache_hit_weight,
+                disk_cache_hit_weight: config.disk_cache_hit_weight,
+                prefill_load_scale: config.default_selector.prefill_load_scale,
+                decode_active_request_weight: config.default_selector.decode_active_request_weight,
+            },
+        };
+        let default_config = InstanceConfig {
+            name: DEFAULT_INSTANCE.to_string(),
+            type_name: Builtin::Default.type_name().to_string(),
+            parameters_json: "{}".to_string(),
+            on_error: OnError::Fail,
+            pick_budget: std::time::Duration::from_millis(1),
+            line: None,
+        };
+        let mut instances = vec![catalog.instantiate(&default_config, &settings)?];
+        for instance in &config.worker_selection.instances {
+            let created = catalog.instantiate(instance, &settings)?;
+            tracing::info!(
+                instance = %created.name,
+                policy = %created.type_name,
+                origin = %created.origin,
+                inputs = %created.inputs,
+                parameters = %created.parameters_json,
+                "created policy instance"
+            );
+            instances.push(created);
+        }
+        let find = |name: &str| instances.iter().position(|i| i.name == name);
+        let mut roles = [0; 3];
+        for role in RequestRole::ALL {
+            let name = config.worker_selection.instance_for(role.role());
+            // The config module already rejected roles naming undefined instances.
+            roles[role.index()] = find(name).unwrap_or(0);
+        }
+        Ok(Router {
+            catalog,
+            instances,
+            roles,
+            default_instance: 0,
+            settings,
+        })
+    }
+
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    /// Every instance; index 0 is the built-in `default`.
+    pub fn instances(&self) -> &[PolicyInstance] {
+        &self.instances
+    }
+
+    pub fn instance(&self, id: InstanceId) -> &PolicyInstance {
+        &self.instances[id]
+    }
+
+    /// The instance serving `role`.
+    pub fn instance_for(&self, role: RequestRole) -> InstanceId {
+        self.roles[role.index()]
+    }
+
+    pub fn settings(&self) -> &HostSettings {
+        &self.settings
+    }
+
+    /// `ceil(isl / block_size)`.
+    pub fn request_blocks(&self, isl_tokens: u64) -> u64 {
+        isl_tokens.div_ceil(u64::from(self.settings.block_size.max(1)))
+    }
+
+    /// Decide one request (see the module docs). Books nothing.
+    pub fn select<S: Signals + ?Sized>(
+        &self,
+        cluster: &Cluster,
+        selection: Selection<'_>,
+        signals: &S,
+        scratch: &mut Scratch,
+    ) -> Result<Decision, SelectError> {
+        let request = selection.request;
+        let mut rows = std::mem::take(&mut scratch.rows);
+        let eligible = eligible_rows(cluster, request, selection.pin, &mut rows);
+        let result = eligible.map_err(SelectError::from).and_then(|()| {
+            let configured = self.instance_for(request.role);
+            match self.call(configured, &rows, selection, signals, scratch) {
+                Ok((row, explanation, candidates, pick_ns)) => Ok(Decision {
+                    row,
+                    instance: configured,
+                    fallback: None,
+                    explanation,
+                    candidates,
+                    pick_ns,
+                }),
+                Err(failure) => {
+                    self.fall_back(configured, failure, &rows, selection, signals, scratch)
+                }
+            }
+        });
+        scratch.rows = rows;
+        result
+    }
+
+    fn fall_back<S: Signals + ?Sized>(
+        &self,
+        configured: InstanceId,
+        failure: PolicyFailure,
+        rows: &[RowId],
+        selection: Selection<'_>,
+        signals: &S,
+        scratch: &mut Scratch,
+    ) -> Result<Decision, SelectError> {
+        let instance = &self.instances[configured];
+        let error = SelectError::Policy {
+            instance: instance.name.clone(),
+            origin: instance.origin.clone(),
+            failure: failure.clone(),
+        };
+        tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
+        if instance.on_error == OnError::Fail || configured == self.default_instance {
+            return Err(error);
+        }
+        instance.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
+        let (row, explanation, candidates, pick_ns) = self
+            .call(self.default_instance, rows, selection, signals, scratch)
+            .map_err(|_| error)?;
+        Ok(Decision {
+            row,
+            instance: configured,
+            fallback: Some(failure),
+            explanation,
+            candidates,
+            pick_ns,
+        })
+    }
+
+    /// Call one instance over `rows`; the returned row is bounds-checked.
+    fn call<S: Signals + ?Sized>(
+        &self,
+        id: InstanceId,
+        rows: &[RowId],
+        selection: Selection<'_>,
+        signals: &S,
+        scratch: &mut Scratch,
+    ) -> Result<(RowId, Option<Explanation>, usize, u64), PolicyFailure> {
+        let instance = &self.instances[id];
+        if instance.is_poisoned() {
+            instance.stats.errors.fetch_add(1, Ordering::Relaxed);
+            return Err(PolicyFailure::Poisoned);
+        }
+        // Only the built-in default narrows to an eligible soft target (design §4).
+        let mut narrowed = std::mem::take(&mut scratch.narrowed);
+        narrowed.clear();
+        match selection.target {
+            Some(target) if instance.narrows_soft_target => {
+                narrowed.extend(rows.iter().copied().filter(|r| target.matches(*r)));
+                if narrowed.is_empty() {
+                    narrowed.extend_from_slice(rows);
+                }
+            }
+            _ => narrowed.extend_from_slice(rows),
+        }
+        scratch.materialise(&narrowed, instance.inputs, signals);
+        let request = selection.request;
+        let ctx = RawRequestContext {
+            prompt_tokens: request.isl_tokens,
+            request_blocks: self.request_blocks(request.isl_tokens),
+            block_size: self.settings.block_size,
+            role: request.role.role().code(),
+            affinity_target: match selection.target {
+                Some(t) => ROption::RSome(RawAffinityTarget {
+                    worker_id: t.worker_id,
+                    dp_rank: t.dp_rank.into(),
+                }),
+                None => ROption::RNone,
+            },
+            pinned_worker: selection.pin.into(),
+            session_id: match &request.session_id {
+                Some(s) => ROption::RSome(RStr::from_str(s)),
+                None => ROption::RNone,
+            },
+            expected_output_tokens: request.expected_output_tokens.into(),
+            priority: request.priority,
+            extensions: RSlice::EMPTY,
+        };
+        let view = scratch.view(instance.inputs);
+        instance.stats.picks.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let picked = instance.policy.pick(&ctx, &view);
+        let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if pick_ns > u64::try_from(instance.pick_budget.as_nanos()).unwrap_or(u64::MAX) {
+            instance.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+        }
+        let outcome = match picked {
+            RResult::ROk(index) if index < narrowed.len() => Ok(narrowed[index]),
+            RResult::ROk(index) => {
+                instance.stats.out_of_range.fetch_add(1, Ordering::Relaxed);
+                Err(PolicyFailure::OutOfRange {
+                    index,
+                    rows: narrowed.len(),
+                })
+            }
+            RResult::RErr(failure) => {
+                let failure = PolicyFailure::from_abi(failure);
+                instance.stats.errors.fetch_add(1, Ordering::Relaxed);
+                if matches!(failure, PolicyFailure::Panicked(_)) {
+                    instance.stats.panics.fetch_add(1, Ordering::Relaxed);
+                    instance.poisoned.store(true, Ordering::Relaxed);
+                }
+                Err(failure)
+            }
+        };
+        let explanation = match (&outcome, selection.explain) {
+            (Ok(_), true) => match instance.policy.explain(&ctx, &view) {
+                RResult::ROk(ROption::RSome(raw)) => Some(explanation_from_abi(raw)),
+                _ => None,
+            },
+            _ => None,
+        };
+        let candidates = narrowed.len();
+        scratch.narrowed = narrowed;
+        outcome.map(|row| (row, explanation, candidates, pick_ns))
+    }
+}
+
+fn explanation_from_abi(raw: RawExplanation) -> Explanation {
+    Explanation {
+        row: raw.row,
+        reason: raw.reason.into_string(),
+        fields: raw
+            .fields
+            .into_iter()
+            .map(|f| (f.name.into_string(), f.value))
+            .collect(),
+        labels: raw
+            .labels
+            .into_iter()
+            .map(|l| (l.name.into_string(), l.value.into_string()))
+            .collect(),
+    }
+}

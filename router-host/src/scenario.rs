@@ -1,0 +1,473 @@
+//! The `router-host select` scenario file: workers, then requests in time order.
+//!
+//! The contract (field names are stable for scripts) is documented in `docs/select.md`.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::host::{Host, NoOverlap, RequestId, RouteError, Routed, SessionOutcome};
+use crate::model::{
+    AffinityTarget, Cluster, ClusterError, Request, RequestRole, RowId, RowLoad, TierOverlap,
+    Worker,
+};
+
+/// A parsed scenario.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    /// Tokens per block the scenario was written for, if it says.
+    pub block_size: Option<u32>,
+    pub cluster: Cluster,
+    pub requests: Vec<ScenarioRequest>,
+}
+
+/// One request of a scenario and what happens just before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScenarioRequest {
+    pub request: Request,
+    /// Injected overlap and load for listed rows (override the host's own snapshot).
+    pub rows: HashMap<RowId, (TierOverlap, RowLoad)>,
+    /// Indices of earlier requests that complete before this one arrives.
+    pub complete: Vec<usize>,
+    /// Worker state changes applied before this request (e.g. a worker leaving).
+    pub worker_updates: Vec<WorkerUpdate>,
+}
+
+/// A change to one worker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerUpdate {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub available: Option<bool>,
+    #[serde(default)]
+    pub overloaded: Option<bool>,
+}
+
+/// Why a scenario file is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("scenario {file}: cannot read: {source}")]
+    Read {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("scenario {file}: line {line} column {column}: {message}")]
+    Parse {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("scenario {file}: workers: {source}")]
+    Workers {
+        file: String,
+        #[source]
+        source: ClusterError,
+    },
+    #[error("scenario {file}: requests[{request}]: {message}")]
+    Request {
+        file: String,
+        request: usize,
+        message: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScenario {
+    #[serde(default)]
+    block_size: Option<u32>,
+    workers: Vec<RawWorker>,
+    requests: Vec<RawRequest>,
+}
+
+fn one() -> u32 {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWorker {
+    worker_id: u64,
+    #[serde(default)]
+    dp_start: u32,
+    #[serde(default = "one")]
+    dp_size: u32,
+    #[serde(default = "yes")]
+    available: bool,
+    #[serde(default)]
+    overloaded: bool,
+    #[serde(default)]
+    max_num_batched_tokens: Option<u64>,
+    #[serde(default)]
+    total_kv_blocks: Option<u64>,
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(deny_unknown_fields)]
+struct RawTarget {
+    worker_id: u64,
+    #[serde(default)]
+    dp_rank: Option<u32>,
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(deny_unknown_fields)]
+struct RawPin {
+    worker_id: u64,
+    #[serde(default)]
+    dp_rank: u32,
+}
+
+#[derive(Deserialize, Clone, Copy, Default)]
+#[serde(rename_all = "lowercase")]
+enum RawRole {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRequest {
+    isl_tokens: u64,
+    #[serde(default)]
+    role: RawRole,
+    #[serde(default)]
+    session_id: Option<String>,
+    #[serde(default)]
+    affinity_target: Option<RawTarget>,
+    #[serde(default)]
+    pinned_worker: Option<RawPin>,
+    #[serde(default)]
+    allowed_worker_ids: Option<Vec<u64>>,
+    #[serde(default)]
+    expected_output_tokens: Option<u64>,
+    #[serde(default)]
+    priority: i32,
+    #[serde(default)]
+    rows: Vec<RawRow>,
+    #[serde(default)]
+    complete: Vec<usize>,
+    #[serde(default)]
+    worker_updates: Vec<WorkerUpdate>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRow {
+    worker_id: u64,
+    #[serde(default)]
+    dp_rank: u32,
+    #[serde(default)]
+    device_blocks: f64,
+    #[serde(default)]
+    host_blocks: f64,
+    #[serde(default)]
+    disk_blocks: f64,
+    #[serde(default = "yes")]
+    available: bool,
+    #[serde(default)]
+    active_requests: u64,
+    #[serde(default)]
+    active_prefill_tokens: u64,
+    #[serde(default)]
+    decode_blocks: u64,
+}
+
+impl Scenario {
+    pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Self::from_json_str(&text, &file)
+    }
+
+    /// Parse scenario text; `file` names it in errors.
+    pub fn from_json_str(text: &str, file: &str) -> Result<Scenario, ScenarioError> {
+        let raw: RawScenario = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
+            file: file.to_string(),
+            line: e.line(),
+            column: e.column(),
+            message: strip_position(&e.to_string()),
+        })?;
+        if raw.block_size == Some(0) {
+            return Err(ScenarioError::Parse {
+                file: file.to_string(),
+                line: 1,
+                column: 1,
+                message: "block_size must be at least 1".to_string(),
+            });
+        }
+        let workers = raw
+            .workers
+            .into_iter()
+            .map(|w| Worker {
+                worker_id: w.worker_id,
+                dp_start: w.dp_start,
+                dp_size: w.dp_size,
+                available: w.available,
+                overloaded: w.overloaded,
+                max_num_batched_tokens: w.max_num_batched_tokens,
+                total_kv_blocks: w.total_kv_blocks,
+            })
+            .collect();
+        let cluster = Cluster::new(workers).map_err(|source| ScenarioError::Workers {
+            file: file.to_string(),
+            source,
+        })?;
+        let mut requests = Vec::with_capacity(raw.requests.len());
+        for (index, r) in raw.requests.into_iter().enumerate() {
+            let bad = |message: String| ScenarioError::Request {
+                file: file.to_string(),
+                request: index,
+                message,
+            };
+            if let Some(u) = r
+                .worker_updates
+                .iter()
+                .find(|u| cluster.worker(u.worker_id).is_none())
+            {
+                return Err(bad(format!(
+                    "worker_updates: worker {} is not in `workers`",
+                    u.worker_id
+                )));
+            }
+            if let Some(&later) = r.complete.iter().find(|&&c| c >= index) {
+                return Err(bad(format!(
+                    "complete: request {later} has not been sent yet (only earlier requests can complete)"
+                )));
+            }
+            let mut rows = HashMap::with_capacity(r.rows.len());
+            for (i, row) in r.rows.into_iter().enumerate() {
+                let id = RowId {
+                    worker_id: row.worker_id,
+                    dp_rank: row.dp_rank,
+                };
+                for (name, value) in [
+                    ("device_blocks", row.device_blocks),
+                    ("host_blocks", row.host_blocks),
+                    ("disk_blocks", row.disk_blocks),
+                ] {
+                    if !(value.is_finite() && value >= 0.0) {
+                        return Err(bad(format!(
+                            "rows[{i}].{name}: must be a finite number >= 0, got {value}"
+                        )));
+                    }
+                }
+                let signals = (
+                    TierOverlap {
+                        device: row.device_blocks,
+                        host: row.host_blocks,
+                        disk: row.disk_blocks,
+                    },
+                    RowLoad {
+                        available: row.available,
+                        active_requests: row.active_requests,
+                        active_prefill_tokens: row.active_prefill_tokens,
+                        decode_blocks: row.decode_blocks,
+                    },
+                );
+                if rows.insert(id, signals).is_some() {
+                    return Err(bad(format!(
+                        "rows[{i}]: row {}:{} is listed twice",
+                        id.worker_id, id.dp_rank
+                    )));
+                }
+            }
+            requests.push(ScenarioRequest {
+                request: Request {
+                    isl_tokens: r.isl_tokens,
+                    role: match r.role {
+                        RawRole::Aggregated => RequestRole::Aggregated,
+                        RawRole::Prefill => RequestRole::Prefill,
+                        RawRole::Decode => RequestRole::Decode,
+                    },
+                    session_id: r.session_id,
+                    affinity_target: r.affinity_target.map(|t| AffinityTarget {
+                        worker_id: t.worker_id,
+                        dp_rank: t.dp_rank,
+                    }),
+                    pinned_worker: r.pinned_worker.map(|p| RowId {
+                        worker_id: p.worker_id,
+                        dp_rank: p.dp_rank,
+                    }),
+                    allowed_worker_ids: r.allowed_worker_ids,
+                    expected_output_tokens: r.expected_output_tokens,
+                    priority: r.priority,
+                },
+                rows,
+                complete: r.complete,
+                worker_updates: r.worker_updates,
+            });
+        }
+        Ok(Scenario {
+            block_size: raw.block_size,
+            cluster,
+            requests,
+        })
+    }
+}
+
+/// Drive `host` through the scenario: before each request apply its completions and worker
+/// updates, then route and dispatch it. One outcome per request, in order.
+pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Result<Routed, RouteError>> {
+    let mut dispatched: Vec<Option<RequestId>> = Vec::with_capacity(scenario.requests.len());
+    let mut outcomes = Vec::with_capacity(scenario.requests.len());
+    for step in &scenario.requests {
+        for &earlier in &step.complete {
+            if let Some(Some(id)) = dispatched.get(earlier) {
+                host.complete(*id);
+            }
+        }
+        for update in &step.worker_updates {
+            if let Some(worker) = host.cluster_mut().worker_mut(update.worker_id) {
+                if let Some(available) = update.available {
+                    worker.available = available;
+                }
+                if let Some(overloaded) = update.overloaded {
+                    worker.overloaded = overloaded;
+                }
+            }
+        }
+        let outcome = host.route(&step.request, &NoOverlap, Some(&step.rows), true);
+        dispatched.push(outcome.as_ref().ok().map(|r| r.id));
+        outcomes.push(outcome);
+    }
+    outcomes
+}
+
+/// The `select` output line for one request (contract in `docs/select.md`).
+pub fn outcome_json(
+    host: &Host,
+    index: usize,
+    outcome: &Result<Routed, RouteError>,
+) -> serde_json::Value {
+    use serde_json::{json, Map, Value};
+    match outcome {
+        Err(err) => json!({"request": index, "error": err.to_string()}),
+        Ok(routed) => {
+            let d = &routed.decision;
+            let instance = host.router().instance(d.instance);
+            let policy = if d.fallback.is_some() {
+                crate::builtin::Builtin::Default.type_name()
+            } else {
+                instance.type_name.as_str()
+            };
+            let mut line = Map::new();
+            line.insert("request".into(), json!(index));
+            line.insert("worker_id".into(), json!(d.row.worker_id));
+            line.insert("dp_rank".into(), json!(d.row.dp_rank));
+            line.insert("instance".into(), json!(instance.name));
+            line.insert("policy".into(), json!(policy));
+            line.insert(
+                "reason".into(),
+                d.explanation
+                    .as_ref()
+                    .map_or(Value::Null, |e| json!(e.reason)),
+            );
+            if let Some(failure) = &d.fallback {
+                line.insert("fallback".into(), json!(failure.to_string()));
+            }
+            if let Some(session) = &routed.session {
+                let label = match session {
+                    SessionOutcome::Dispatched(o) => o.as_str().to_string(),
+                    SessionOutcome::HardBindingGone => "hard_binding_gone".to_string(),
+                    SessionOutcome::NotRecorded(err) => format!("not_recorded: {err}"),
+                };
+                line.insert("session".into(), json!(label));
+            }
+            if let Some(e) = &d.explanation {
+                let fields: Map<String, Value> = e
+                    .fields
+                    .iter()
+                    .map(|(k, v)| (k.clone(), json!(v)))
+                    .collect();
+                let labels: Map<String, Value> = e
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.clone(), json!(v)))
+                    .collect();
+                line.insert(
+                    "explain".into(),
+                    json!({"fields": fields, "labels": labels}),
+                );
+            }
+            Value::Object(line)
+        }
+    }
+}
+
+/// serde_json appends " at line L column C"; the error already carries them as fields.
+fn strip_position(message: &str) -> String {
+    match message.rfind(" at line ") {
+        Some(at) => message[..at].to_string(),
+        None => message.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_scenario_takes_the_documented_defaults() {
+        let s = Scenario::from_json_str(
+            r#"{"workers": [{"worker_id": 29}], "requests": [{"isl_tokens": 160}]}"#,
+            "t.json",
+        )
+        .unwrap();
+        let w = &s.cluster.workers()[0];
+        assert_eq!(
+            (w.dp_start, w.dp_size, w.available, w.overloaded),
+            (0, 1, true, false)
+        );
+        assert_eq!(s.requests[0].request.role, RequestRole::Aggregated);
+        assert!(s.requests[0].rows.is_empty());
+    }
+
+    #[test]
+    fn errors_name_file_line_and_field() {
+        let err = Scenario::from_json_str(
+            "{\"workers\": [],\n \"requests\": [{\"isl_tokens\": 1, \"colour\": 2}]}",
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("s.json: line 2"), "{err}");
+        assert!(err.contains("unknown field `colour`"), "{err}");
+
+        let err = Scenario::from_json_str(
+            r#"{"workers": [{"worker_id": 1}, {"worker_id": 1}], "requests": []}"#,
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("duplicate worker_id 1"), "{err}");
+
+        let err = Scenario::from_json_str(
+            r#"{"workers": [], "requests": [{"isl_tokens": 1, "complete": [0]}]}"#,
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("requests[0]: complete: request 0"), "{err}");
+
+        let err = Scenario::from_json_str(
+            r#"{"workers": [], "requests": [{"isl_tokens": 99999999999999999999999}]}"#,
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 1"), "{err}");
+    }
+}

@@ -1,0 +1,350 @@
+//! Selection through real plugin `.so` files: eligibility, soft targets, bounds checks.
+
+mod common;
+
+use router_host::config::RouterConfig;
+use router_host::host::{Host, InjectedRows, NoOverlap};
+use router_host::loader::SearchPath;
+use router_host::model::NoSignals;
+use router_host::model::{AffinityTarget, Cluster, Request, RowId, RowLoad, TierOverlap, Worker};
+use router_host::router::{Router, Scratch, Selection};
+
+/// A router whose aggregated role uses `instance_yaml` (one instance named `p`).
+fn router(plugins: &[&str], instance_yaml: &str) -> Router {
+    let mut yaml = String::from("plugins:\n");
+    for p in plugins {
+        yaml.push_str(&format!("  - path: {}\n", common::plugin(p).display()));
+    }
+    yaml.push_str("worker_selection:\n  aggregated: p\n  instances:\n");
+    yaml.push_str(instance_yaml);
+    let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
+    Router::from_config(&config, &SearchPath::default()).expect("router starts")
+}
+
+fn probe(parameters: &str) -> Router {
+    router(
+        &["fixture_probe"],
+        &format!("    - name: p\n      type: probe\n      parameters: {parameters}\n"),
+    )
+}
+
+fn row(worker_id: u64, dp_rank: u32) -> RowId {
+    RowId { worker_id, dp_rank }
+}
+
+/// Workers 1 (ranks 0-1), 2, 3 overloaded, 4 unavailable, 5.
+fn cluster() -> Cluster {
+    let mut overloaded = Worker::new(3);
+    overloaded.overloaded = true;
+    let mut down = Worker::new(4);
+    down.available = false;
+    Cluster::new(vec![
+        Worker::new(1).with_ranks(0, 2),
+        Worker::new(2),
+        overloaded,
+        down,
+        Worker::new(5),
+    ])
+    .unwrap()
+}
+
+/// The rows the probe reported receiving, and its target label.
+fn probe_saw(router: &Router, request: &Request) -> (Vec<String>, String) {
+    let d = router
+        .select(
+            &cluster(),
+            Selection::of(request).explained(),
+            &NoSignals,
+            &mut Scratch::default(),
+        )
+        .expect("routed");
+    let e = d.explanation.expect("probe explains");
+    let rows = e
+        .get_label("row_list")
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    (rows, e.get_label("target").unwrap().to_string())
+}
+
+#[test]
+fn custom_picker_receives_affinity_target_without_narrowing_candidates() {
+    let router = probe("{}");
+    let request = Request {
+        isl_tokens: 160,
+        affinity_target: Some(AffinityTarget {
+            worker_id: 2,
+            dp_rank: None,
+        }),
+        ..Default::default()
+    };
+    let (rows, target) = probe_saw(&router, &request);
+    assert_eq!(
+        rows,
+        ["1:0", "1:1", "2:0", "5:0"],
+        "every eligible row, not just the target's"
+    );
+    assert_eq!(target, "2:*");
+    // A target that is not eligible is still passed on, and the rows are still complete.
+    let request = Request {
+        affinity_target: Some(AffinityTarget {
+            worker_id: 3,
+            dp_rank: Some(0),
+        }),
+        ..request
+    };
+    let (rows, target) = probe_saw(&router, &request);
+    assert_eq!(rows.len(), 4);
+    assert_eq!(target, "3:0");
+}
+
+#[test]
+fn eligibility_allow_list_pin_and_dp_ranks_reach_the_plugin() {
+    let router = probe("{}");
+    let allowed = Request {
+        allowed_worker_ids: Some(vec![1, 3, 4]),
+        ..Default::default()
+    };
+    assert_eq!(probe_saw(&router, &allowed).0, ["1:0", "1:1"]);
+    let pinned = Request {
+        pinned_worker: Some(row(1, 1)),
+        ..Default::default()
+    };
+    assert_eq!(probe_saw(&router, &pinned).0, ["1:1"]);
+
+    let fails = |request: Request| {
+        router
+            .select(
+                &cluster(),
+                Selection::of(&request),
+                &NoSignals,
+                &mut Scratch::default(),
+            )
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(fails(Request {
+        pinned_worker: Some(row(2, 0)),
+        allowed_worker_ids: Some(vec![1]),
+        ..Default::default()
+    })
+    .contains("pinned worker not allowed"));
+    assert!(fails(Request {
+        pinned_worker: Some(row(3, 0)),
+        ..Default::default()
+    })
+    .contains("pinned worker overloaded"));
+    for gone in [row(4, 0), row(1, 2), row(99, 0)] {
+        assert!(fails(Request {
+            pinned_worker: Some(gone),
+            ..Default::default()
+        })
+        .contains("no endpoints"));
+    }
+    assert!(fails(Request {
+        allowed_worker_ids: Some(vec![3]),
+        ..Default::default()
+    })
+    .contains("all eligible workers overloaded"));
+    assert!(fails(Request {
+        allowed_worker_ids: Some(vec![4, 42]),
+        ..Default::default()
+    })
+    .contains("no endpoints"));
+}
+
+#[test]
+fn plugin_sees_only_the_columns_it_declared() {
+    for (inputs, cache, load) in [
+        ("[]", "false", "false"),
+        ("[cache]", "true", "false"),
+        ("[load]", "false", "true"),
+        ("[cache, load]", "true", "true"),
+    ] {
+        let router = probe(&format!("{{inputs: {inputs}}}"));
+        let d = router
+            .select(
+                &cluster(),
+                Selection::of(&Request::default()).explained(),
+                &NoSignals,
+                &mut Scratch::default(),
+            )
+            .unwrap();
+        let e = d.explanation.unwrap();
+        assert_eq!(e.get_label("cache"), Some(cache), "inputs {inputs}");
+        assert_eq!(e.get_label("load"), Some(load), "inputs {inputs}");
+    }
+}
+
+/// Decide with the built-in default, injecting rows.
+fn default_picks(target: Option<AffinityTarget>, injected: &InjectedRows) -> RowId {
+    let config = RouterConfig::from_yaml_str("{}", None).unwrap();
+    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let mut host = Host::new(router, cluster(), None);
+    let request = Request {
+        isl_tokens: 160,
+        affinity_target: target,
+        ..Default::default()
+    };
+    host.route(&request, &NoOverlap, Some(injected), false)
+        .unwrap()
+        .decision
+        .row
+}
+
+#[test]
+fn default_selector_narrows_to_an_eligible_soft_target_and_ignores_an_ineligible_one() {
+    // Worker 5 holds the whole prompt: without a target the default picks it.
+    let mut injected = InjectedRows::new();
+    injected.insert(
+        row(5, 0),
+        (
+            TierOverlap {
+                device: 10.0,
+                ..Default::default()
+            },
+            RowLoad::default(),
+        ),
+    );
+    assert_eq!(default_picks(None, &injected), row(5, 0));
+    // An eligible worker-level target: only worker 1's ranks are considered; rank 1 is idler.
+    injected.insert(
+        row(1, 0),
+        (
+            TierOverlap::default(),
+            RowLoad {
+                active_prefill_tokens: 64,
+                ..Default::default()
+            },
+        ),
+    );
+    let target = |worker_id, dp_rank| Some(AffinityTarget { worker_id, dp_rank });
+    assert_eq!(default_picks(target(1, None), &injected), row(1, 1));
+    // A rank target: that rank, even though it costs more.
+    assert_eq!(default_picks(target(1, Some(0)), &injected), row(1, 0));
+    // Ineligible targets (overloaded, unavailable, unknown, absent rank) are ignored.
+    for t in [
+        target(3, None),
+        target(4, None),
+        target(42, None),
+        target(1, Some(7)),
+    ] {
+        assert_eq!(default_picks(t, &injected), row(5, 0));
+    }
+}
+
+#[test]
+fn out_of_range_index_is_rejected_and_books_nothing() {
+    let config = RouterConfig::from_yaml_str(
+        &format!(
+            "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: p\n  instances:\n    - {{name: p, type: probe, parameters: {{return_index: 99}}, on_error: fail}}\n",
+            common::plugin("fixture_probe").display()
+        ),
+        None,
+    )
+    .unwrap();
+    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let mut host = Host::new(router, cluster(), None);
+    let err = host
+        .route(&Request::default(), &NoOverlap, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("returned row index 99, but only 4 rows were given"),
+        "{err}"
+    );
+    assert_eq!(host.in_flight(), 0);
+    for r in cluster()
+        .workers()
+        .iter()
+        .flat_map(|w| w.rows().collect::<Vec<_>>())
+    {
+        assert_eq!(
+            host.load().get(r),
+            RowLoad::default(),
+            "row {r:?} was booked"
+        );
+    }
+    let stats = host.router().instance(1).stats.snapshot();
+    assert_eq!(
+        (stats.picks, stats.out_of_range, stats.fallbacks),
+        (1, 1, 0)
+    );
+}
+
+#[test]
+fn out_of_range_index_with_fallback_routes_through_the_default_selector() {
+    let router = probe("{return_index: 4}");
+    let d = router
+        .select(
+            &cluster(),
+            Selection::of(&Request::default()),
+            &NoSignals,
+            &mut Scratch::default(),
+        )
+        .unwrap();
+    assert_eq!(
+        d.row,
+        row(1, 0),
+        "default picks the lowest row on a cold idle cluster"
+    );
+    assert!(d.fallback.unwrap().to_string().contains("row index 4"));
+    let stats = router.instance(1).stats.snapshot();
+    assert_eq!((stats.out_of_range, stats.fallbacks), (1, 1));
+}
+
+#[test]
+fn two_plugin_files_in_one_process_keep_their_own_policies() {
+    let router = router(
+        &["fixture_probe", "two_tier_cost_fn"],
+        "    - {name: p, type: probe, parameters: {return_index: 1}}\n    - {name: t, type: dynamo-two-tier-cost-fn}\n",
+    );
+    let types: Vec<(String, String)> = router
+        .catalog()
+        .types()
+        .map(|(name, origin, _)| (name.to_string(), router.catalog().origin_name(origin)))
+        .collect();
+    let origin_of = |t: &str| types.iter().find(|(n, _)| n == t).unwrap().1.clone();
+    assert!(origin_of("probe").ends_with("libfixture_probe.so"));
+    assert!(origin_of("dynamo-two-tier-cost-fn").ends_with("libtwo_tier_cost_fn.so"));
+    let libraries: Vec<&str> = router
+        .catalog()
+        .libraries()
+        .iter()
+        .map(|l| l.plugin_name.as_str())
+        .collect();
+    assert_eq!(libraries, ["fixture-probe", "two-tier-cost-fn"]);
+    // Each instance runs its own library's code.
+    let probe_instance = router.instances().iter().find(|i| i.name == "p").unwrap();
+    let tier_instance = router.instances().iter().find(|i| i.name == "t").unwrap();
+    assert_eq!(probe_instance.type_name, "probe");
+    assert_eq!(tier_instance.type_name, "dynamo-two-tier-cost-fn");
+    let d = router
+        .select(
+            &cluster(),
+            Selection::of(&Request::default()).explained(),
+            &NoSignals,
+            &mut Scratch::default(),
+        )
+        .unwrap();
+    assert_eq!(d.row, row(1, 1), "probe returned index 1");
+    assert_eq!(d.explanation.unwrap().reason, "probe");
+}
+
+#[test]
+fn the_same_file_listed_twice_or_through_a_symlink_is_loaded_once() {
+    let dir = common::temp_dir("dedupe");
+    let real = common::plugin("fixture_probe");
+    let link = dir.join("libalias.so");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let yaml = format!(
+        "plugins:\n  - path: {}\n  - path: {}\n  - path: {}\n",
+        real.display(),
+        real.display(),
+        link.display()
+    );
+    let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
+    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    assert_eq!(router.catalog().libraries().len(), 1);
+}
