@@ -1912,7 +1912,8 @@ engine:
         assert_eq!(two_tier.type_name, "dynamo-two-tier-cost-fn");
         assert_eq!(
             two_tier.parameters_json,
-            r#"{"cache_threshold":0.5,"nested":{"none":null,"ok":true},"tiers":[1,-2,"x"]}"#
+            // Keys keep their YAML order.
+            r#"{"cache_threshold":0.5,"tiers":[1,-2,"x"],"nested":{"ok":true,"none":null}}"#
         );
         assert_eq!(two_tier.on_error, OnError::Fail);
         assert_eq!(two_tier.pick_budget, Duration::from_micros(250));

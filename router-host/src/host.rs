@@ -1,14 +1,17 @@
-//! The request lifecycle around selection: session bindings, load booking, completion.
+//! The request lifecycle around selection: session bindings, queue admission, load booking and
+//! completion.
 //!
-//! `route` = session lookup -> [`Router::select`] -> dispatch (book load, update the binding).
-//! `complete` releases the load and the session's in-flight lease. The load booked here is
-//! exactly what policies see in their LOAD columns.
+//! `submit` = session lookup -> admission -> [`Router::select`] -> dispatch (book load, update
+//! the binding), or queue. `complete` releases the load and the session's in-flight lease;
+//! `drain` re-evaluates queued requests once capacity frees. The load booked here is exactly what
+//! policies see in their LOAD columns, and what the busy checks of admission read.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::config::{AffinityMode, SessionAffinityConfig};
-use crate::eligibility::check_pin;
+use crate::config::{AdmissionMode, AffinityMode, PolicyClassConfig, RouterConfig};
+use crate::eligibility::{check_pin, eligible_rows};
 use crate::model::{Cluster, Request, RowId, RowLoad, Signals, TierOverlap};
 use crate::router::{Decision, Router, Scratch, SelectError, Selection};
 use crate::sessions::{
@@ -18,6 +21,9 @@ use crate::sessions::{
 
 /// Identifies a dispatched request until it completes.
 pub type RequestId = u64;
+
+/// Identifies a queued request until it is dispatched.
+pub type Ticket = u64;
 
 /// Booked load per row.
 #[derive(Debug, Clone, Default)]
@@ -64,9 +70,16 @@ struct Booking {
     session: Option<Arc<str>>,
 }
 
-/// Per-row prompt overlap for the request being routed (the KV index, or injected rows).
+/// Per-row signals for the request being routed that the host does not own itself: prompt
+/// overlap (from a KV index, or injected) and, for scripted scenarios, injected load.
 pub trait OverlapSource {
     fn overlap(&self, row: RowId) -> TierOverlap;
+
+    /// Load to use for `row` instead of the host's booked load (scenarios); `None` = booked.
+    fn load_override(&self, row: RowId) -> Option<RowLoad> {
+        let _ = row;
+        None
+    }
 }
 
 /// No cached prefix anywhere.
@@ -82,25 +95,31 @@ impl OverlapSource for NoOverlap {
 /// Rows injected by a caller (e.g. a `select` scenario): they override overlap and load.
 pub type InjectedRows = HashMap<RowId, (TierOverlap, RowLoad)>;
 
+impl OverlapSource for InjectedRows {
+    fn overlap(&self, row: RowId) -> TierOverlap {
+        self.get(&row).map(|(o, _)| *o).unwrap_or_default()
+    }
+
+    fn load_override(&self, row: RowId) -> Option<RowLoad> {
+        self.get(&row).map(|(_, l)| *l)
+    }
+}
+
+/// The one snapshot both admission and selection read.
 struct HostSignals<'a, O: ?Sized> {
-    overlap: &'a O,
+    source: &'a O,
     load: &'a LoadTable,
-    injected: Option<&'a InjectedRows>,
 }
 
 impl<O: OverlapSource + ?Sized> Signals for HostSignals<'_, O> {
     fn overlap(&self, row: RowId) -> TierOverlap {
-        match self.injected.and_then(|m| m.get(&row)) {
-            Some((overlap, _)) => *overlap,
-            None => self.overlap.overlap(row),
-        }
+        self.source.overlap(row)
     }
 
     fn load(&self, row: RowId) -> RowLoad {
-        match self.injected.and_then(|m| m.get(&row)) {
-            Some((_, load)) => *load,
-            None => self.load.get(row),
-        }
+        self.source
+            .load_override(row)
+            .unwrap_or_else(|| self.load.get(row))
     }
 }
 
@@ -111,6 +130,8 @@ pub enum RouteError {
     Select(#[from] SelectError),
     #[error("session: {0}")]
     Session(#[from] SessionError),
+    #[error("unknown policy class `{name}`; defined classes: {}", if .defined.is_empty() { "none".to_string() } else { .defined.join(", ") })]
+    UnknownClass { name: String, defined: Vec<String> },
 }
 
 /// A dispatched request.
@@ -120,6 +141,8 @@ pub struct Routed {
     pub decision: Decision,
     /// What happened to the session binding (when affinity is on and the request has a session).
     pub session: Option<SessionOutcome>,
+    /// How long the request waited in an admission queue (zero when dispatched at once).
+    pub queued_for: Duration,
 }
 
 /// The binding side of a dispatch.
@@ -133,46 +156,125 @@ pub enum SessionOutcome {
     NotRecorded(SessionError),
 }
 
-/// The host: policies, cluster state, booked load, session bindings.
+/// What `submit` did with a request.
+// Returned by value and consumed at once; boxing would add an allocation per dispatch.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Submitted {
+    Dispatched(Routed),
+    /// Waiting for capacity in its class lane; `drain` dispatches it later.
+    Queued(Ticket),
+}
+
+/// A queued request that `drain` dispatched (or that failed when re-evaluated).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drained {
+    pub ticket: Ticket,
+    pub result: Result<Routed, RouteError>,
+}
+
+/// A policy class's busy rule (design §10).
+#[derive(Debug, Clone, PartialEq)]
+struct Class {
+    name: String,
+    abs: Option<u64>,
+    frac: Option<f64>,
+    mode: AdmissionMode,
+}
+
+impl Class {
+    /// Strict comparisons; a worker whose batch size is unknown is never busy by `frac`.
+    fn is_busy(&self, load: RowLoad, max_num_batched_tokens: Option<u64>) -> bool {
+        let tokens = load.active_prefill_tokens;
+        self.abs.is_some_and(|abs| tokens > abs)
+            || match (self.frac, max_num_batched_tokens) {
+                (Some(frac), Some(batch)) => tokens as f64 > frac * batch as f64,
+                _ => false,
+            }
+    }
+}
+
+/// Queued requests wait per lane: one per class, plus one per (class, pinned row), so a busy pin
+/// blocks only its own lane. `BTreeMap` keeps drain order deterministic.
+type LaneKey = (usize, Option<RowId>);
+
+#[derive(Debug)]
+struct Queued {
+    ticket: Ticket,
+    request: Request,
+    since: Duration,
+}
+
+/// Admission counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdmissionStats {
+    /// Requests that entered a queue.
+    pub queued: u64,
+    /// Requests waiting now.
+    pub waiting: u64,
+}
+
+/// Session lookup and selection inputs of one request, before dispatch.
+struct Plan<'r> {
+    selection: Selection<'r>,
+    lease: Option<Lease>,
+    hard_binding_gone: bool,
+}
+
+/// The host: policies, cluster state, booked load, session bindings, admission queues.
 pub struct Host {
     router: Router,
     cluster: Cluster,
     load: LoadTable,
     sessions: Option<SessionTable>,
+    classes: Vec<Class>,
+    lanes: BTreeMap<LaneKey, VecDeque<Queued>>,
+    clock: Arc<dyn Clock>,
     inflight: HashMap<RequestId, Booking>,
     next_id: RequestId,
+    next_ticket: Ticket,
+    stats: AdmissionStats,
     scratch: Scratch,
+    eligible: Vec<RowId>,
 }
 
 impl Host {
-    /// A host with the wall clock.
-    pub fn new(router: Router, cluster: Cluster, affinity: Option<&SessionAffinityConfig>) -> Self {
-        Self::with_clock(router, cluster, affinity, Arc::new(SystemClock::new()))
+    /// A host with the wall clock, using `config`'s session affinity and policy classes.
+    pub fn new(router: Router, cluster: Cluster, config: &RouterConfig) -> Self {
+        Self::with_clock(router, cluster, config, Arc::new(SystemClock::new()))
     }
 
-    /// A host whose session TTLs run on `clock` (tests and replay use simulated time).
+    /// A host whose session TTLs and queue waits run on `clock` (tests and replay use simulated
+    /// time).
     pub fn with_clock(
         router: Router,
         cluster: Cluster,
-        affinity: Option<&SessionAffinityConfig>,
+        config: &RouterConfig,
         clock: Arc<dyn Clock>,
     ) -> Self {
-        let sessions = affinity.map(|a| {
+        let sessions = config.session_affinity.as_ref().map(|a| {
             let (mode, granularity) = match a.mode {
                 AffinityMode::Soft => (BindingMode::Soft, BindingGranularity::Worker),
                 // A hard binding acts as a pin, and a pin is one exact row.
                 AffinityMode::Hard => (BindingMode::Hard, BindingGranularity::Rank),
             };
-            SessionTable::new(mode, a.ttl, a.max_bindings, clock).with_granularity(granularity)
+            SessionTable::new(mode, a.ttl, a.max_bindings, clock.clone())
+                .with_granularity(granularity)
         });
         Host {
             router,
             cluster,
             load: LoadTable::default(),
             sessions,
+            classes: config.policy_classes.iter().map(class_of).collect(),
+            lanes: BTreeMap::new(),
+            clock,
             inflight: HashMap::new(),
             next_id: 0,
+            next_ticket: 0,
+            stats: AdmissionStats::default(),
             scratch: Scratch::default(),
+            eligible: Vec::new(),
         }
     }
 
@@ -201,14 +303,170 @@ impl Host {
         self.inflight.len()
     }
 
-    /// Route and dispatch one request.
+    pub fn admission_stats(&self) -> AdmissionStats {
+        self.stats
+    }
+
+    /// Route and dispatch one request now, bypassing admission.
     pub fn route<O: OverlapSource + ?Sized>(
         &mut self,
         request: &Request,
-        overlap: &O,
-        injected: Option<&InjectedRows>,
+        source: &O,
         explain: bool,
     ) -> Result<Routed, RouteError> {
+        let plan = self.plan(request, explain)?;
+        let decision = self.decide(&plan, source)?;
+        Ok(self.dispatch(request, decision, plan, Duration::ZERO))
+    }
+
+    /// Admit one request: dispatch it, or queue it in its class lane (design §10).
+    pub fn submit<O: OverlapSource + ?Sized>(
+        &mut self,
+        request: Request,
+        source: &O,
+        explain: bool,
+    ) -> Result<Submitted, RouteError> {
+        let Some(class) = self.class_of(&request)? else {
+            return self
+                .route(&request, source, explain)
+                .map(Submitted::Dispatched);
+        };
+        let lane = (class, request.pinned_worker);
+        // A lane with a backlog keeps its order: later arrivals wait behind it.
+        if self.lanes.get(&lane).is_some_and(|q| !q.is_empty()) {
+            return Ok(Submitted::Queued(self.enqueue(lane, request)));
+        }
+        match self.try_admit(&request, class, source, explain, Duration::ZERO)? {
+            Some(routed) => Ok(Submitted::Dispatched(routed)),
+            None => Ok(Submitted::Queued(self.enqueue(lane, request))),
+        }
+    }
+
+    /// Re-evaluate queued requests, lane by lane in order, dispatching each lane's head while it
+    /// is admissible. Call after completions free capacity. `source_for` supplies the per-row
+    /// signals of each queued request.
+    pub fn drain<O: OverlapSource>(
+        &mut self,
+        mut source_for: impl FnMut(Ticket, &Request) -> O,
+        explain: bool,
+    ) -> Vec<Drained> {
+        let mut drained = Vec::new();
+        let keys: Vec<LaneKey> = self.lanes.keys().copied().collect();
+        for lane in keys {
+            while let Some(head) = self.lanes.get_mut(&lane).and_then(VecDeque::pop_front) {
+                let source = source_for(head.ticket, &head.request);
+                let waited = self.clock.now().saturating_sub(head.since);
+                match self.try_admit(&head.request, lane.0, &source, explain, waited) {
+                    Ok(Some(routed)) => drained.push(Drained {
+                        ticket: head.ticket,
+                        result: Ok(routed),
+                    }),
+                    Ok(None) => {
+                        // Still not admissible: back to the head of its lane.
+                        if let Some(q) = self.lanes.get_mut(&lane) {
+                            q.push_front(head);
+                        }
+                        break;
+                    }
+                    Err(err) => drained.push(Drained {
+                        ticket: head.ticket,
+                        result: Err(err),
+                    }),
+                }
+            }
+        }
+        self.lanes.retain(|_, q| !q.is_empty());
+        self.stats.waiting = self.lanes.values().map(|q| q.len() as u64).sum();
+        drained
+    }
+
+    /// Requests still waiting, by ticket.
+    pub fn queued(&self) -> impl Iterator<Item = (Ticket, &Request)> {
+        self.lanes
+            .values()
+            .flat_map(|q| q.iter().map(|e| (e.ticket, &e.request)))
+    }
+
+    fn enqueue(&mut self, lane: LaneKey, request: Request) -> Ticket {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.stats.queued += 1;
+        self.stats.waiting += 1;
+        let since = self.clock.now();
+        self.lanes.entry(lane).or_default().push_back(Queued {
+            ticket,
+            request,
+            since,
+        });
+        ticket
+    }
+
+    fn class_of(&self, request: &Request) -> Result<Option<usize>, RouteError> {
+        match &request.policy_class {
+            Some(name) => self
+                .classes
+                .iter()
+                .position(|c| &c.name == name)
+                .map(Some)
+                .ok_or_else(|| RouteError::UnknownClass {
+                    name: name.clone(),
+                    defined: self.classes.iter().map(|c| c.name.clone()).collect(),
+                }),
+            None => Ok(self.classes.iter().position(|c| c.name == "default")),
+        }
+    }
+
+    /// Dispatch `request` if its class admits it now; `Ok(None)` = keep it queued.
+    fn try_admit<O: OverlapSource + ?Sized>(
+        &mut self,
+        request: &Request,
+        class: usize,
+        source: &O,
+        explain: bool,
+        waited: Duration,
+    ) -> Result<Option<Routed>, RouteError> {
+        let plan = self.plan(request, explain)?;
+        let decision = match self.classes[class].mode {
+            // A deferral signal, not a reservation: while any eligible row has room, the
+            // request goes, even if the policy then keeps a busy soft target.
+            AdmissionMode::AnyEligible => {
+                let mut rows = std::mem::take(&mut self.eligible);
+                let eligible = eligible_rows(&self.cluster, request, plan.selection.pin, &mut rows);
+                let all_busy =
+                    eligible.is_ok() && rows.iter().all(|&r| self.is_busy(class, source, r));
+                self.eligible = rows;
+                if all_busy {
+                    return Ok(None);
+                }
+                self.decide(&plan, source)?
+            }
+            // Never books onto a row over the class threshold, whatever the policy picks.
+            AdmissionMode::ChosenRow => {
+                let decision = self.decide(&plan, source)?;
+                if self.is_busy(class, source, decision.row) {
+                    return Ok(None);
+                }
+                decision
+            }
+        };
+        Ok(Some(self.dispatch(request, decision, plan, waited)))
+    }
+
+    /// Whether `row` is over `class`'s prefill threshold, on the same snapshot selection reads.
+    fn is_busy<O: OverlapSource + ?Sized>(&self, class: usize, source: &O, row: RowId) -> bool {
+        let signals = HostSignals {
+            source,
+            load: &self.load,
+        };
+        let batch = self
+            .cluster
+            .worker(row.worker_id)
+            .and_then(|w| w.max_num_batched_tokens);
+        self.classes[class].is_busy(signals.load(row), batch)
+    }
+
+    /// Session lookup: the pin and advisory target this request routes with.
+    fn plan<'r>(&self, request: &'r Request, explain: bool) -> Result<Plan<'r>, RouteError> {
         let lease = match (&self.sessions, &request.session_id) {
             (Some(table), Some(id)) => Some(table.lookup(id)?),
             _ => None,
@@ -240,23 +498,33 @@ impl Host {
                 BindingMode::Hard => {}
             }
         }
+        Ok(Plan {
+            selection,
+            lease,
+            hard_binding_gone,
+        })
+    }
+
+    fn decide<O: OverlapSource + ?Sized>(
+        &mut self,
+        plan: &Plan<'_>,
+        source: &O,
+    ) -> Result<Decision, RouteError> {
         let signals = HostSignals {
-            overlap,
+            source,
             load: &self.load,
-            injected,
         };
-        let decision = self
+        Ok(self
             .router
-            .select(&self.cluster, selection, &signals, &mut self.scratch)?;
-        Ok(self.dispatch(request, decision, lease, hard_binding_gone))
+            .select(&self.cluster, plan.selection, &signals, &mut self.scratch)?)
     }
 
     fn dispatch(
         &mut self,
         request: &Request,
         decision: Decision,
-        lease: Option<Lease>,
-        hard_binding_gone: bool,
+        plan: Plan<'_>,
+        queued_for: Duration,
     ) -> Routed {
         let id = self.next_id;
         self.next_id += 1;
@@ -267,7 +535,7 @@ impl Host {
             session: None,
         };
         self.load.book(decision.row, &booking);
-        let session = match (&self.sessions, lease) {
+        let session = match (&self.sessions, plan.lease) {
             (Some(table), Some(lease)) => {
                 let outcome = match table.dispatched(&lease, decision.row) {
                     Ok(outcome) => {
@@ -279,7 +547,7 @@ impl Host {
                         SessionOutcome::NotRecorded(err)
                     }
                 };
-                Some(if hard_binding_gone {
+                Some(if plan.hard_binding_gone {
                     SessionOutcome::HardBindingGone
                 } else {
                     outcome
@@ -292,6 +560,7 @@ impl Host {
             id,
             decision,
             session,
+            queued_for,
         }
     }
 
@@ -318,12 +587,22 @@ impl Host {
     }
 }
 
+fn class_of(config: &PolicyClassConfig) -> Class {
+    Class {
+        name: config.name.clone(),
+        abs: config.prefill_busy_threshold,
+        frac: config.prefill_busy_threshold_frac,
+        mode: config.admission,
+    }
+}
+
 impl std::fmt::Debug for Host {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Host")
             .field("router", &self.router)
             .field("cluster", &self.cluster)
             .field("in_flight", &self.inflight.len())
+            .field("admission", &self.stats)
             .finish_non_exhaustive()
     }
 }

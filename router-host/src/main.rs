@@ -235,16 +235,12 @@ fn select(args: &ConfigArgs, scenario_file: &Path) -> anyhow::Result<ExitCode> {
             )));
         }
     }
-    let mut host = Host::new(
-        router,
-        scenario.cluster.clone(),
-        config.session_affinity.as_ref(),
-    );
+    let mut host = Host::new(router, scenario.cluster.clone(), &config);
     let outcomes = scenario::run(&mut host, &scenario);
     let mut out = std::io::stdout().lock();
     let mut all_routed = true;
     for (index, outcome) in outcomes.iter().enumerate() {
-        all_routed &= outcome.is_ok();
+        all_routed &= outcome.routed().is_some();
         let line = scenario::outcome_json(&host, index, outcome);
         writeln!(out, "{line}")?;
     }

@@ -144,6 +144,9 @@ pub struct Request {
     pub allowed_worker_ids: Option<Vec<u64>>,
     pub expected_output_tokens: Option<u64>,
     pub priority: i32,
+    /// Queue-admission class (`policy_classes[].name`); `None` = the class named `default`, if
+    /// configured, else no admission control.
+    pub policy_class: Option<String>,
 }
 
 /// [`Role`] with a `Default` (aggregated), so requests can be built with `..Default::default()`.

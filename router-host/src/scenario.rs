@@ -7,7 +7,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::host::{Host, NoOverlap, RequestId, RouteError, Routed, SessionOutcome};
+use crate::host::{
+    Host, InjectedRows, OverlapSource, RequestId, RouteError, Routed, SessionOutcome, Submitted,
+    Ticket,
+};
 use crate::model::{
     AffinityTarget, Cluster, ClusterError, Request, RequestRole, RowId, RowLoad, TierOverlap,
     Worker,
@@ -152,6 +155,8 @@ struct RawRequest {
     expected_output_tokens: Option<u64>,
     #[serde(default)]
     priority: i32,
+    #[serde(default)]
+    policy_class: Option<String>,
     #[serde(default)]
     rows: Vec<RawRow>,
     #[serde(default)]
@@ -304,6 +309,7 @@ impl Scenario {
                     allowed_worker_ids: r.allowed_worker_ids,
                     expected_output_tokens: r.expected_output_tokens,
                     priority: r.priority,
+                    policy_class: r.policy_class,
                 },
                 rows,
                 complete: r.complete,
@@ -318,15 +324,50 @@ impl Scenario {
     }
 }
 
+/// What happened to one scenario request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Dispatched; `admitted_at` is the index of the step at which a queued request left its
+    /// queue (`None` = dispatched on arrival).
+    Routed {
+        routed: Routed,
+        admitted_at: Option<usize>,
+    },
+    Failed(RouteError),
+    /// Still waiting for capacity when the scenario ended.
+    StillQueued,
+}
+
+impl Outcome {
+    pub fn routed(&self) -> Option<&Routed> {
+        match self {
+            Outcome::Routed { routed, .. } => Some(routed),
+            _ => None,
+        }
+    }
+}
+
+/// Injected overlap without injected load: a queued request re-evaluated later sees the live
+/// booked load, not the snapshot of the step it arrived at.
+struct OverlapOnly<'a>(&'a InjectedRows);
+
+impl OverlapSource for OverlapOnly<'_> {
+    fn overlap(&self, row: RowId) -> TierOverlap {
+        self.0.overlap(row)
+    }
+}
+
 /// Drive `host` through the scenario: before each request apply its completions and worker
-/// updates, then route and dispatch it. One outcome per request, in order.
-pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Result<Routed, RouteError>> {
-    let mut dispatched: Vec<Option<RequestId>> = Vec::with_capacity(scenario.requests.len());
-    let mut outcomes = Vec::with_capacity(scenario.requests.len());
-    for step in &scenario.requests {
+/// updates and let queued requests drain, then submit it. One outcome per request, in order.
+pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
+    let n = scenario.requests.len();
+    let mut outcomes = vec![Outcome::StillQueued; n];
+    let mut dispatched: Vec<Option<RequestId>> = vec![None; n];
+    let mut queued: HashMap<Ticket, usize> = HashMap::new();
+    for (index, step) in scenario.requests.iter().enumerate() {
         for &earlier in &step.complete {
-            if let Some(Some(id)) = dispatched.get(earlier) {
-                host.complete(*id);
+            if let Some(id) = dispatched[earlier] {
+                host.complete(id);
             }
         }
         for update in &step.worker_updates {
@@ -339,23 +380,60 @@ pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Result<Routed, RouteErro
                 }
             }
         }
-        let outcome = host.route(&step.request, &NoOverlap, Some(&step.rows), true);
-        dispatched.push(outcome.as_ref().ok().map(|r| r.id));
-        outcomes.push(outcome);
+        let drained = host.drain(
+            |ticket, _| {
+                let origin = queued.get(&ticket).copied().unwrap_or(index);
+                OverlapOnly(&scenario.requests[origin].rows)
+            },
+            true,
+        );
+        for d in drained {
+            let Some(origin) = queued.remove(&d.ticket) else {
+                continue;
+            };
+            outcomes[origin] = match d.result {
+                Ok(routed) => {
+                    dispatched[origin] = Some(routed.id);
+                    Outcome::Routed {
+                        routed,
+                        admitted_at: Some(index),
+                    }
+                }
+                Err(err) => Outcome::Failed(err),
+            };
+        }
+        outcomes[index] = match host.submit(step.request.clone(), &step.rows, true) {
+            Ok(Submitted::Dispatched(routed)) => {
+                dispatched[index] = Some(routed.id);
+                Outcome::Routed {
+                    routed,
+                    admitted_at: None,
+                }
+            }
+            Ok(Submitted::Queued(ticket)) => {
+                queued.insert(ticket, index);
+                Outcome::StillQueued
+            }
+            Err(err) => Outcome::Failed(err),
+        };
     }
     outcomes
 }
 
 /// The `select` output line for one request (contract in `docs/select.md`).
-pub fn outcome_json(
-    host: &Host,
-    index: usize,
-    outcome: &Result<Routed, RouteError>,
-) -> serde_json::Value {
+pub fn outcome_json(host: &Host, index: usize, outcome: &Outcome) -> serde_json::Value {
     use serde_json::{json, Map, Value};
     match outcome {
-        Err(err) => json!({"request": index, "error": err.to_string()}),
-        Ok(routed) => {
+        Outcome::Failed(err) => json!({"request": index, "error": err.to_string()}),
+        Outcome::StillQueued => json!({
+            "request": index,
+            "queued": true,
+            "error": "still queued at the end of the scenario: every row its class admits is busy",
+        }),
+        Outcome::Routed {
+            routed,
+            admitted_at,
+        } => {
             let d = &routed.decision;
             let instance = host.router().instance(d.instance);
             let policy = if d.fallback.is_some() {
@@ -375,6 +453,10 @@ pub fn outcome_json(
                     .as_ref()
                     .map_or(Value::Null, |e| json!(e.reason)),
             );
+            if let Some(step) = admitted_at {
+                line.insert("queued".into(), json!(true));
+                line.insert("admitted_at".into(), json!(step));
+            }
             if let Some(failure) = &d.fallback {
                 line.insert("fallback".into(), json!(failure.to_string()));
             }

@@ -181,16 +181,13 @@ fn plugin_sees_only_the_columns_it_declared() {
 fn default_picks(target: Option<AffinityTarget>, injected: &InjectedRows) -> RowId {
     let config = RouterConfig::from_yaml_str("{}", None).unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
-    let mut host = Host::new(router, cluster(), None);
+    let mut host = Host::new(router, cluster(), &config);
     let request = Request {
         isl_tokens: 160,
         affinity_target: target,
         ..Default::default()
     };
-    host.route(&request, &NoOverlap, Some(injected), false)
-        .unwrap()
-        .decision
-        .row
+    host.route(&request, injected, false).unwrap().decision.row
 }
 
 #[test]
@@ -245,9 +242,9 @@ fn out_of_range_index_is_rejected_and_books_nothing() {
     )
     .unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
-    let mut host = Host::new(router, cluster(), None);
+    let mut host = Host::new(router, cluster(), &config);
     let err = host
-        .route(&Request::default(), &NoOverlap, None, false)
+        .route(&Request::default(), &NoOverlap, false)
         .unwrap_err()
         .to_string();
     assert!(
