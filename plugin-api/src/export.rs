@@ -259,7 +259,7 @@ pub fn create(
         Ok(result) => result,
         Err(payload) => Err(CreateError::with_kind(
             CreateFailureKind::PANICKED,
-            format!("constructor panicked: {}", panic_message(&*payload)),
+            panic_message(&*payload),
         )),
     };
     match result {

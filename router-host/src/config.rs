@@ -39,6 +39,8 @@ pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 1.0;
 pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
 /// Default per-pick time budget of a policy instance (`pick_budget_us: 1000`).
 pub const DEFAULT_PICK_BUDGET: Duration = Duration::from_micros(1000);
+/// Default number of consecutive over-budget picks after which an instance is quarantined.
+pub const DEFAULT_QUARANTINE_AFTER: u32 = 3;
 /// Default idle timeout of a session binding (`ttl_secs: 600`).
 pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(600);
 /// Largest accepted `session_affinity.ttl_secs` (ten years), so that `now + ttl` cannot overflow
@@ -206,6 +208,8 @@ pub struct InstanceConfig {
     pub on_error: OnError,
     /// A pick slower than this counts as a budget breach.
     pub pick_budget: Duration,
+    /// Consecutive budget breaches after which the instance is quarantined to its fallback.
+    pub quarantine_after: u32,
     /// 1-based line of the entry in the file (best effort).
     pub line: Option<usize>,
 }
@@ -754,6 +758,8 @@ struct RawInstance {
     on_error: Option<OnError>,
     #[serde(default, deserialize_with = "de_pick_budget")]
     pick_budget_us: Option<u64>,
+    #[serde(default, deserialize_with = "de_quarantine_after")]
+    quarantine_after: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -893,6 +899,10 @@ fn de_block_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Erro
 
 fn de_pick_budget<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 1, u64::MAX)
+}
+
+fn de_quarantine_after<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, u64::from(u32::MAX))
 }
 
 fn de_ttl_secs<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -1560,6 +1570,10 @@ impl Builder<'_> {
                 pick_budget: instance
                     .pick_budget_us
                     .map_or(DEFAULT_PICK_BUDGET, Duration::from_micros),
+                quarantine_after: instance
+                    .quarantine_after
+                    .and_then(|n| u32::try_from(n).ok())
+                    .unwrap_or(DEFAULT_QUARANTINE_AFTER),
             });
         }
         Ok(WorkerSelectionConfig {

@@ -67,6 +67,16 @@ pub enum LoadError {
     #[error("plugin file {}: root module failed to initialise: {message}", .path.display())]
     RootModule { path: PathBuf, message: String },
 
+    #[error("plugin file {}: sha256 mismatch: configured {expected}, file has {actual}; refusing to load it", .path.display())]
+    HashMismatch {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+
+    #[error("plugin file {}: refusing to load: {problem} (fix the permissions, or set `allow_insecure_permissions: true` on this plugin)", .path.display())]
+    InsecurePermissions { path: PathBuf, problem: String },
+
     #[error("plugin file {}: plugin `{plugin}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display())]
     PanicAbort { path: PathBuf, plugin: String },
 }
@@ -176,6 +186,24 @@ impl From<&RawPolicyTypeInfo> for PolicyTypeDoc {
     }
 }
 
+/// Checks made on a plugin file before it is opened.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Verify<'a> {
+    /// Expected SHA-256 of the file (lowercase hex).
+    pub sha256: Option<&'a str>,
+    /// Skip the ownership and permission checks.
+    pub allow_insecure_permissions: bool,
+}
+
+impl<'a> Verify<'a> {
+    pub fn from_spec(spec: &'a PluginSpec) -> Self {
+        Verify {
+            sha256: spec.sha256.as_deref(),
+            allow_insecure_permissions: spec.allow_insecure_permissions,
+        }
+    }
+}
+
 /// A loaded, validated policy library.
 pub struct PolicyLibrary {
     /// Canonical path of the file.
@@ -226,13 +254,13 @@ impl Loader {
     }
 
     /// Load `path` (or return the library already loaded from the same file).
-    pub fn load(&mut self, path: &Path) -> Result<usize, LoadError> {
+    pub fn load(&mut self, path: &Path, verify: Verify<'_>) -> Result<usize, LoadError> {
         let (canonical, id) = file_id(path)?;
         if let Some(&index) = self.by_file.get(&id) {
             tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
             return Ok(index);
         }
-        let library = open_library(&canonical)?;
+        let library = open_library(&canonical, verify)?;
         tracing::info!(
             path = %library.path.display(),
             plugin = %library.plugin_name,
@@ -256,10 +284,44 @@ impl Loader {
     }
 }
 
-/// Open and validate one library file (steps 3-5 of the module docs).
-pub fn open_library(path: &Path) -> Result<PolicyLibrary, LoadError> {
-    open_now(path)?;
-    let header = lib_header_from_path(path).map_err(|e| library_error(path, e))?;
+/// Open and validate one library file (steps 3-5 of the module docs), after the supply-chain
+/// checks of `verify`.
+///
+/// The file is opened once and every later step (permission and hash checks, both `dlopen`s)
+/// goes through that descriptor (`/proc/self/fd/N`), so a file swapped on disk between the
+/// checks and the load can never be the one that runs.
+pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, LoadError> {
+    if !path.is_file() {
+        return Err(LoadError::NotFound {
+            name: path.display().to_string(),
+            tried: vec![path.to_path_buf()],
+        });
+    }
+    let unreadable = |e: std::io::Error| LoadError::Unreadable {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let file = std::fs::File::open(path).map_err(unreadable)?;
+    if !verify.allow_insecure_permissions {
+        check_permissions(path, &file)?;
+    }
+    if let Some(expected) = verify.sha256 {
+        let actual = sha256_hex(&file).map_err(unreadable)?;
+        if !actual.eq_ignore_ascii_case(expected) {
+            return Err(LoadError::HashMismatch {
+                path: path.to_path_buf(),
+                expected: expected.to_ascii_lowercase(),
+                actual,
+            });
+        }
+    }
+    let pinned = pinned_path(&file).unwrap_or_else(|| path.to_path_buf());
+    open_now(&pinned).map_err(|e| with_path(e, path))?;
+    // The loader now knows the library by the name `/proc/self/fd/N`; closing the descriptor
+    // would let the next plugin file reuse N and be mistaken for this one. Libraries are never
+    // unloaded, so the descriptor is kept for the life of the process too.
+    std::mem::forget(file);
+    let header = lib_header_from_path(&pinned).map_err(|e| library_error(path, e))?;
     let module: PolicyLibraryRef = header.init_root_module().map_err(|e| {
         let err = library_error(path, e);
         if let LoadError::LayoutMismatch { detail, .. } = &err {
@@ -299,6 +361,86 @@ pub fn open_library(path: &Path) -> Result<PolicyLibrary, LoadError> {
         types: types.iter().map(PolicyTypeDoc::from).collect(),
         module,
     })
+}
+
+/// `/proc/self/fd/N` for an open file, when procfs is there.
+fn pinned_path(file: &std::fs::File) -> Option<PathBuf> {
+    use std::os::fd::AsRawFd;
+    let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    path.exists().then_some(path)
+}
+
+/// Report errors against the configured path, not the `/proc/self/fd` alias.
+fn with_path(err: LoadError, path: &Path) -> LoadError {
+    match err {
+        LoadError::Open { message, .. } => LoadError::Open {
+            path: path.to_path_buf(),
+            message,
+        },
+        other => other,
+    }
+}
+
+/// Refuse files (and their directory) that someone other than us or root could have written.
+fn check_permissions(path: &Path, file: &std::fs::File) -> Result<(), LoadError> {
+    let refuse = |problem: String| LoadError::InsecurePermissions {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let unreadable = |e: std::io::Error| LoadError::Unreadable {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let meta = file.metadata().map_err(unreadable)?;
+    let dir = path
+        .canonicalize()
+        .map_err(unreadable)?
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("/"));
+    let dir_meta = std::fs::metadata(&dir).map_err(unreadable)?;
+    for (what, meta) in [("the file", &meta), ("its directory", &dir_meta)] {
+        let shown = if what == "the file" {
+            path.display().to_string()
+        } else {
+            dir.display().to_string()
+        };
+        if meta.mode() & 0o022 != 0 {
+            return Err(refuse(format!(
+                "{what} ({shown}) is writable by group or others (mode {:o})",
+                meta.mode() & 0o7777
+            )));
+        }
+        if meta.uid() != me && meta.uid() != 0 {
+            return Err(refuse(format!(
+                "{what} ({shown}) is owned by uid {}, not by the running user (uid {me}) or root",
+                meta.uid()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Lowercase hex SHA-256 of a file's contents.
+pub fn sha256_hex(mut file: &std::fs::File) -> std::io::Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut hasher = Sha256::new();
+    let mut buf = [0u8; 64 * 1024];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// `dlopen(RTLD_NOW | RTLD_LOCAL)` and keep the handle forever, so unresolved symbols fail at
@@ -378,22 +520,21 @@ fn library_error(path: &Path, err: LibraryError) -> LoadError {
     }
 }
 
-/// One line out of abi_stable's layout report: the first line that names what differs.
+/// One line out of abi_stable's layout report: what differs, which sits at the end of the report
+/// (`Error:<what>` followed by `Expected:` / `Found:` lines).
 fn layout_summary(detail: &str) -> String {
-    let interesting = detail
+    let lines: Vec<&str> = detail
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
-        .find(|l| {
-            let l = l.to_ascii_lowercase();
-            l.contains("mismatch") || l.contains("expected") || l.contains("found")
-        });
-    match interesting {
-        Some(line) => format!(
-            "{line} (run with RUST_LOG=router_host=debug for the full layout report)"
-        ),
-        None => "root module layout differs (run with RUST_LOG=router_host=debug for the full layout report)"
-            .to_string(),
+        .collect();
+    let hint = "run with RUST_LOG=router_host=debug for the full layout report";
+    match lines.iter().rposition(|l| l.starts_with("Error:")) {
+        Some(at) => {
+            let what: Vec<&str> = lines[at..].iter().take(5).copied().collect();
+            format!("{} ({hint})", what.join(" "))
+        }
+        None => format!("root module layout differs ({hint})"),
     }
 }
 

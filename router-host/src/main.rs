@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 
 use router_host::config::RouterConfig;
 use router_host::host::Host;
-use router_host::loader::{open_library, PolicyTypeDoc, SearchPath};
+use router_host::loader::{open_library, PolicyTypeDoc, SearchPath, Verify};
 use router_host::router::Router;
 use router_host::scenario::{self, Scenario};
 
@@ -46,6 +46,9 @@ enum Command {
     Describe {
         /// The plugin shared object (`lib<name>.so`).
         plugin: PathBuf,
+        /// Load it even if it or its directory is writable by others or owned by another user.
+        #[arg(long)]
+        allow_insecure_permissions: bool,
     },
     /// Decide a scripted sequence of requests and print one JSON object per line.
     Select {
@@ -62,6 +65,14 @@ fn main() -> ExitCode {
     init_logging(cli.verbose);
     match run(cli.command) {
         Ok(code) => code,
+        // A closed pipe (`router-host check | head`) is not an error of ours.
+        Err(err)
+            if err
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
@@ -83,16 +94,21 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 }
 
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Check(args) => check(&args),
-        Command::Describe { plugin } => describe(&plugin),
+        Command::Describe {
+            plugin,
+            allow_insecure_permissions,
+        } => describe(&plugin, allow_insecure_permissions),
         Command::Select { config, scenario } => select(&config, &scenario),
     }
 }
@@ -178,8 +194,12 @@ fn resolved_parameters(parameters_json: &str, doc: Option<&PolicyTypeDoc>) -> Ve
     lines
 }
 
-fn describe(plugin: &Path) -> anyhow::Result<ExitCode> {
-    let library = open_library(plugin)?;
+fn describe(plugin: &Path, allow_insecure_permissions: bool) -> anyhow::Result<ExitCode> {
+    let verify = Verify {
+        sha256: None,
+        allow_insecure_permissions,
+    };
+    let library = open_library(plugin, verify)?;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,

@@ -2,7 +2,7 @@
 //! configured instances created from them at startup.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use abi_stable::std_types::{RResult, RSlice, RStr};
@@ -200,10 +200,13 @@ impl Catalog {
             parameters_json: config.parameters_json.clone(),
             on_error: config.on_error,
             pick_budget: config.pick_budget,
+            quarantine_after: config.quarantine_after.max(1),
             inputs,
             policy,
             stats: InstanceStats::default(),
             poisoned: AtomicBool::new(false),
+            quarantined: AtomicBool::new(false),
+            consecutive_slow: AtomicU32::new(0),
         })
     }
 }
@@ -263,16 +266,37 @@ pub struct PolicyInstance {
     pub parameters_json: String,
     pub on_error: OnError,
     pub pick_budget: Duration,
+    /// Consecutive over-budget picks that quarantine the instance.
+    pub quarantine_after: u32,
     pub inputs: Inputs,
     pub(crate) policy: PolicyBox,
     pub stats: InstanceStats,
     /// Set after the policy panicked: it is no longer called.
     pub(crate) poisoned: AtomicBool,
+    /// Set after `quarantine_after` consecutive slow picks: it is no longer called.
+    pub(crate) quarantined: AtomicBool,
+    pub(crate) consecutive_slow: AtomicU32,
 }
 
 impl PolicyInstance {
     pub fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Relaxed)
+    }
+
+    pub fn is_quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::Relaxed)
+    }
+
+    /// Count one timed pick; returns true when this pick tipped the instance into quarantine.
+    pub(crate) fn record_pick_time(&self, pick_ns: u64) -> bool {
+        let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
+        if pick_ns <= budget {
+            self.consecutive_slow.store(0, Ordering::Relaxed);
+            return false;
+        }
+        self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+        let streak = self.consecutive_slow.fetch_add(1, Ordering::Relaxed) + 1;
+        streak >= self.quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed)
     }
 }
 

@@ -20,14 +20,15 @@ use plugin_api::{Explanation, Inputs};
 use crate::builtin::{Builtin, BuiltinSettings};
 use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
 use crate::eligibility::{eligible_rows, EligibilityError};
-use crate::loader::{resolve, LoadError, Loader, SearchPath};
+use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
 use crate::model::{AffinityTarget, Cluster, Request, RequestRole, RowId, Signals};
 use crate::policies::{Catalog, HostSettings, PolicyError, PolicyInstance};
 
 /// Why the host could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
-    #[error("plugins[{index}]{}: {source}", .line.map(|l| format!(" (line {l})")).unwrap_or_default())]
+    // The cause is reported through `source()` (printed by `{:#}` and error-chain loggers).
+    #[error("plugins[{index}]{}", .line.map(|l| format!(" (line {l})")).unwrap_or_default())]
     Plugin {
         index: usize,
         line: Option<usize>,
@@ -60,6 +61,8 @@ pub enum PolicyFailure {
     Panicked(String),
     #[error("policy is poisoned after an earlier panic")]
     Poisoned,
+    #[error("policy is quarantined after repeated picks over its time budget")]
+    Quarantined,
     #[error("policy returned row index {index}, but only {rows} rows were given")]
     OutOfRange { index: usize, rows: usize },
     #[error("host passed an inconsistent view: {0}")]
@@ -219,7 +222,9 @@ impl Router {
                 source: Box::new(source),
             };
             let path = resolve(spec, search).map_err(plugin_error)?;
-            loader.load(&path).map_err(plugin_error)?;
+            loader
+                .load(&path, Verify::from_spec(spec))
+                .map_err(plugin_error)?;
         }
         let catalog = Catalog::new(loader.into_libraries())?;
         let settings = HostSettings {
@@ -237,6 +242,7 @@ impl Router {
             parameters_json: "{}".to_string(),
             on_error: OnError::Fail,
             pick_budget: std::time::Duration::from_millis(1),
+            quarantine_after: u32::MAX,
             line: None,
         };
         let mut instances = vec![catalog.instantiate(&default_config, &settings)?];
@@ -341,7 +347,15 @@ impl Router {
             origin: instance.origin.clone(),
             failure: failure.clone(),
         };
-        tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
+        // The transition into poison or quarantine was logged when it happened.
+        if matches!(
+            failure,
+            PolicyFailure::Poisoned | PolicyFailure::Quarantined
+        ) {
+            tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
+        } else {
+            tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
+        }
         if instance.on_error == OnError::Fail || configured == self.default_instance {
             return Err(error);
         }
@@ -372,6 +386,9 @@ impl Router {
         if instance.is_poisoned() {
             instance.stats.errors.fetch_add(1, Ordering::Relaxed);
             return Err(PolicyFailure::Poisoned);
+        }
+        if instance.is_quarantined() {
+            return Err(PolicyFailure::Quarantined);
         }
         // Only the built-in default narrows to an eligible soft target (design §4).
         let mut narrowed = std::mem::take(&mut scratch.narrowed);
@@ -413,8 +430,15 @@ impl Router {
         let started = Instant::now();
         let picked = instance.policy.pick(&ctx, &view);
         let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        if pick_ns > u64::try_from(instance.pick_budget.as_nanos()).unwrap_or(u64::MAX) {
-            instance.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+        if instance.record_pick_time(pick_ns) {
+            tracing::error!(
+                instance = %instance.name,
+                origin = %instance.origin,
+                budget_us = instance.pick_budget.as_micros() as u64,
+                last_pick_us = pick_ns / 1000,
+                "instance quarantined after {} consecutive picks over its time budget; its requests now go to its fallback",
+                instance.quarantine_after
+            );
         }
         let outcome = match picked {
             RResult::ROk(index) if index < narrowed.len() => Ok(narrowed[index]),

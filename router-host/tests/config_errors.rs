@@ -162,7 +162,7 @@ fn unknown_key_in_an_instance_is_rejected_with_its_location() {
         "unknown_key_instance.yaml",
         &[
             "line 7 column 7: worker_selection.instances[0]: ",
-            "unknown field `paramters`, expected one of `name`, `type`, `parameters`, `on_error`, `pick_budget_us`",
+            "unknown field `paramters`, expected one of `name`, `type`, `parameters`, `on_error`, `pick_budget_us`, `quarantine_after`",
         ],
     );
 }

@@ -11,7 +11,14 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// Every plugin crate the integration tests load.
-pub const PLUGIN_PACKAGES: &[&str] = &["two-tier-cost-fn", "soft-pin-repin", "fixture-probe"];
+pub const PLUGIN_PACKAGES: &[&str] = &[
+    "two-tier-cost-fn",
+    "soft-pin-repin",
+    "fixture-probe",
+    "fixture-faulty",
+    "fixture-duplicate",
+    "fixture-not-a-plugin",
+];
 
 /// `target/<profile>`, derived from this test executable's location (`target/<profile>/deps/`).
 pub fn profile_dir() -> PathBuf {

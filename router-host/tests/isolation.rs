@@ -1,0 +1,375 @@
+//! Plugin isolation: failing, panicking, slow and hostile plugins never take the host down, and
+//! files that fail the supply-chain checks never run. One test per failure mode of
+//! `docs/reliability.md`.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use router_host::config::RouterConfig;
+use router_host::loader::SearchPath;
+use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
+use router_host::router::{PolicyFailure, Router, Scratch, Selection, StartupError};
+
+fn config_with(plugins: &[PathBuf], instances: &str) -> RouterConfig {
+    let mut yaml = String::from("plugins:\n");
+    for p in plugins {
+        yaml.push_str(&format!("  - path: {}\n", p.display()));
+    }
+    yaml.push_str("worker_selection:\n  aggregated: x\n  instances:\n");
+    yaml.push_str(instances);
+    RouterConfig::from_yaml_str(&yaml, None).expect("valid config")
+}
+
+fn start(plugins: &[PathBuf], instances: &str) -> Result<Router, StartupError> {
+    Router::from_config(&config_with(plugins, instances), &SearchPath::default())
+}
+
+fn faulty(instance: &str) -> Result<Router, StartupError> {
+    start(&[common::plugin("fixture_faulty")], instance)
+}
+
+/// The full error chain, as the CLI prints it.
+fn chain(err: &StartupError) -> String {
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+fn cluster() -> Cluster {
+    // Worker 7 is listed first in no particular way; the default selector picks the lowest row.
+    Cluster::new(vec![Worker::new(9), Worker::new(7)]).unwrap()
+}
+
+fn pick(router: &Router) -> Result<router_host::router::Decision, String> {
+    router
+        .select(
+            &cluster(),
+            Selection::of(&Request {
+                isl_tokens: 64,
+                ..Default::default()
+            }),
+            &NoSignals,
+            &mut Scratch::default(),
+        )
+        .map_err(|e| e.to_string())
+}
+
+const LOWEST: RowId = RowId {
+    worker_id: 7,
+    dp_rank: 0,
+};
+const FIRST_ROW: RowId = LOWEST;
+
+#[test]
+fn a_failing_constructor_stops_startup_naming_instance_type_and_plugin() {
+    let err = faulty("    - {name: x, type: fails-in-create}\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("instance `x` (type `fails-in-create`, from "),
+        "{err}"
+    );
+    assert!(
+        err.contains("libfixture_faulty.so): constructor failed: backing store unreachable"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_panicking_constructor_stops_startup_without_aborting() {
+    let err = faulty("    - {name: x, type: panics-in-create}\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.ends_with(
+            "libfixture_faulty.so): constructor panicked: constructor exploded on purpose"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn invalid_parameters_fail_at_startup_naming_instance_type_and_key() {
+    let err = faulty("    - {name: x, type: slow-pick, parameters: {sleep_ms: 1}}\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("instance `x` (type `slow-pick`"), "{err}");
+    assert!(
+        err.contains("parameter `sleep_ms`: unknown field `sleep_ms`"),
+        "{err}"
+    );
+    let err = faulty("    - {name: x, type: slow-pick}\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("parameter `sleep_us`: missing field `sleep_us`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_panic_in_pick_falls_back_poisons_the_instance_and_is_counted() {
+    let router = faulty("    - {name: x, type: panics-in-pick, parameters: {after: 1}}\n").unwrap();
+    let instance = router
+        .instances()
+        .iter()
+        .position(|i| i.name == "x")
+        .unwrap();
+    // First call is fine and the plugin's answer (row 0 of its view) is used.
+    let d = pick(&router).unwrap();
+    assert_eq!((d.row, d.fallback.clone()), (FIRST_ROW, None));
+    // Second call panics inside the plugin: contained, and the default decides.
+    let d = pick(&router).unwrap();
+    assert_eq!(d.row, LOWEST);
+    assert_eq!(
+        d.fallback,
+        Some(PolicyFailure::Panicked("pick exploded on purpose".into()))
+    );
+    assert!(router.instance(instance).is_poisoned());
+    // Poisoned: the plugin is not called again; requests keep being served by the fallback.
+    let d = pick(&router).unwrap();
+    assert_eq!(d.fallback, Some(PolicyFailure::Poisoned));
+    let stats = router.instance(instance).stats.snapshot();
+    assert_eq!(
+        (stats.picks, stats.panics, stats.errors, stats.fallbacks),
+        (2, 1, 2, 2),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_panic_in_pick_with_on_error_fail_is_an_error_not_an_abort() {
+    let router = faulty("    - {name: x, type: panics-in-pick, on_error: fail}\n").unwrap();
+    let err = pick(&router).unwrap_err();
+    assert!(
+        err.contains("instance `x` (")
+            && err.contains("policy panicked: pick exploded on purpose; the instance is poisoned"),
+        "{err}"
+    );
+    let err = pick(&router).unwrap_err();
+    assert!(
+        err.contains("policy is poisoned after an earlier panic"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_error_from_pick_gets_the_fallback_and_is_counted() {
+    let router = faulty("    - {name: x, type: errors-in-pick}\n").unwrap();
+    let d = pick(&router).unwrap();
+    assert_eq!(d.row, LOWEST);
+    assert_eq!(
+        d.fallback,
+        Some(PolicyFailure::Failed("no good row today".into()))
+    );
+    let x = router.instances().iter().find(|i| i.name == "x").unwrap();
+    assert!(!x.is_poisoned(), "an error is not a panic");
+    let stats = x.stats.snapshot();
+    assert_eq!((stats.errors, stats.fallbacks, stats.panics), (1, 1, 0));
+}
+
+#[test]
+fn repeatedly_slow_picks_quarantine_the_instance_to_its_fallback() {
+    let router = faulty(
+        "    - {name: x, type: slow-pick, parameters: {sleep_us: 3000}, pick_budget_us: 1000, quarantine_after: 2}\n",
+    )
+    .unwrap();
+    let x = router
+        .instances()
+        .iter()
+        .position(|i| i.name == "x")
+        .unwrap();
+    // Slow answers are still answers; the streak is counted.
+    for _ in 0..2 {
+        let d = pick(&router).unwrap();
+        assert_eq!(d.fallback, None);
+        assert!(d.pick_ns >= 3_000_000, "pick took {} ns", d.pick_ns);
+    }
+    assert!(router.instance(x).is_quarantined());
+    let d = pick(&router).unwrap();
+    assert_eq!(d.fallback, Some(PolicyFailure::Quarantined));
+    assert_eq!(d.row, LOWEST);
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.picks, stats.slow_picks, stats.fallbacks), (2, 2, 1));
+}
+
+#[test]
+fn two_libraries_exporting_one_type_name_fail_startup_naming_both_files() {
+    let err = start(
+        &[
+            common::plugin("fixture_probe"),
+            common::plugin("fixture_duplicate"),
+        ],
+        "    - {name: x, type: probe}\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("policy type `probe` is exported by two libraries"),
+        "{err}"
+    );
+    assert!(err.contains("libfixture_probe.so and "), "{err}");
+    assert!(err.contains("libfixture_duplicate.so"), "{err}");
+}
+
+#[test]
+fn a_shared_object_without_our_root_module_is_not_a_policy_library() {
+    let err = start(
+        &[common::plugin("fixture_not_a_plugin")],
+        "    - {name: x, type: default}\n",
+    )
+    .unwrap_err();
+    let text = chain(&err);
+    assert!(text.contains("plugins[0]"), "{text}");
+    assert!(
+        text.contains("libfixture_not_a_plugin.so: not a policy library"),
+        "{text}"
+    );
+}
+
+#[test]
+fn plugin_log_events_reach_the_host_log_tagged_with_the_plugin_name() {
+    let dir = common::temp_dir("logs");
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: x\n  instances:\n    - {{name: x, type: chatty}}\n",
+            common::plugin("fixture_faulty").display()
+        ),
+    );
+    let scenario = common::write(
+        &dir,
+        "s.json",
+        r#"{"workers": [{"worker_id": 1}], "requests": [{"isl_tokens": 10}]}"#,
+    );
+    let (code, _, err) = common::run_cli(&[
+        "-v",
+        "select",
+        "--config",
+        config.to_str().unwrap(),
+        "--scenario",
+        scenario.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let created = err
+        .lines()
+        .find(|l| l.contains("chatty policy created"))
+        .unwrap_or_else(|| panic!("no creation event in:\n{err}"));
+    assert!(
+        created.contains("INFO") && created.contains("plugin=\"fixture-faulty\""),
+        "{created}"
+    );
+    assert!(
+        created.contains("instance=x") || created.contains("instance=\"x\""),
+        "{created}"
+    );
+    let picked = err.lines().find(|l| l.contains("chatty pick")).unwrap();
+    assert!(
+        picked.contains("WARN") && picked.contains("rows=1 isl=10"),
+        "{picked}"
+    );
+}
+
+/// A private copy of a plugin in its own directory, with the given modes.
+fn private_copy(test: &str, name: &str, file_mode: u32, dir_mode: u32) -> PathBuf {
+    let dir = common::temp_dir(test).join("plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join(format!("lib{name}.so"));
+    std::fs::copy(common::plugin(name), &copy).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(file_mode)).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(dir_mode)).unwrap();
+    copy
+}
+
+fn load_one(path: &Path, extra: &str) -> Result<Router, String> {
+    let yaml = format!("plugins:\n  - path: {}\n{extra}", path.display());
+    let config = RouterConfig::from_yaml_str(&yaml, None).map_err(|e| e.to_string())?;
+    Router::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
+}
+
+#[test]
+fn sha256_is_checked_before_loading_and_a_mismatch_prints_both_hashes() {
+    let path = private_copy("sha", "fixture_probe", 0o644, 0o755);
+    let actual = router_host::loader::sha256_hex(&std::fs::File::open(&path).unwrap()).unwrap();
+    let wrong = "0".repeat(64);
+    let err = load_one(&path, &format!("    sha256: \"{wrong}\"\n")).unwrap_err();
+    assert!(
+        err.contains(&format!(
+            "sha256 mismatch: configured {wrong}, file has {actual}"
+        )),
+        "{err}"
+    );
+    assert!(load_one(
+        &path,
+        &format!("    sha256: \"{}\"\n", actual.to_uppercase())
+    )
+    .is_ok());
+}
+
+#[test]
+fn group_or_world_writable_files_and_directories_are_refused_unless_allowed() {
+    let path = private_copy("perm-file", "fixture_probe", 0o664, 0o755);
+    let err = load_one(&path, "").unwrap_err();
+    assert!(err.contains("refusing to load: the file"), "{err}");
+    assert!(
+        err.contains("is writable by group or others (mode 664)"),
+        "{err}"
+    );
+    assert!(load_one(&path, "    allow_insecure_permissions: true\n").is_ok());
+
+    let path = private_copy("perm-dir", "fixture_probe", 0o644, 0o777);
+    let err = load_one(&path, "").unwrap_err();
+    assert!(err.contains("its directory"), "{err}");
+    assert!(err.contains("(mode 777)"), "{err}");
+}
+
+#[test]
+fn files_owned_by_another_user_are_refused() {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let path = private_copy("owner", "fixture_probe", 0o644, 0o755);
+    if !root {
+        // Only root can give a file away; as another user the file is ours, and must load.
+        assert!(load_one(&path, "").is_ok());
+        return;
+    }
+    std::os::unix::fs::chown(&path, Some(4242), None).unwrap();
+    let err = load_one(&path, "").unwrap_err();
+    assert!(
+        err.contains("is owned by uid 4242, not by the running user (uid 0) or root"),
+        "{err}"
+    );
+    assert!(load_one(&path, "    allow_insecure_permissions: true\n").is_ok());
+}
+
+#[test]
+fn replacing_the_file_after_startup_changes_nothing() {
+    let path = private_copy("replace", "fixture_probe", 0o644, 0o755);
+    let router = load_one(
+        &path,
+        "worker_selection:\n  aggregated: x\n  instances:\n    - {name: x, type: probe, parameters: {return_index: 1}}\n",
+    )
+    .unwrap();
+    // Swap the file on disk for another plugin (write to a new file, rename over the old one).
+    let swap = path.with_extension("new");
+    std::fs::copy(common::plugin("fixture_duplicate"), &swap).unwrap();
+    std::fs::rename(&swap, &path).unwrap();
+    let d = pick(&router).unwrap();
+    assert_eq!(
+        d.row,
+        RowId {
+            worker_id: 9,
+            dp_rank: 0
+        },
+        "still the probe: index 1"
+    );
+    assert_eq!(d.fallback, None);
+}
