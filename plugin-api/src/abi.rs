@@ -6,7 +6,8 @@
 //!
 //! * new root-module fields go after [`PolicyLibrary::create`] (the `last_prefix_field`) and are
 //!   read as `Option`s;
-//! * new policy-object methods go after [`PolicyObject::explain`] with a default;
+//! * new policy-object methods go after [`PolicyObject::explain`] with a default (1.1 added
+//!   `on_dispatch` and `on_complete` this way);
 //! * new per-request context fields go into [`RawRequestContext::extensions`], new per-row signals
 //!   into [`RawCandidateView::extra_columns`], keyed by name: an older plugin never looks at them.
 //!
@@ -249,6 +250,62 @@ pub trait PolicyObject: Send + Sync {
         ctx: &RawRequestContext<'_>,
         view: &RawCandidateView<'_>,
     ) -> RResult<ROption<RawExplanation>, PickFailure>;
+
+    // ---- 1.1 ----------------------------------------------------------------------------------
+    // Methods below were added after 1.0. A library built against 1.0 has no vtable entry for
+    // them, and calls fall back to these default bodies (no-ops).
+
+    /// Since 1.1: the host booked a request this instance was asked to route.
+    fn on_dispatch(&self, event: &DispatchEvent<'_>) {
+        let _ = event;
+    }
+
+    /// Since 1.1: a request this instance was asked to route finished.
+    fn on_complete(&self, event: &CompleteEvent<'_>) {
+        let _ = event;
+    }
+}
+
+/// How a dispatched request ended (since 1.1).
+#[repr(transparent)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CompletionCode(pub u8);
+
+impl CompletionCode {
+    /// The engine finished the request.
+    pub const COMPLETED: CompletionCode = CompletionCode(0);
+    /// The engine or the client failed it.
+    pub const FAILED: CompletionCode = CompletionCode(1);
+    /// It was cancelled before finishing.
+    pub const CANCELLED: CompletionCode = CompletionCode(2);
+}
+
+/// A request the host booked (since 1.1).
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct DispatchEvent<'a> {
+    /// The host's id for the request; the matching [`CompleteEvent`] carries the same id.
+    pub request_id: u64,
+    /// Where it was booked.
+    pub row: RowId,
+    pub session_id: ROption<RStr<'a>>,
+    pub prompt_tokens: u64,
+    /// `true` when this instance failed for the request and the host's fallback chose `row`.
+    pub fallback: bool,
+    /// Values added after 1.1, by name.
+    pub extensions: RSlice<'a, Extension<'a>>,
+}
+
+/// A booked request that finished (since 1.1).
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct CompleteEvent<'a> {
+    pub request_id: u64,
+    pub row: RowId,
+    pub session_id: ROption<RStr<'a>>,
+    pub outcome: CompletionCode,
+    /// Values added after 1.1, by name.
+    pub extensions: RSlice<'a, Extension<'a>>,
 }
 
 /// An owned, type-erased policy object.

@@ -16,13 +16,13 @@ use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
 
 use crate::abi::{
-    CreateFailure, CreateFailureKind, ExplainField, ExplainLabel, HostLog, Inputs, LogLevel,
-    LogRecord, PickFailure, PickFailureKind, PolicyBox, PolicyLibrary, PolicyLibraryRef,
-    PolicyObject, RawCandidateView, RawCreateContext, RawExplanation, RawParamDoc,
-    RawPolicyTypeInfo, RawRequestContext, API_VERSION,
+    CompleteEvent, CreateFailure, CreateFailureKind, DispatchEvent, ExplainField, ExplainLabel,
+    HostLog, Inputs, LogLevel, LogRecord, PickFailure, PickFailureKind, PolicyBox, PolicyLibrary,
+    PolicyLibraryRef, PolicyObject, RawCandidateView, RawCreateContext, RawExplanation,
+    RawParamDoc, RawPolicyTypeInfo, RawRequestContext, API_VERSION,
 };
 use crate::create::{CreateContext, CreateError, Parameters, PolicyType};
-use crate::policy::{Context, Policy, Rows};
+use crate::policy::{Completion, Context, Dispatch, Outcome, Policy, Rows};
 
 /// Wraps a safe [`Policy`] as an ABI [`PolicyObject`], containing panics.
 pub struct Adapter<P> {
@@ -50,6 +50,17 @@ impl<P: Policy> Adapter<P> {
     /// Whether an earlier callback panicked.
     pub fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Relaxed)
+    }
+
+    /// Run a notification hook under `catch_unwind`; a panic poisons the instance (hooks cannot
+    /// return errors, so the next `pick` reports it).
+    fn notify(&self, call: impl FnOnce(&P)) {
+        if self.poisoned.load(Ordering::Relaxed) {
+            return;
+        }
+        if catch_unwind(AssertUnwindSafe(|| call(&self.policy))).is_err() {
+            self.poisoned.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Run one author callback with the view checked, panics contained and poisoning applied.
@@ -140,6 +151,27 @@ impl<P: Policy> PolicyObject for Adapter<P> {
                 None => ROption::RNone,
             })
         })
+    }
+
+    fn on_dispatch(&self, event: &DispatchEvent<'_>) {
+        let dispatch = Dispatch {
+            request_id: event.request_id,
+            row: event.row,
+            session_id: event.session_id.as_ref().map(|s| s.as_str()).into_option(),
+            prompt_tokens: event.prompt_tokens,
+            fallback: event.fallback,
+        };
+        self.notify(|policy| policy.on_dispatch(&dispatch));
+    }
+
+    fn on_complete(&self, event: &CompleteEvent<'_>) {
+        let completion = Completion {
+            request_id: event.request_id,
+            row: event.row,
+            session_id: event.session_id.as_ref().map(|s| s.as_str()).into_option(),
+            outcome: Outcome::from_code(event.outcome),
+        };
+        self.notify(|policy| policy.on_complete(&completion));
     }
 }
 
@@ -386,12 +418,44 @@ impl tracing::Subscriber for Bridge {
 
 /// Export a policy library: the one macro a plugin crate calls, once, at its root.
 ///
-/// ```ignore
+/// ```
+/// use plugin_api::{
+///     Context, CreateContext, CreateError, Inputs, ParamDoc, Parameters, PickError, Policy,
+///     PolicyType, Rows,
+/// };
+///
+/// struct First;
+///
+/// impl Policy for First {
+///     fn inputs(&self) -> Inputs {
+///         Inputs::NONE
+///     }
+///     fn pick(&self, _: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
+///         // Row order is unspecified: a real policy breaks ties on data, not position.
+///         (0..rows.len()).min_by_key(|&i| rows.row(i)).ok_or_else(|| PickError::new("no rows"))
+///     }
+/// }
+///
+/// struct FirstType;
+///
+/// impl PolicyType for FirstType {
+///     type Policy = First;
+///     const NAME: &'static str = "lowest-row";
+///     const SUMMARY: &'static str = "Always the lowest (worker, rank)";
+///     fn parameters() -> Vec<ParamDoc> {
+///         Vec::new()
+///     }
+///     fn create(_: &Parameters<'_>, _: &CreateContext<'_>) -> Result<First, CreateError> {
+///         Ok(First)
+///     }
+/// }
+///
 /// plugin_api::export_plugin! {
 ///     name: "my-policies",
 ///     version: env!("CARGO_PKG_VERSION"),
-///     policies: [MyPolicyType, MyOtherPolicyType],
+///     policies: [FirstType],
 /// }
+/// # fn main() {}
 /// ```
 /// Each listed type implements [`crate::PolicyType`]. The crate must be built as a `cdylib`
 /// with `panic = "unwind"` (the default); the host refuses `panic = "abort"` builds.

@@ -15,6 +15,11 @@
 //!
 //! The crate version is the ABI version, versioned separately from the host: a plugin built
 //! against `1.x` loads into any host built against `1.y`. See `docs/writing-a-policy.md`.
+//!
+//! ## Versions
+//! - **1.0**: root module, `PolicyObject { required_inputs, pick, explain }`, context and view.
+//! - **1.1**: optional hooks [`Policy::on_dispatch`] and [`Policy::on_complete`]. Plugins built
+//!   against 1.0 keep loading; hosts simply find no hooks in them.
 
 pub mod abi;
 mod create;
@@ -26,7 +31,8 @@ pub mod testing;
 pub use abi::{Inputs, RowId, API_VERSION};
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
-    AffinityTarget, Context, Explanation, Load, Overlap, PickError, Policy, Role, Rows, ViewError,
+    AffinityTarget, Completion, Context, Dispatch, Explanation, Load, Outcome, Overlap, PickError,
+    Policy, Role, Rows, ViewError,
 };
 
 #[doc(hidden)]

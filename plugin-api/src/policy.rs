@@ -414,4 +414,69 @@ pub trait Policy: Send + Sync + 'static {
         let _ = (ctx, rows);
         None
     }
+
+    /// Since 1.1: the host booked a request this instance was asked to route (on the row it
+    /// picked, or on the fallback's row). Use it to track in-flight work or sessions. Keep it
+    /// cheap: it runs on the request path.
+    fn on_dispatch(&self, event: &Dispatch<'_>) {
+        let _ = event;
+    }
+
+    /// Since 1.1: a request reported by [`Policy::on_dispatch`] finished.
+    fn on_complete(&self, event: &Completion<'_>) {
+        let _ = event;
+    }
+}
+
+/// A booked request (see [`Policy::on_dispatch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dispatch<'a> {
+    /// The host's id for the request; its [`Completion`] carries the same id.
+    pub request_id: u64,
+    pub row: RowId,
+    pub session_id: Option<&'a str>,
+    pub prompt_tokens: u64,
+    /// `true` when this instance failed for the request and the host's fallback chose `row`.
+    pub fallback: bool,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Completed,
+    Failed,
+    Cancelled,
+    /// An outcome added by a newer host than this plugin was built for.
+    Other(u8),
+}
+
+impl Outcome {
+    pub fn from_code(code: crate::abi::CompletionCode) -> Outcome {
+        use crate::abi::CompletionCode as C;
+        match code {
+            C::COMPLETED => Outcome::Completed,
+            C::FAILED => Outcome::Failed,
+            C::CANCELLED => Outcome::Cancelled,
+            C(other) => Outcome::Other(other),
+        }
+    }
+
+    pub fn code(self) -> crate::abi::CompletionCode {
+        use crate::abi::CompletionCode as C;
+        match self {
+            Outcome::Completed => C::COMPLETED,
+            Outcome::Failed => C::FAILED,
+            Outcome::Cancelled => C::CANCELLED,
+            Outcome::Other(code) => C(code),
+        }
+    }
+}
+
+/// A finished request (see [`Policy::on_complete`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion<'a> {
+    pub request_id: u64,
+    pub row: RowId,
+    pub session_id: Option<&'a str>,
+    pub outcome: Outcome,
 }

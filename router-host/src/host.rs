@@ -10,10 +10,13 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use abi_stable::std_types::{ROption, RSlice, RStr};
+use plugin_api::abi::{CompleteEvent, CompletionCode, DispatchEvent};
+
 use crate::config::{AdmissionMode, AffinityMode, PolicyClassConfig, RouterConfig};
 use crate::eligibility::{check_pin, eligible_rows};
 use crate::model::{Cluster, Request, RowId, RowLoad, Signals, TierOverlap};
-use crate::router::{Decision, Router, Scratch, SelectError, Selection};
+use crate::router::{Decision, InstanceId, Router, Scratch, SelectError, Selection};
 use crate::sessions::{
     BindingGranularity, BindingMode, Clock, DispatchOutcome, Lease, SessionError, SessionTable,
     SystemClock,
@@ -64,10 +67,15 @@ impl LoadTable {
 #[derive(Debug, Clone)]
 struct Booking {
     row: RowId,
+    /// The instance configured for the request (told about dispatch and completion).
+    instance: InstanceId,
     /// Prompt tokens still to prefill (released at prefill completion or at completion).
     prefill_tokens: u64,
     decode_blocks: u64,
+    /// The request's session id.
     session: Option<Arc<str>>,
+    /// Whether the session table counts this request in flight (release it on completion).
+    holds_lease: bool,
 }
 
 /// Per-row signals for the request being routed that the host does not own itself: prompt
@@ -530,16 +538,18 @@ impl Host {
         self.next_id += 1;
         let mut booking = Booking {
             row: decision.row,
+            instance: decision.instance,
             prefill_tokens: request.isl_tokens,
             decode_blocks: self.router.request_blocks(request.isl_tokens),
-            session: None,
+            session: request.session_id.as_deref().map(Arc::from),
+            holds_lease: false,
         };
         self.load.book(decision.row, &booking);
         let session = match (&self.sessions, plan.lease) {
             (Some(table), Some(lease)) => {
                 let outcome = match table.dispatched(&lease, decision.row) {
                     Ok(outcome) => {
-                        booking.session = Some(Arc::from(lease.session_id()));
+                        booking.holds_lease = true;
                         SessionOutcome::Dispatched(outcome)
                     }
                     Err(err) => {
@@ -555,6 +565,17 @@ impl Host {
             }
             _ => None,
         };
+        self.router.notify_dispatch(
+            decision.instance,
+            &DispatchEvent {
+                request_id: id,
+                row: decision.row,
+                session_id: session_str(&request.session_id),
+                prompt_tokens: request.isl_tokens,
+                fallback: decision.fallback.is_some(),
+                extensions: RSlice::EMPTY,
+            },
+        );
         self.inflight.insert(id, booking);
         Routed {
             id,
@@ -576,14 +597,42 @@ impl Host {
     /// The request finished: release its load and its session lease. Unknown ids are ignored
     /// (completing twice is harmless).
     pub fn complete(&mut self, id: RequestId) -> bool {
+        self.finish(id, CompletionCode::COMPLETED)
+    }
+
+    /// The request ended with `outcome` (completed, failed, cancelled): release it as
+    /// [`Host::complete`] does and tell its policy how it ended.
+    pub fn finish(&mut self, id: RequestId, outcome: CompletionCode) -> bool {
         let Some(booking) = self.inflight.remove(&id) else {
             return false;
         };
         self.load.release(booking.row, &booking);
-        if let (Some(table), Some(session)) = (&self.sessions, &booking.session) {
+        if let (Some(table), Some(session), true) =
+            (&self.sessions, &booking.session, booking.holds_lease)
+        {
             table.completed(session);
         }
+        self.router.notify_complete(
+            booking.instance,
+            &CompleteEvent {
+                request_id: id,
+                row: booking.row,
+                session_id: match &booking.session {
+                    Some(s) => ROption::RSome(RStr::from_str(s)),
+                    None => ROption::RNone,
+                },
+                outcome,
+                extensions: RSlice::EMPTY,
+            },
+        );
         true
+    }
+}
+
+fn session_str(session: &Option<String>) -> ROption<RStr<'_>> {
+    match session {
+        Some(s) => ROption::RSome(RStr::from_str(s)),
+        None => ROption::RNone,
     }
 }
 

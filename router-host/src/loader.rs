@@ -18,8 +18,12 @@ use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
+use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
+use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModule};
+use abi_stable::sabi_types::VersionNumber;
+use abi_stable::std_types::RBoxError;
 use abi_stable::std_types::RVec;
+use abi_stable::StableAbi;
 use plugin_api::abi::{PolicyLibraryRef, RawPolicyTypeInfo};
 use plugin_api::ParamDoc;
 
@@ -322,7 +326,7 @@ pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, Lo
     // unloaded, so the descriptor is kept for the life of the process too.
     std::mem::forget(file);
     let header = lib_header_from_path(&pinned).map_err(|e| library_error(path, e))?;
-    let module: PolicyLibraryRef = header.init_root_module().map_err(|e| {
+    let module: PolicyLibraryRef = init_root_module(header).map_err(|e| {
         let err = library_error(path, e);
         if let LoadError::LayoutMismatch { detail, .. } = &err {
             tracing::debug!(path = %path.display(), "full abi_stable layout report:\n{detail}");
@@ -361,6 +365,54 @@ pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, Lo
         types: types.iter().map(PolicyTypeDoc::from).collect(),
         module,
     })
+}
+
+/// `init_root_module`, accepting older 1.x plugins too.
+///
+/// abi_stable's layout check takes the host's types as the interface and only accepts a plugin
+/// whose prefix types (the root module, the policy-object vtable) have *at least* the host's
+/// fields: a plugin built against an older minor, which lacks the fields added since, is
+/// reported as "too many fields" (abi_stable issue #118). Reading such a plugin is safe: fields
+/// after `last_prefix_field` are read through accessors that see them as absent, and methods
+/// added after it fall back to their default bodies. So when the normal check fails, check the
+/// other direction (the plugin's layout as the interface, the host's as the implementation);
+/// every non-prefix type must still match exactly either way, so a changed layout under the same
+/// version is still refused.
+fn init_root_module(header: &LibHeader) -> Result<PolicyLibraryRef, LibraryError> {
+    match header.init_root_module::<PolicyLibraryRef>() {
+        Err(LibraryError::AbiInstability(forward)) => {
+            let Some(plugin) = header.layout() else {
+                return Err(LibraryError::AbiInstability(forward));
+            };
+            match check_layout_compatibility(plugin, <PolicyLibraryRef as StableAbi>::LAYOUT) {
+                // SAFETY: the layouts were just checked (plugin as interface, host as
+                // implementation); the version is checked inside.
+                Ok(()) => unsafe { header.init_root_module_with_unchecked_layout() },
+                // Report the check that fits the plugin's age: for an older plugin the forward
+                // check only complains about the fields it cannot have.
+                Err(backward) if plugin_is_older(header) => Err(LibraryError::AbiInstability(
+                    RBoxError::from_fmt(&format_args!("{PLUGIN_AS_INTERFACE}\n{backward}")),
+                )),
+                Err(_) => Err(LibraryError::AbiInstability(forward)),
+            }
+        }
+        other => other,
+    }
+}
+
+/// Marks a layout report whose "Expected" side is the plugin's and "Found" side the host's.
+const PLUGIN_AS_INTERFACE: &str = "(layout checked with the plugin's types as the interface)";
+
+/// Whether the plugin was built against an older plugin-api minor than this host's.
+fn plugin_is_older(header: &LibHeader) -> bool {
+    let host = <PolicyLibraryRef as RootModule>::VERSION_STRINGS;
+    match (
+        VersionNumber::new(header.version_strings()),
+        VersionNumber::new(host),
+    ) {
+        (Ok(plugin), Ok(host)) => (plugin.major, plugin.minor) < (host.major, host.minor),
+        _ => false,
+    }
 }
 
 /// `/proc/self/fd/N` for an open file, when procfs is there.
@@ -523,19 +575,34 @@ fn library_error(path: &Path, err: LibraryError) -> LoadError {
 /// One line out of abi_stable's layout report: what differs, which sits at the end of the report
 /// (`Error:<what>` followed by `Expected:` / `Found:` lines).
 fn layout_summary(detail: &str) -> String {
+    let (host, plugin) = if detail.starts_with(PLUGIN_AS_INTERFACE) {
+        ("Found:", "Expected:")
+    } else {
+        ("Expected:", "Found:")
+    };
     let lines: Vec<&str> = detail
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
     let hint = "run with RUST_LOG=router_host=debug for the full layout report";
-    match lines.iter().rposition(|l| l.starts_with("Error:")) {
-        Some(at) => {
-            let what: Vec<&str> = lines[at..].iter().take(5).copied().collect();
-            format!("{} ({hint})", what.join(" "))
-        }
-        None => format!("root module layout differs ({hint})"),
-    }
+    let Some(at) = lines.iter().rposition(|l| l.starts_with("Error:")) else {
+        return format!("root module layout differs ({hint})");
+    };
+    let what = lines[at].trim_start_matches("Error:");
+    let value_after = |label: &str| {
+        lines[at..]
+            .iter()
+            .position(|l| *l == label)
+            .and_then(|i| lines.get(at + i + 1))
+            .copied()
+            .unwrap_or("?")
+    };
+    format!(
+        "{what}: host has {}, plugin has {} ({hint})",
+        value_after(host),
+        value_after(plugin)
+    )
 }
 
 /// The root-module name the host expects, for messages.

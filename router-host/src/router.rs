@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
 use plugin_api::abi::{
-    PickFailure, PickFailureKind, RawAffinityTarget, RawCandidateView, RawExplanation,
-    RawRequestContext,
+    CompleteEvent, DispatchEvent, PickFailure, PickFailureKind, RawAffinityTarget,
+    RawCandidateView, RawExplanation, RawRequestContext,
 };
 use plugin_api::{Explanation, Inputs};
 
@@ -469,6 +469,25 @@ impl Router {
         let candidates = narrowed.len();
         scratch.narrowed = narrowed;
         outcome.map(|row| (row, explanation, candidates, pick_ns))
+    }
+}
+
+impl Router {
+    /// Tell the instance that decided (or fell back for) a request where it was booked. Hooks
+    /// exist since plugin-api 1.1; for a 1.0 plugin this is a no-op.
+    pub fn notify_dispatch(&self, id: InstanceId, event: &DispatchEvent<'_>) {
+        let instance = &self.instances[id];
+        if !instance.is_poisoned() && !instance.is_quarantined() {
+            instance.policy.on_dispatch(event);
+        }
+    }
+
+    /// Tell the instance that a request it was notified about finished.
+    pub fn notify_complete(&self, id: InstanceId, event: &CompleteEvent<'_>) {
+        let instance = &self.instances[id];
+        if !instance.is_poisoned() && !instance.is_quarantined() {
+            instance.policy.on_complete(event);
+        }
     }
 }
 

@@ -25,7 +25,10 @@ fn check_prints_plugins_types_instances_and_roles() {
     let (code, out, err) = run_cli(&["check", "--config", config.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("fixture-probe 0.1.0 (plugin-api 1.0.0) at"),
+        out.contains(&format!(
+            "fixture-probe 0.1.0 (plugin-api {}) at",
+            plugin_api::API_VERSION
+        )),
         "{out}"
     );
     assert!(out.contains("libfixture_probe.so"), "{out}");
@@ -107,7 +110,10 @@ fn describe_prints_types_and_parameter_docs() {
     let (code, out, err) = run_cli(&["describe", plugin("fixture_probe").to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("fixture-probe 0.1.0 (plugin-api 1.0.0)"),
+        out.contains(&format!(
+            "fixture-probe 0.1.0 (plugin-api {})",
+            plugin_api::API_VERSION
+        )),
         "{out}"
     );
     assert!(out.contains("policy type `probe`"), "{out}");
