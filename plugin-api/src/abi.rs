@@ -430,7 +430,8 @@ pub struct PolicyLibrary {
     pub api_version: RStr<'static>,
     /// `cfg!(panic = "unwind")` of the plugin build. `false` means panics abort the host.
     pub panic_unwind: bool,
-    /// The policy types this library provides.
+    /// The policy types this library provides. A single entry with an empty name means the list
+    /// could not be produced; its summary says why.
     pub policy_types: extern "C" fn() -> RVec<RawPolicyTypeInfo>,
     /// Validate parameters (JSON object text) and build one policy instance.
     #[sabi(last_prefix_field)]

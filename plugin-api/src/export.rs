@@ -7,6 +7,7 @@
 //! the host.
 
 use std::any::Any;
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -26,7 +27,8 @@ use crate::policy::{Completion, Context, Dispatch, Outcome, Policy, Rows};
 
 /// Wraps a safe [`Policy`] as an ABI [`PolicyObject`], containing panics.
 pub struct Adapter<P> {
-    policy: P,
+    /// Dropped by hand, under `catch_unwind` (see the `Drop` impl).
+    policy: ManuallyDrop<P>,
     inputs: Inputs,
     poisoned: AtomicBool,
 }
@@ -41,7 +43,7 @@ impl<P: Policy> Adapter<P> {
             )
         })?;
         Ok(Adapter {
-            policy,
+            policy: ManuallyDrop::new(policy),
             inputs,
             poisoned: AtomicBool::new(false),
         })
@@ -93,6 +95,16 @@ impl<P: Policy> Adapter<P> {
                 ))
             }
         }
+    }
+}
+
+impl<P> Drop for Adapter<P> {
+    /// The host drops instances (at shutdown) through an FFI shim: a panicking author `Drop`
+    /// must not unwind into it.
+    fn drop(&mut self) {
+        let policy = &mut self.policy;
+        // SAFETY: `policy` is dropped exactly once, here, and never used afterwards.
+        let _ = catch_unwind(AssertUnwindSafe(|| unsafe { ManuallyDrop::drop(policy) }));
     }
 }
 
@@ -257,8 +269,15 @@ pub fn library(
 /// The exported type list (called by the code [`crate::export_plugin!`] generates).
 #[doc(hidden)]
 pub fn policy_types(entries: &'static [TypeEntry]) -> RVec<RawPolicyTypeInfo> {
-    // Author code (parameter docs) runs here: keep a panic from crossing into the host.
-    catch_unwind(|| entries.iter().map(|e| (e.info)()).collect()).unwrap_or_default()
+    // Author code (parameter docs) runs here: keep a panic from crossing into the host, and
+    // report it as the one entry with an empty name, which hosts refuse with its summary.
+    catch_unwind(|| entries.iter().map(|e| (e.info)()).collect()).unwrap_or_else(|payload| {
+        RVec::from(vec![RawPolicyTypeInfo {
+            name: RString::new(),
+            summary: format!("policy type list panicked: {}", panic_message(&*payload)).into(),
+            parameters: RVec::new(),
+        }])
+    })
 }
 
 /// The exported `create` (called by the code [`crate::export_plugin!`] generates).

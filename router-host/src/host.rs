@@ -203,7 +203,7 @@ impl Class {
 }
 
 /// Queued requests wait per lane: one per class, plus one per (class, pinned row), so a busy pin
-/// blocks only its own lane. `BTreeMap` keeps drain order deterministic.
+/// (explicit, or a hard session binding) blocks only its own lane. `BTreeMap` keeps drain order deterministic.
 type LaneKey = (usize, Option<RowId>);
 
 #[derive(Debug)]
@@ -339,7 +339,10 @@ impl Host {
                 .route(&request, source, explain)
                 .map(Submitted::Dispatched);
         };
-        let lane = (class, request.pinned_worker);
+        // A pin (explicit, or a hard session binding) waits in its own lane, so a busy pinned
+        // row never holds up the class's other requests.
+        let pin = self.plan(&request, false)?.selection.pin;
+        let lane = (class, pin);
         // A lane with a backlog keeps its order: later arrivals wait behind it.
         if self.lanes.get(&lane).is_some_and(|q| !q.is_empty()) {
             return Ok(Submitted::Queued(self.enqueue(lane, request)));

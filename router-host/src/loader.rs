@@ -261,6 +261,8 @@ impl Loader {
     pub fn load(&mut self, path: &Path, verify: Verify<'_>) -> Result<usize, LoadError> {
         let (canonical, id) = file_id(path)?;
         if let Some(&index) = self.by_file.get(&id) {
+            // Loaded once, but every entry naming the file gets its own checks.
+            check_file(path, &open_file(path)?, verify)?;
             tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
             return Ok(index);
         }
@@ -301,24 +303,8 @@ pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, Lo
             tried: vec![path.to_path_buf()],
         });
     }
-    let unreadable = |e: std::io::Error| LoadError::Unreadable {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    };
-    let file = std::fs::File::open(path).map_err(unreadable)?;
-    if !verify.allow_insecure_permissions {
-        check_permissions(path, &file)?;
-    }
-    if let Some(expected) = verify.sha256 {
-        let actual = sha256_hex(&file).map_err(unreadable)?;
-        if !actual.eq_ignore_ascii_case(expected) {
-            return Err(LoadError::HashMismatch {
-                path: path.to_path_buf(),
-                expected: expected.to_ascii_lowercase(),
-                actual,
-            });
-        }
-    }
+    let file = open_file(path)?;
+    check_file(path, &file, verify)?;
     let pinned = pinned_path(&file).unwrap_or_else(|| path.to_path_buf());
     open_now(&pinned).map_err(|e| with_path(e, path))?;
     // The loader now knows the library by the name `/proc/self/fd/N`; closing the descriptor
@@ -357,6 +343,12 @@ pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, Lo
         });
     }
     let types: RVec<RawPolicyTypeInfo> = (module.policy_types())();
+    if let Some(broken) = types.iter().find(|t| t.name.is_empty()) {
+        return Err(LoadError::RootModule {
+            path: path.to_path_buf(),
+            message: broken.summary.to_string(),
+        });
+    }
     Ok(PolicyLibrary {
         path: path.to_path_buf(),
         plugin_name,
@@ -365,6 +357,34 @@ pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, Lo
         types: types.iter().map(PolicyTypeDoc::from).collect(),
         module,
     })
+}
+
+fn open_file(path: &Path) -> Result<std::fs::File, LoadError> {
+    std::fs::File::open(path).map_err(|e| LoadError::Unreadable {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// The supply-chain checks of `verify`, on an open file.
+fn check_file(path: &Path, file: &std::fs::File, verify: Verify<'_>) -> Result<(), LoadError> {
+    if !verify.allow_insecure_permissions {
+        check_permissions(path, file)?;
+    }
+    if let Some(expected) = verify.sha256 {
+        let actual = sha256_hex(file).map_err(|e| LoadError::Unreadable {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        if !actual.eq_ignore_ascii_case(expected) {
+            return Err(LoadError::HashMismatch {
+                path: path.to_path_buf(),
+                expected: expected.to_ascii_lowercase(),
+                actual,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `init_root_module`, accepting older 1.x plugins too.

@@ -251,8 +251,8 @@ impl DispatchOutcome {
     }
 }
 
-/// Errors of the session table. None of them means the request cannot be routed: the caller
-/// routes without (or in spite of) the binding.
+/// Errors of the session table. The host fails a request whose session id is invalid (empty or
+/// over the limit); for the others it routes the request without (or in spite of) the binding.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SessionError {
     /// An empty id would make every anonymous request share one session.

@@ -458,3 +458,42 @@ fn busy_checks_are_strict_and_unknown_batch_size_is_never_busy() {
     }
     assert_eq!(host.admission_stats().queued, 0);
 }
+
+#[test]
+fn a_hard_bound_session_waiting_for_its_busy_row_does_not_block_other_requests() {
+    let outcomes = run(
+        "worker_selection:
+  aggregated: p
+  instances:
+    - {name: p, type: probe}
+session_affinity: {mode: hard, ttl_secs: 600}
+policy_classes:
+  - {name: default, prefill_busy_threshold: 100}
+",
+        r#"{"workers": [{"worker_id": 29}, {"worker_id": 41}],
+            "requests": [
+              {"isl_tokens": 160, "session_id": "s1"},
+              {"isl_tokens": 160, "session_id": "s1"},
+              {"isl_tokens": 16},
+              {"isl_tokens": 16, "complete": [0]}
+            ]}"#,
+    );
+    assert_eq!(worker_of(&outcomes[0]), A);
+    // The session is hard-bound to busy A: it waits in A's lane ...
+    assert!(matches!(
+        &outcomes[1],
+        Outcome::Routed {
+            admitted_at: Some(3),
+            ..
+        }
+    ));
+    assert_eq!(worker_of(&outcomes[1]), A);
+    // ... while a request without a pin is admitted at once (B is idle), not queued behind it.
+    assert!(matches!(
+        &outcomes[2],
+        Outcome::Routed {
+            admitted_at: None,
+            ..
+        }
+    ));
+}

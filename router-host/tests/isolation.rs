@@ -373,3 +373,18 @@ fn replacing_the_file_after_startup_changes_nothing() {
     );
     assert_eq!(d.fallback, None);
 }
+
+#[test]
+fn a_file_listed_twice_is_checked_for_each_entry() {
+    let path = private_copy("twice", "fixture_probe", 0o644, 0o755);
+    let yaml = format!(
+        "plugins:\n  - path: {p}\n  - path: {p}\n    sha256: \"{}\"\n",
+        "0".repeat(64),
+        p = path.display()
+    );
+    let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
+    let err = Router::from_config(&config, &SearchPath::default()).unwrap_err();
+    let text = chain(&err);
+    assert!(text.starts_with("plugins[1]"), "{text}");
+    assert!(text.contains("sha256 mismatch"), "{text}");
+}
