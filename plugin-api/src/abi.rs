@@ -108,6 +108,14 @@ pub struct RawAffinityTarget {
     pub dp_rank: ROption<u32>,
 }
 
+/// An optional borrowed string as it crosses the boundary.
+pub fn opt_str(s: Option<&str>) -> ROption<RStr<'_>> {
+    match s {
+        Some(s) => ROption::RSome(RStr::from_str(s)),
+        None => ROption::RNone,
+    }
+}
+
 /// A per-request value added by a later 1.x minor (see [`RawRequestContext::extensions`]).
 #[repr(C, u8)]
 #[derive(StableAbi, Debug, Clone, Copy)]

@@ -382,7 +382,8 @@ fn level_code(level: &tracing::Level) -> LogLevel {
 /// tracked (the host's own spans already say which request and instance a call belongs to).
 struct Bridge;
 
-struct Render(String);
+/// Renders an event as `message key=value ...` (shared with `testing::capture_logs`).
+pub(crate) struct Render(pub(crate) String);
 
 impl tracing::field::Visit for Render {
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {

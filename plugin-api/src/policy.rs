@@ -72,6 +72,15 @@ impl AffinityTarget {
     }
 }
 
+impl From<AffinityTarget> for crate::abi::RawAffinityTarget {
+    fn from(t: AffinityTarget) -> Self {
+        crate::abi::RawAffinityTarget {
+            worker_id: t.worker_id,
+            dp_rank: t.dp_rank.into(),
+        }
+    }
+}
+
 /// The request being routed, as the host describes it. Cheap to copy; borrowed for one call.
 #[derive(Clone, Copy)]
 pub struct Context<'a> {

@@ -21,14 +21,14 @@
 //! calls the policy directly. [`TestRows::pick_through_abi`] goes through the same adapter the
 //! exported library uses, so panics and poisoning can be tested too.
 
-use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
+use abi_stable::std_types::{RResult, RSlice, RStr};
 
 use crate::abi::{
     Inputs, PickFailure, PolicyBox, RawAffinityTarget, RawCandidateView, RawRequestContext,
     RoleCode, RowId,
 };
 use crate::create::{CreateContext, CreateError, Parameters, PolicyType};
-use crate::policy::{Context, Explanation, PickError, Policy, Role, Rows};
+use crate::policy::{AffinityTarget, Context, Explanation, PickError, Policy, Role, Rows};
 
 /// One hand-written row; unspecified signals are zero (and `available` is true).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -151,18 +151,14 @@ impl TestRequest {
                 Role::Other(code) => RoleCode(code),
                 role => role.code(),
             },
-            affinity_target: match self.target {
-                Some((worker_id, dp_rank)) => ROption::RSome(RawAffinityTarget {
-                    worker_id,
-                    dp_rank: dp_rank.into(),
-                }),
-                None => ROption::RNone,
-            },
+            affinity_target: self
+                .target
+                .map(|(worker_id, dp_rank)| {
+                    RawAffinityTarget::from(AffinityTarget { worker_id, dp_rank })
+                })
+                .into(),
             pinned_worker: self.pinned.into(),
-            session_id: match &self.session_id {
-                Some(s) => ROption::RSome(RStr::from_str(s)),
-                None => ROption::RNone,
-            },
+            session_id: crate::abi::opt_str(self.session_id.as_deref()),
             expected_output_tokens: self.expected_output_tokens.into(),
             priority: self.priority,
             extensions: RSlice::EMPTY,
@@ -323,4 +319,97 @@ pub fn create_with<T: PolicyType>(
 /// Create `T` and box it through the same adapter the exported library uses.
 pub fn create_boxed<T: PolicyType>(parameters_json: &str) -> Result<PolicyBox, CreateError> {
     crate::export::into_policy_box(create_with::<T>(parameters_json, 0.75, 16)?)
+}
+
+/// Run `f` and return what it logged through `tracing` on this thread, one rendered event per
+/// entry (`message key=value ...`, as the host receives it).
+pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
+    use std::sync::{Arc, Mutex};
+
+    struct Capture(Arc<Mutex<Vec<String>>>);
+
+    impl tracing::Subscriber for Capture {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut text = crate::export::Render(String::new());
+            event.record(&mut text);
+            if let Ok(mut events) = self.0.lock() {
+                events.push(text.0.trim_start().to_string());
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let result = tracing::subscriber::with_default(Capture(events.clone()), f);
+    let events = events.lock().map(|e| e.clone()).unwrap_or_default();
+    (result, events)
+}
+
+/// A global allocator that counts this thread's allocations while [`count_allocations`] runs,
+/// to prove a hot path allocation-free. Install it in a test binary:
+///
+/// ```
+/// use plugin_api::testing::{count_allocations, CountingAllocator};
+///
+/// #[global_allocator]
+/// static ALLOCATOR: CountingAllocator = CountingAllocator;
+///
+/// fn main() {
+///     let (buffer, allocations) = count_allocations(|| vec![0u8; 64]);
+///     assert_eq!((buffer.len(), allocations), (64, 1));
+/// }
+/// ```
+pub struct CountingAllocator;
+
+thread_local! {
+    static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count_one() {
+    // `try_with`: thread-locals may already be gone while a thread shuts down.
+    if COUNTING.try_with(std::cell::Cell::get).unwrap_or(false) {
+        let _ = ALLOCATIONS.try_with(|a| a.set(a.get() + 1));
+    }
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_one();
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_one();
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        count_one();
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+/// Run `f` and return how many allocations this thread made inside it (counted only when
+/// [`CountingAllocator`] is the global allocator; otherwise always 0).
+pub fn count_allocations<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    ALLOCATIONS.with(|a| a.set(0));
+    COUNTING.with(|c| c.set(true));
+    let result = f();
+    COUNTING.with(|c| c.set(false));
+    (result, ALLOCATIONS.with(std::cell::Cell::get))
 }

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use abi_stable::std_types::{ROption, RSlice, RStr};
-use plugin_api::abi::{CompleteEvent, CompletionCode, DispatchEvent};
+use abi_stable::std_types::RSlice;
+use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
 
 use crate::config::{AdmissionMode, AffinityMode, PolicyClassConfig, RouterConfig};
 use crate::eligibility::{check_pin, eligible_rows};
@@ -573,7 +573,7 @@ impl Host {
             &DispatchEvent {
                 request_id: id,
                 row: decision.row,
-                session_id: session_str(&request.session_id),
+                session_id: opt_str(request.session_id.as_deref()),
                 prompt_tokens: request.isl_tokens,
                 fallback: decision.fallback.is_some(),
                 extensions: RSlice::EMPTY,
@@ -620,22 +620,12 @@ impl Host {
             &CompleteEvent {
                 request_id: id,
                 row: booking.row,
-                session_id: match &booking.session {
-                    Some(s) => ROption::RSome(RStr::from_str(s)),
-                    None => ROption::RNone,
-                },
+                session_id: opt_str(booking.session.as_deref()),
                 outcome,
                 extensions: RSlice::EMPTY,
             },
         );
         true
-    }
-}
-
-fn session_str(session: &Option<String>) -> ROption<RStr<'_>> {
-    match session {
-        Some(s) => ROption::RSome(RStr::from_str(s)),
-        None => ROption::RNone,
     }
 }
 

@@ -10,9 +10,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
+use abi_stable::std_types::{ROption, RResult, RSlice};
 use plugin_api::abi::{
-    CompleteEvent, DispatchEvent, PickFailure, PickFailureKind, RawAffinityTarget,
+    opt_str, CompleteEvent, DispatchEvent, PickFailure, PickFailureKind, RawAffinityTarget,
     RawCandidateView, RawExplanation, RawRequestContext,
 };
 use plugin_api::{Explanation, Inputs};
@@ -409,18 +409,9 @@ impl Router {
             request_blocks: self.request_blocks(request.isl_tokens),
             block_size: self.settings.block_size,
             role: request.role.role().code(),
-            affinity_target: match selection.target {
-                Some(t) => ROption::RSome(RawAffinityTarget {
-                    worker_id: t.worker_id,
-                    dp_rank: t.dp_rank.into(),
-                }),
-                None => ROption::RNone,
-            },
+            affinity_target: selection.target.map(RawAffinityTarget::from).into(),
             pinned_worker: selection.pin.into(),
-            session_id: match &request.session_id {
-                Some(s) => ROption::RSome(RStr::from_str(s)),
-                None => ROption::RNone,
-            },
+            session_id: opt_str(request.session_id.as_deref()),
             expected_output_tokens: request.expected_output_tokens.into(),
             priority: request.priority,
             extensions: RSlice::EMPTY,

@@ -173,7 +173,7 @@ fn same_version_with_a_changed_layout_is_refused() {
         )]),
         false,
     );
-    let err = load(&path).err().expect("refused");
+    let err = load(&path).expect_err("refused");
     let text = err.to_string();
     assert!(matches!(err, LoadError::LayoutMismatch { .. }), "{text}");
     assert!(
@@ -198,7 +198,7 @@ fn a_plugin_built_for_another_api_major_is_refused_with_both_versions() {
         Api::Patched(&[("Cargo.toml", "version = \"1.0.0\"", "version = \"2.0.0\"")]),
         false,
     );
-    let text = load(&path).err().expect("refused").to_string();
+    let text = load(&path).expect_err("refused").to_string();
     assert!(
         text.ends_with("built for plugin-api 2.0.0, host supports 1.x"),
         "{text}"
@@ -208,7 +208,7 @@ fn a_plugin_built_for_another_api_major_is_refused_with_both_versions() {
 #[test]
 fn a_panic_abort_build_is_refused_at_load() {
     let path = build("abort", Api::Current, true);
-    let text = load(&path).err().expect("refused").to_string();
+    let text = load(&path).expect_err("refused").to_string();
     assert!(
         text.contains("plugin `versioned-plugin` was built with panic = \"abort\""),
         "{text}"

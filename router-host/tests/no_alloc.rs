@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+use plugin_api::testing::{count_allocations, CountingAllocator};
 
 use router_host::config::RouterConfig;
 use router_host::loader::SearchPath;
@@ -17,45 +16,8 @@ use router_host::model::{
 };
 use router_host::router::{Router, Scratch, Selection};
 
-struct Counting;
-
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // `try_with`: thread-locals may be gone while a thread shuts down.
-        if COUNTING.try_with(Cell::get).unwrap_or(false) {
-            let _ = ALLOCATIONS.try_with(|a| a.set(a.get() + 1));
-        }
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.try_with(Cell::get).unwrap_or(false) {
-            let _ = ALLOCATIONS.try_with(|a| a.set(a.get() + 1));
-        }
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// Allocations made by `f` on this thread.
-fn allocations_in<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    ALLOCATIONS.with(|a| a.set(0));
-    COUNTING.with(|c| c.set(true));
-    let result = f();
-    COUNTING.with(|c| c.set(false));
-    (result, ALLOCATIONS.with(Cell::get))
-}
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 /// Deterministic, varying signals: overlap and load depend on the request number and the row.
 struct Varying(u64);
@@ -115,7 +77,7 @@ fn selection_through_the_two_tier_plugin_allocates_nothing_after_warm_up() {
     let mut total = 0;
     let mut rows = Vec::with_capacity(10_000);
     for n in 0..10_000 {
-        let (row, allocations) = allocations_in(|| decide(n, &mut scratch));
+        let (row, allocations) = count_allocations(|| decide(n, &mut scratch));
         rows.push(row.unwrap());
         total += allocations;
     }

@@ -524,45 +524,11 @@ fn exported_adapter_picks_and_reports_errors_without_panicking() {
 
 // ---- construction log ---------------------------------------------------------------------------
 
-/// A `tracing` subscriber that keeps each event's rendered fields.
-struct Capture(Arc<Mutex<Vec<String>>>);
-
-struct Render(String);
-
-impl tracing::field::Visit for Render {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.push_str(&format!(" {}={value:?}", field.name()));
-    }
-
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        self.0.push_str(&format!(" {}={value}", field.name()));
-    }
-}
-
-impl tracing::Subscriber for Capture {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut text = Render(String::new());
-        event.record(&mut text);
-        self.0.lock().unwrap().push(text.0);
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
 fn creation_log(json: &str, host_cache_hit_weight: f64) -> Vec<String> {
-    let events = Arc::new(Mutex::new(Vec::new()));
-    tracing::subscriber::with_default(Capture(events.clone()), || {
-        create_with::<TwoTierCostFnType>(json, host_cache_hit_weight, 16).expect("valid parameters")
+    let (created, events) = plugin_api::testing::capture_logs(|| {
+        create_with::<TwoTierCostFnType>(json, host_cache_hit_weight, 16)
     });
-    let events = events.lock().unwrap().clone();
+    created.expect("valid parameters");
     events
 }
 

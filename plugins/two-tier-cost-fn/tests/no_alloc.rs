@@ -1,34 +1,11 @@
 //! `pick` allocates nothing: it runs on every request, through the plugin's own allocator, where
 //! the host's allocation test cannot see it.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
-use plugin_api::testing::{TestRequest, TestRow, TestRows};
+use plugin_api::testing::{count_allocations, CountingAllocator, TestRequest, TestRow, TestRows};
 use two_tier_cost_fn::{TwoTierCostFn, TwoTierParams};
 
-struct Counting;
-
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.try_with(Cell::get).unwrap_or(false) {
-            let _ = ALLOCATIONS.try_with(|a| a.set(a.get() + 1));
-        }
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 #[test]
 fn pick_allocates_nothing_on_any_branch() {
@@ -61,16 +38,16 @@ fn pick_allocates_nothing_on_any_branch() {
     for request in &requests {
         reasons.insert(rows.explain(&policy, request).unwrap().reason);
     }
-    ALLOCATIONS.with(|a| a.set(0));
-    COUNTING.with(|c| c.set(true));
-    let mut picked = 0usize;
-    for _ in 0..1_000 {
-        for request in &requests {
-            picked += rows.pick(&policy, request).unwrap();
+    let (picked, allocations) = count_allocations(|| {
+        let mut picked = 0usize;
+        for _ in 0..1_000 {
+            for request in &requests {
+                picked += rows.pick(&policy, request).unwrap();
+            }
         }
-    }
-    COUNTING.with(|c| c.set(false));
-    assert_eq!(ALLOCATIONS.with(Cell::get), 0);
+        picked
+    });
+    assert_eq!(allocations, 0);
     assert!(picked > 0);
     assert!(reasons.len() >= 2, "branches exercised: {reasons:?}");
 }
