@@ -65,7 +65,7 @@ fn selection_through_the_two_tier_plugin_allocates_nothing_after_warm_up() {
         })
         .collect();
     let mut scratch = Scratch::default();
-    let mut decide = |n: u64, scratch: &mut Scratch| {
+    let decide = |n: u64, scratch: &mut Scratch| {
         let request = &requests[(n % 64) as usize];
         router
             .select(&cluster, Selection::of(request), &Varying(n), scratch)

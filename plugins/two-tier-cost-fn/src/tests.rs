@@ -1,5 +1,3 @@
-use std::sync::{Arc, Mutex};
-
 use plugin_api::abi::PickFailureKind;
 use plugin_api::testing::{create, create_boxed, create_with, TestRequest, TestRow, TestRows};
 use plugin_api::{Explanation, RowId};
