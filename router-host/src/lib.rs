@@ -14,6 +14,7 @@ pub mod host;
 pub mod loader;
 pub mod model;
 pub mod policies;
+pub mod replay;
 pub mod router;
 pub mod scenario;
 pub mod sessions;

@@ -58,6 +58,9 @@ enum Command {
         #[arg(long, short)]
         scenario: PathBuf,
     },
+    /// Replay a trace (or the built-in multi-turn workload) through router configs on simulated
+    /// engines and compare cache reuse, latency, load balance and decision cost.
+    Replay(Box<router_host::replay::cli::ReplayArgs>),
 }
 
 fn main() -> ExitCode {
@@ -110,6 +113,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             allow_insecure_permissions,
         } => describe(&plugin, allow_insecure_permissions),
         Command::Select { config, scenario } => select(&config, &scenario),
+        Command::Replay(args) => router_host::replay::cli::run(&args),
     }
 }
 

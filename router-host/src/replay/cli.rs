@@ -1,0 +1,303 @@
+//! The `replay` subcommand: flags, progress on stderr, table on stdout, `--json`, `--plot`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+
+use super::engine::{EngineSpec, KvCapacity};
+use super::synth::{self, SynthParams};
+use super::trace::{Workload, DEFAULT_TRACE_BLOCK_SIZE};
+use super::{plot, prepare_file, prepare_text, replay, Setup, EXAMPLE_CONFIGS};
+
+/// Replay a trace (or the built-in multi-turn workload) through one or more router configs on
+/// simulated engines, and compare cache reuse, latency, load balance and decision cost.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// Router YAML to compare (repeatable). Default: the configs of examples/replay/ (default,
+    /// two-tier, two-tier-sticky, round-robin), built into the binary. Engine flags below override
+    /// each config's `engine:` block.
+    #[arg(long = "config", short = 'c', value_name = "FILE")]
+    pub configs: Vec<PathBuf>,
+    /// Mooncake-format JSONL trace. Default: a generated multi-turn workload (flags below).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Tokens per `hash_ids` entry (= per KV block in the simulation).
+    #[arg(long, value_name = "TOKENS", default_value_t = DEFAULT_TRACE_BLOCK_SIZE)]
+    pub trace_block_size: u32,
+    /// Replay only the first N requests.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// Multiply every arrival time by F (0.5 = the same requests twice as fast).
+    #[arg(long, value_name = "F")]
+    pub time_scale: Option<f64>,
+    /// Workers in the simulated cluster.
+    #[arg(long, default_value_t = 4)]
+    pub workers: u32,
+    /// Data-parallel ranks per worker (one simulated engine per rank).
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: u32,
+    /// KV capacity of each engine in blocks, or `unlimited` (no eviction) [default: 1048576
+    /// tokens' worth, 2048 blocks of 512].
+    #[arg(long, value_name = "N|unlimited")]
+    pub kv_blocks: Option<KvCapacity>,
+    /// Engine token budget per step [default: 8192].
+    #[arg(long, value_name = "TOKENS")]
+    pub max_num_batched_tokens: Option<u64>,
+    /// Engine batch limit: requests running at once [default: 256].
+    #[arg(long, value_name = "N")]
+    pub max_num_seqs: Option<u64>,
+    /// Fixed cost of every engine step [default: 5].
+    #[arg(long, value_name = "MS")]
+    pub step_overhead_ms: Option<f64>,
+    /// Step cost per decoding request in the batch [default: 0.1].
+    #[arg(long, value_name = "MS")]
+    pub decode_ms_per_seq: Option<f64>,
+    /// Step cost per prefilled (uncached) prompt token [default: 0.05].
+    #[arg(long, value_name = "MS")]
+    pub prefill_ms_per_token: Option<f64>,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write an SVG comparing the configs.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Seed of the generated workload (policies such as `random` take their own `seed`).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Directory searched first for plugins given by `name:` (repeatable).
+    #[arg(long = "plugin-dir", value_name = "DIR")]
+    pub plugin_dirs: Vec<PathBuf>,
+    /// Write the replayed workload as Mooncake JSONL (generated, or the trace after
+    /// --limit/--time-scale).
+    #[arg(long, value_name = "FILE")]
+    pub write_workload: Option<PathBuf>,
+    /// Sessions [default: 1000].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub sessions: Option<u32>,
+    /// Mean turns per session [default: 5].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub turns: Option<u32>,
+    /// Shared system prompts [default: 8].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub system_prompts: Option<u32>,
+    /// Tokens per system prompt [default: 3072].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub system_prompt_tokens: Option<u64>,
+    /// Mean new user tokens per turn [default: 600].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub user_tokens: Option<u64>,
+    /// Mean output tokens per turn [default: 300].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub output_tokens: Option<u64>,
+    /// Mean requests per second [default: 16].
+    #[arg(long, help_heading = "Generated workload (without --trace)")]
+    pub rate: Option<f64>,
+    /// Mean seconds between a session's turns [default: 10].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        help_heading = "Generated workload (without --trace)"
+    )]
+    pub think_time: Option<f64>,
+}
+
+impl ReplayArgs {
+    fn synth_params(&self) -> anyhow::Result<Option<SynthParams>> {
+        let given = [
+            ("--sessions", self.sessions.is_some()),
+            ("--turns", self.turns.is_some()),
+            ("--system-prompts", self.system_prompts.is_some()),
+            (
+                "--system-prompt-tokens",
+                self.system_prompt_tokens.is_some(),
+            ),
+            ("--user-tokens", self.user_tokens.is_some()),
+            ("--output-tokens", self.output_tokens.is_some()),
+            ("--rate", self.rate.is_some()),
+            ("--think-time", self.think_time.is_some()),
+        ];
+        if self.trace.is_some() {
+            if let Some((flag, _)) = given.iter().find(|(_, set)| *set) {
+                anyhow::bail!(
+                    "{flag} shapes the generated workload and has no effect with --trace"
+                );
+            }
+            return Ok(None);
+        }
+        let d = SynthParams::default();
+        let p = SynthParams {
+            sessions: self.sessions.unwrap_or(d.sessions),
+            turns: self.turns.unwrap_or(d.turns),
+            system_prompts: self.system_prompts.unwrap_or(d.system_prompts),
+            system_prompt_tokens: self.system_prompt_tokens.unwrap_or(d.system_prompt_tokens),
+            user_tokens: self.user_tokens.unwrap_or(d.user_tokens),
+            output_tokens: self.output_tokens.unwrap_or(d.output_tokens),
+            rate: self.rate.unwrap_or(d.rate),
+            think_time_s: self.think_time.unwrap_or(d.think_time_s),
+            block_size: self.trace_block_size,
+            seed: self.seed,
+        };
+        p.validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(p))
+    }
+
+    fn engine_spec(&self) -> EngineSpec {
+        EngineSpec {
+            kv_blocks: self.kv_blocks,
+            kv_tokens: None,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            step_overhead_ms: self.step_overhead_ms,
+            decode_ms_per_seq: self.decode_ms_per_seq,
+            prefill_ms_per_token: self.prefill_ms_per_token,
+        }
+    }
+}
+
+/// Run the subcommand.
+pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    if args.trace_block_size == 0 {
+        anyhow::bail!("--trace-block-size must be at least 1");
+    }
+    if args.workers == 0 || args.dp_size == 0 {
+        anyhow::bail!("--workers and --dp-size must be at least 1");
+    }
+    if u64::from(args.workers) * u64::from(args.dp_size) > 4096 {
+        anyhow::bail!("at most 4096 simulated engines (--workers x --dp-size)");
+    }
+    let mut workload = match (&args.trace, args.synth_params()?) {
+        (Some(path), _) => Workload::from_jsonl_file(path, args.trace_block_size)?,
+        (None, Some(p)) => synth::generate(&p),
+        (None, None) => unreachable!("synth_params returns parameters without --trace"),
+    };
+    if let Some(n) = args.limit {
+        workload.truncate(n);
+    }
+    if let Some(f) = args.time_scale {
+        if !(f.is_finite() && f > 0.0) {
+            anyhow::bail!("--time-scale must be a finite number > 0, got {f}");
+        }
+        workload.scale_time(f);
+    }
+    if workload.requests.is_empty() {
+        anyhow::bail!("the workload has no requests");
+    }
+    if let Some(path) = &args.write_workload {
+        let file = std::fs::File::create(path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        workload
+            .write_jsonl(std::io::BufWriter::new(file))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let setup = Setup {
+        shape: super::Shape {
+            workers: args.workers,
+            dp_size: args.dp_size,
+        },
+        engine: args.engine_spec(),
+        plugin_dirs: args.plugin_dirs.clone(),
+    };
+    // Load and validate every config before replaying any.
+    let configs = if args.configs.is_empty() {
+        EXAMPLE_CONFIGS
+            .iter()
+            .map(|(label, text)| prepare_text(label, text, &setup, workload.block_size))
+            .collect::<anyhow::Result<Vec<_>>>()?
+    } else {
+        args.configs
+            .iter()
+            .map(|path| prepare_file(path, &setup, workload.block_size))
+            .collect::<anyhow::Result<Vec<_>>>()?
+    };
+    let mut bar = Progress::new(
+        configs.iter().map(|c| c.label.clone()).collect(),
+        workload.requests.len(),
+    );
+    let report = replay(&workload, setup.shape, &configs, &mut |config, done| {
+        bar.update(config, done)
+    });
+    bar.finish();
+    let report = report?;
+    let mut out = std::io::stdout().lock();
+    out.write_all(report.to_table().as_bytes())?;
+    out.flush()?;
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report.to_json())?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, plot::svg(&report))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let simulated: usize = report.configs.len() * report.workload.requests;
+    eprintln!(
+        "replayed {} requests x {} configs in {wall:.2} s ({:.0} simulated requests/s)",
+        report.workload.requests,
+        report.configs.len(),
+        simulated as f64 / wall.max(1e-9)
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A one-line progress bar on stderr, drawn only when stderr is a terminal.
+struct Progress {
+    enabled: bool,
+    labels: Vec<String>,
+    total: usize,
+    last: Option<Instant>,
+    drawn: bool,
+}
+
+impl Progress {
+    fn new(labels: Vec<String>, total: usize) -> Progress {
+        Progress {
+            enabled: std::io::stderr().is_terminal(),
+            labels,
+            total,
+            last: None,
+            drawn: false,
+        }
+    }
+
+    fn update(&mut self, config: usize, done: usize) {
+        if !self.enabled {
+            return;
+        }
+        let now = Instant::now();
+        if done != self.total
+            && self
+                .last
+                .is_some_and(|t| now.duration_since(t) < Duration::from_millis(100))
+        {
+            return;
+        }
+        self.last = Some(now);
+        let width = 30;
+        let filled = done * width / self.total.max(1);
+        let label = self.labels.get(config).map_or("", String::as_str);
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r\x1b[2K[{}/{}] {label} [{}{}] {done}/{}",
+            config + 1,
+            self.labels.len(),
+            "#".repeat(filled),
+            "-".repeat(width - filled),
+            self.total
+        );
+        let _ = err.flush();
+        self.drawn = true;
+    }
+
+    fn finish(&mut self) {
+        if self.drawn {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        }
+    }
+}

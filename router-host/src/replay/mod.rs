@@ -1,0 +1,159 @@
+//! `router-host replay`: compare worker-selection configs on a trace or a built-in workload.
+//!
+//! The routed side is the production host ([`crate::host::Host`]: loaded `.so` policies, the
+//! built-in default, session bindings, queue admission, load booking through dispatch and
+//! completion) on a simulated clock. The other side is one simulated engine per row
+//! ([`engine`]): continuous batching with a prefix cache that publishes block stored / evicted
+//! events, from which the replay's host side keeps its KV-overlap index ([`kv_index`]), the way
+//! a deployed router follows real engines' KV events.
+//!
+//! Modules: [`trace`] (Mooncake JSONL in and out, the ideal bound), [`synth`] (the embedded
+//! default workload), [`kv_index`], [`engine`], [`sim`] (the event loop), [`report`] (table and
+//! JSON), [`plot`] (SVG), [`cli`] (the subcommand). User documentation: `docs/replay.md`.
+
+pub mod cli;
+pub mod engine;
+pub(crate) mod fast_hash;
+pub mod kv_index;
+pub mod plot;
+pub mod report;
+pub mod sim;
+pub mod synth;
+pub mod trace;
+
+use std::path::{Path, PathBuf};
+
+use crate::config::RouterConfig;
+use crate::loader::SearchPath;
+
+pub use engine::{EngineParams, EngineSpec, KvCapacity};
+pub use report::{ConfigReport, Report};
+pub use sim::{RunConfig, Shape};
+pub use synth::SynthParams;
+pub use trace::{TraceError, Workload, WorkloadRequest};
+
+/// The configs replayed when none is given: `(label, YAML text)`, the files of
+/// `examples/replay/` built into the binary.
+pub const EXAMPLE_CONFIGS: &[(&str, &str)] = &[
+    (
+        "examples/replay/default.yaml",
+        include_str!("../../../examples/replay/default.yaml"),
+    ),
+    (
+        "examples/replay/two-tier.yaml",
+        include_str!("../../../examples/replay/two-tier.yaml"),
+    ),
+    (
+        "examples/replay/two-tier-sticky.yaml",
+        include_str!("../../../examples/replay/two-tier-sticky.yaml"),
+    ),
+    (
+        "examples/replay/round-robin.yaml",
+        include_str!("../../../examples/replay/round-robin.yaml"),
+    ),
+];
+
+/// Settings shared by every config of one replay.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub shape: Shape,
+    /// Engine settings from flags; they override each config's `engine:` block.
+    pub engine: EngineSpec,
+    /// `--plugin-dir` directories.
+    pub plugin_dirs: Vec<PathBuf>,
+}
+
+impl Setup {
+    pub fn new(workers: u32, dp_size: u32) -> Setup {
+        Setup {
+            shape: Shape { workers, dp_size },
+            engine: EngineSpec::default(),
+            plugin_dirs: Vec::new(),
+        }
+    }
+}
+
+/// Read a config file and prepare it for a workload of `block_size`-token blocks.
+pub fn prepare_file(path: &Path, setup: &Setup, block_size: u32) -> anyhow::Result<RunConfig> {
+    let config = RouterConfig::from_file(path)?;
+    let search = SearchPath::new(setup.plugin_dirs.clone(), Some(path));
+    prepare(
+        path.display().to_string(),
+        config,
+        search,
+        setup,
+        block_size,
+    )
+}
+
+/// Prepare config text (an embedded example); `label` names it in the report and in errors.
+/// Plugins given by `name:` are looked up in `--plugin-dir`s, then next to the executable.
+pub fn prepare_text(
+    label: &str,
+    text: &str,
+    setup: &Setup,
+    block_size: u32,
+) -> anyhow::Result<RunConfig> {
+    let mut config = RouterConfig::from_yaml_str(text, None)
+        .map_err(|e| anyhow::anyhow!("{}", e.to_string().replacen("<string>", label, 1)))?;
+    config.source = Some(PathBuf::from(label));
+    let search = SearchPath::new(setup.plugin_dirs.clone(), None);
+    prepare(label.to_string(), config, search, setup, block_size)
+}
+
+fn prepare(
+    label: String,
+    mut config: RouterConfig,
+    search: SearchPath,
+    setup: &Setup,
+    block_size: u32,
+) -> anyhow::Result<RunConfig> {
+    let from_yaml = match &config.engine {
+        Some(value) => {
+            EngineSpec::from_json(value).map_err(|e| anyhow::anyhow!("config {label}: {e}"))?
+        }
+        None => EngineSpec::default(),
+    };
+    let engine = from_yaml
+        .overlay(&setup.engine)
+        .resolve(block_size)
+        .map_err(|e| anyhow::anyhow!("config {label}: {e}"))?;
+    // One `hash_ids` entry is one KV block: the router must count blocks the same way.
+    let block_size_replaced = (config.block_size != block_size).then_some(config.block_size);
+    config.block_size = block_size;
+    Ok(RunConfig {
+        label,
+        router: config,
+        search,
+        engine,
+        block_size_replaced,
+    })
+}
+
+/// Replay `workload` through every config, in order. `progress(config, requests_done)` is
+/// called as arrivals are processed.
+pub fn replay(
+    workload: &Workload,
+    shape: Shape,
+    configs: &[RunConfig],
+    progress: &mut dyn FnMut(usize, usize),
+) -> anyhow::Result<Report> {
+    let stats = workload.stats();
+    let mut reports = Vec::with_capacity(configs.len());
+    for (i, config) in configs.iter().enumerate() {
+        let output = sim::run(workload, shape, config, &mut |done| progress(i, done))?;
+        reports.push(ConfigReport::new(
+            &config.label,
+            config.block_size_replaced,
+            config.engine,
+            shape,
+            workload,
+            output,
+        ));
+    }
+    Ok(Report {
+        workload: report::WorkloadReport::new(workload, &stats),
+        cluster: report::ClusterReport::new(shape),
+        configs: reports,
+    })
+}

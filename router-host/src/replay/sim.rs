@@ -1,0 +1,483 @@
+//! One replay run: a workload through the real host (policies, sessions, admission, load
+//! booking) onto simulated engines, in simulated time.
+//!
+//! Event order at equal times: engine step ends (lowest row first) before arrivals, so
+//! completions free load and their cache events reach the index before the next decision.
+
+use std::cell::RefCell;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::RouterConfig;
+use crate::host::{Host, RouteError, Routed, SessionOutcome, Submitted, Ticket};
+use crate::loader::SearchPath;
+use crate::model::{Cluster, Request, Worker};
+use crate::router::Router;
+use crate::sessions::{DispatchOutcome, ManualClock};
+
+use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
+use super::fast_hash::FastMap;
+use super::kv_index::{KvIndex, OverlapScratch, RequestOverlap, RowMap};
+use super::trace::Workload;
+
+/// Load samples kept per run before the interval doubles.
+const MAX_SAMPLES: usize = 2048;
+/// Target number of load samples over the arrival span.
+const TARGET_SAMPLES: u64 = 240;
+
+/// The cluster the replay simulates: `workers` workers (ids 0..workers) of `dp_size` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub workers: u32,
+    pub dp_size: u32,
+}
+
+impl Shape {
+    pub fn rows(&self) -> RowMap {
+        RowMap {
+            workers: self.workers,
+            dp_size: self.dp_size,
+        }
+    }
+}
+
+/// One config to run.
+#[derive(Debug)]
+pub struct RunConfig {
+    /// The config as the user named it.
+    pub label: String,
+    /// Parsed config, `block_size` already set to the workload's.
+    pub router: RouterConfig,
+    pub search: SearchPath,
+    pub engine: EngineParams,
+    /// The config's own `block_size`, when it differed from the workload's.
+    pub block_size_replaced: Option<u32>,
+}
+
+/// Session binding outcomes of dispatched requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SessionCounts {
+    pub new: u64,
+    pub kept: u64,
+    pub moved: u64,
+    pub stale: u64,
+    pub hard_binding_gone: u64,
+    pub not_recorded: u64,
+}
+
+/// Active requests per worker over simulated time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timeline {
+    pub interval_ns: u64,
+    /// `samples[k][w]` = requests on worker w (all ranks) at `k * interval_ns`.
+    pub samples: Vec<Vec<u32>>,
+}
+
+/// Everything one run measured.
+#[derive(Debug)]
+pub struct RunOutput {
+    /// One per workload request; `host_id` unset and `finish_ns` `None` for requests that never
+    /// reached an engine.
+    pub jobs: Vec<Job>,
+    pub reached_engine: Vec<bool>,
+    /// Wall-clock nanoseconds per routing decision.
+    pub decision_ns: Vec<u64>,
+    /// Error message -> count.
+    pub errors: BTreeMap<String, u64>,
+    pub sessions: SessionCounts,
+    pub fallbacks: u64,
+    /// Requests that waited in a host admission queue, and how long (ns) each waited.
+    pub queue_waits_ns: Vec<u64>,
+    pub requests_per_row: Vec<u64>,
+    pub engine_stats: Vec<EngineStats>,
+    pub timeline: Timeline,
+    /// Simulated time of the last event.
+    pub end_ns: u64,
+    pub kv_events: u64,
+    /// `instance (type)` serving the aggregated role.
+    pub policy: String,
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("config {label}: {source:#}")]
+    Startup {
+        label: String,
+        #[source]
+        source: anyhow::Error,
+    },
+}
+
+struct Sim<'w> {
+    workload: &'w Workload,
+    rows: RowMap,
+    host: Host,
+    clock: Arc<ManualClock>,
+    engines: Vec<Engine>,
+    index: KvIndex,
+    scratch: RefCell<OverlapScratch>,
+    jobs: Vec<Job>,
+    reached: Vec<bool>,
+    out: Outbox,
+    heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
+    scheduled: Vec<Option<u64>>,
+    versions: Vec<u64>,
+    tickets: FastMap<Ticket, u32>,
+    decision_ns: Vec<u64>,
+    errors: BTreeMap<String, u64>,
+    sessions: SessionCounts,
+    fallbacks: u64,
+    queue_waits_ns: Vec<u64>,
+    requests_per_row: Vec<u64>,
+    timeline: Timeline,
+    next_sample_ns: u64,
+    now: u64,
+}
+
+/// Run `workload` through one config.
+pub fn run(
+    workload: &Workload,
+    shape: Shape,
+    config: &RunConfig,
+    progress: &mut dyn FnMut(usize),
+) -> Result<RunOutput, RunError> {
+    let startup = |source: anyhow::Error| RunError::Startup {
+        label: config.label.clone(),
+        source,
+    };
+    let router = Router::from_config(&config.router, &config.search)
+        .map_err(|e| startup(anyhow::Error::new(e)))?;
+    let policy = {
+        let instance = router.instance(router.instance_for(crate::model::RequestRole::Aggregated));
+        format!("{} ({})", instance.name, instance.type_name)
+    };
+    let workers = (0..shape.workers)
+        .map(|w| Worker {
+            max_num_batched_tokens: Some(config.engine.max_num_batched_tokens),
+            total_kv_blocks: config.engine.capacity(),
+            ..Worker::new(u64::from(w)).with_ranks(0, shape.dp_size)
+        })
+        .collect();
+    let cluster = Cluster::new(workers).map_err(|e| startup(anyhow::Error::new(e)))?;
+    let clock = Arc::new(ManualClock::new(Duration::ZERO));
+    let host = Host::with_clock(router, cluster, &config.router, clock.clone());
+    let rows = shape.rows();
+    let n = rows.rows();
+    let span = match (workload.requests.first(), workload.requests.last()) {
+        (Some(a), Some(b)) => b.arrival_ns - a.arrival_ns,
+        _ => 0,
+    };
+    let mut sim = Sim {
+        workload,
+        rows,
+        host,
+        clock,
+        engines: (0..n)
+            .map(|r| Engine::new(r as u32, config.engine, workload.block_size))
+            .collect(),
+        index: KvIndex::new(n),
+        scratch: RefCell::new(OverlapScratch::default()),
+        jobs: Vec::with_capacity(workload.requests.len()),
+        reached: vec![false; workload.requests.len()],
+        out: Outbox::default(),
+        heap: BinaryHeap::new(),
+        scheduled: vec![None; n],
+        versions: vec![0; n],
+        tickets: FastMap::default(),
+        decision_ns: Vec::with_capacity(workload.requests.len()),
+        errors: BTreeMap::new(),
+        sessions: SessionCounts::default(),
+        fallbacks: 0,
+        queue_waits_ns: Vec::new(),
+        requests_per_row: vec![0; n],
+        timeline: Timeline {
+            interval_ns: (span / TARGET_SAMPLES).max(1_000_000),
+            samples: Vec::new(),
+        },
+        next_sample_ns: workload.requests.first().map_or(0, |r| r.arrival_ns),
+        now: 0,
+    };
+    for (i, r) in workload.requests.iter().enumerate() {
+        sim.jobs.push(Job::new(
+            i as u32,
+            r,
+            workload.block_size,
+            r.arrival_ns,
+            r.arrival_ns,
+        ));
+    }
+    let mut next = 0usize;
+    loop {
+        while let Some(&Reverse((_, e, v))) = sim.heap.peek() {
+            if sim.versions[e as usize] == v {
+                break;
+            }
+            sim.heap.pop();
+        }
+        let engine_at = sim.heap.peek().map(|Reverse((t, e, _))| (*t, *e));
+        let arrival_at = workload.requests.get(next).map(|r| r.arrival_ns);
+        let engine_first = match (engine_at, arrival_at) {
+            (None, None) => break,
+            (Some((t, _)), Some(a)) => t <= a,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+        };
+        if let (true, Some((t, e))) = (engine_first, engine_at) {
+            sim.heap.pop();
+            sim.scheduled[e as usize] = None;
+            sim.advance(t);
+            sim.engine_event(e as usize);
+        } else if let Some(t) = arrival_at {
+            sim.advance(t);
+            sim.arrival(next);
+            next += 1;
+            progress(next);
+        }
+    }
+    debug_assert!(
+        sim.consistent(),
+        "index, engines and host disagree at the end"
+    );
+    let waiting = sim.host.admission_stats().waiting;
+    if waiting > 0 {
+        *sim.errors
+            .entry("still queued when the replay ended".to_string())
+            .or_default() += waiting;
+    }
+    Ok(RunOutput {
+        jobs: sim.jobs,
+        reached_engine: sim.reached,
+        decision_ns: sim.decision_ns,
+        errors: sim.errors,
+        sessions: sim.sessions,
+        fallbacks: sim.fallbacks,
+        queue_waits_ns: sim.queue_waits_ns,
+        requests_per_row: sim.requests_per_row,
+        engine_stats: sim.engines.iter().map(Engine::stats).collect(),
+        timeline: sim.timeline,
+        end_ns: sim.now,
+        kv_events: sim.index.events(),
+        policy,
+    })
+}
+
+impl Sim<'_> {
+    /// The host's index holds exactly the engines' cached blocks, every engine is idle and the
+    /// host has nothing in flight.
+    fn consistent(&self) -> bool {
+        let mut total = 0u64;
+        for (row, engine) in self.engines.iter().enumerate() {
+            if !engine.is_idle() {
+                return false;
+            }
+            for block in engine.cached() {
+                total += 1;
+                if !self.index.holds(row as u32, block) {
+                    return false;
+                }
+            }
+        }
+        total == self.index.holdings() && self.host.in_flight() == 0
+    }
+
+    /// Move simulated time to `t`, taking load samples on the way.
+    fn advance(&mut self, t: u64) {
+        while self.next_sample_ns <= t {
+            let mut per_worker = vec![0u32; self.rows.workers as usize];
+            for (r, engine) in self.engines.iter().enumerate() {
+                per_worker[r / self.rows.dp_size as usize] += engine.active() as u32;
+            }
+            self.timeline.samples.push(per_worker);
+            if self.timeline.samples.len() >= MAX_SAMPLES {
+                // Keep every other sample and double the interval.
+                let kept: Vec<Vec<u32>> =
+                    self.timeline.samples.iter().step_by(2).cloned().collect();
+                self.timeline.samples = kept;
+                self.timeline.interval_ns *= 2;
+                let origin = self.workload.requests.first().map_or(0, |r| r.arrival_ns);
+                self.next_sample_ns =
+                    origin + self.timeline.samples.len() as u64 * self.timeline.interval_ns;
+            } else {
+                self.next_sample_ns += self.timeline.interval_ns;
+            }
+        }
+        self.now = t;
+        self.clock.set(Duration::from_nanos(t));
+    }
+
+    fn reschedule(&mut self, e: usize) {
+        let wake = self.engines[e].wake();
+        if wake != self.scheduled[e] {
+            self.versions[e] += 1;
+            self.scheduled[e] = wake;
+            if let Some(t) = wake {
+                self.heap.push(Reverse((t, e as u32, self.versions[e])));
+            }
+        }
+    }
+
+    fn engine_event(&mut self, e: usize) {
+        let now = self.now;
+        self.engines[e].on_wake(now, &mut self.jobs, &self.workload.requests, &mut self.out);
+        self.reschedule(e);
+        self.deliver();
+    }
+
+    /// Hand the engines' reports to the host side: cache events to the index, prefill and
+    /// request completions to the host; then let queued requests in.
+    fn deliver(&mut self) {
+        loop {
+            for event in &self.out.events {
+                self.index.apply(event);
+            }
+            let freed = !self.out.first_tokens.is_empty() || !self.out.finished.is_empty();
+            for &j in &self.out.first_tokens {
+                self.host.prefill_complete(self.jobs[j as usize].host_id);
+            }
+            for &j in &self.out.finished {
+                self.host.complete(self.jobs[j as usize].host_id);
+            }
+            self.out.clear();
+            if !freed || self.host.admission_stats().waiting == 0 {
+                return;
+            }
+            self.drain();
+            if self.out.events.is_empty() {
+                return;
+            }
+        }
+    }
+
+    fn drain(&mut self) {
+        let started = Instant::now();
+        let drained = {
+            let (index, scratch, rows, tickets, requests) = (
+                &self.index,
+                &self.scratch,
+                self.rows,
+                &self.tickets,
+                &self.workload.requests,
+            );
+            self.host.drain(
+                |ticket, _| {
+                    let blocks = tickets
+                        .get(&ticket)
+                        .map_or(&[][..], |&j| &requests[j as usize].hash_ids[..]);
+                    RequestOverlap::new(index, blocks, rows, scratch)
+                },
+                false,
+            )
+        };
+        if drained.is_empty() {
+            return;
+        }
+        let each = elapsed_ns(started) / drained.len() as u64;
+        for d in drained {
+            self.decision_ns.push(each);
+            let Some(job) = self.tickets.remove(&d.ticket) else {
+                continue;
+            };
+            match d.result {
+                Ok(routed) => self.dispatched(job, routed),
+                Err(err) => self.failed(&err),
+            }
+        }
+    }
+
+    fn arrival(&mut self, i: usize) {
+        let w = &self.workload.requests[i];
+        let request = Request {
+            isl_tokens: w.input_length,
+            session_id: w.session_id.clone(),
+            ..Request::default()
+        };
+        let overlap = RequestOverlap::new(&self.index, &w.hash_ids, self.rows, &self.scratch);
+        let started = Instant::now();
+        let outcome = self.host.submit(request, &overlap, false);
+        self.decision_ns.push(elapsed_ns(started));
+        match outcome {
+            Ok(Submitted::Dispatched(routed)) => self.dispatched(i as u32, routed),
+            Ok(Submitted::Queued(ticket)) => {
+                self.tickets.insert(ticket, i as u32);
+            }
+            Err(err) => self.failed(&err),
+        }
+        self.deliver_events();
+    }
+
+    /// Cache events from admissions (evictions) reach the index before the next decision.
+    fn deliver_events(&mut self) {
+        for event in &self.out.events {
+            self.index.apply(event);
+        }
+        self.out.events.clear();
+    }
+
+    fn failed(&mut self, err: &RouteError) {
+        *self.errors.entry(err.to_string()).or_default() += 1;
+    }
+
+    fn dispatched(&mut self, job: u32, routed: Routed) {
+        match &routed.session {
+            None => {}
+            Some(SessionOutcome::Dispatched(o)) => match o {
+                DispatchOutcome::Created => self.sessions.new += 1,
+                DispatchOutcome::Kept => self.sessions.kept += 1,
+                DispatchOutcome::Moved { .. } => self.sessions.moved += 1,
+                DispatchOutcome::Stale => self.sessions.stale += 1,
+            },
+            Some(SessionOutcome::HardBindingGone) => self.sessions.hard_binding_gone += 1,
+            Some(SessionOutcome::NotRecorded(_)) => self.sessions.not_recorded += 1,
+        }
+        if routed.decision.fallback.is_some() {
+            self.fallbacks += 1;
+        }
+        if !routed.queued_for.is_zero() {
+            self.queue_waits_ns
+                .push(u64::try_from(routed.queued_for.as_nanos()).unwrap_or(u64::MAX));
+        }
+        let Some(e) = self.rows.index(routed.decision.row) else {
+            // Cannot happen: the cluster has exactly the mapped rows.
+            self.host.complete(routed.id);
+            *self
+                .errors
+                .entry(format!("routed to unknown row {:?}", routed.decision.row))
+                .or_default() += 1;
+            return;
+        };
+        self.requests_per_row[e] += 1;
+        let j = &mut self.jobs[job as usize];
+        j.host_id = routed.id;
+        j.dispatched_ns = self.now;
+        let now = self.now;
+        match self.engines[e].enqueue(
+            job,
+            now,
+            &mut self.jobs,
+            &self.workload.requests,
+            &mut self.out,
+        ) {
+            Ok(()) => {
+                self.reached[job as usize] = true;
+                self.reschedule(e);
+            }
+            Err(too_large) => {
+                self.host.complete(routed.id);
+                *self
+                    .errors
+                    .entry(format!(
+                        "request needs more KV blocks (prompt + output) than an engine holds ({})",
+                        too_large.capacity
+                    ))
+                    .or_default() += 1;
+            }
+        }
+    }
+}
+
+fn elapsed_ns(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}

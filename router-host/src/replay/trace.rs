@@ -1,0 +1,493 @@
+//! Workloads: the Mooncake JSONL trace format (read and write) and the ideal prefix-reuse bound.
+//!
+//! One line = one request: `timestamp` (arrival, milliseconds), `input_length` (prompt tokens),
+//! `output_length` (generated tokens), `hash_ids` (one id per `block_size` prompt tokens; equal ids
+//! mean an equal prefix block) and an optional `session_id` (string or non-negative integer).
+//! Other fields are ignored. Blank lines are skipped. Every problem is reported as
+//! `trace FILE: line N: field `F`: PROBLEM`; a malformed line never panics.
+
+use std::fmt;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::fast_hash::FastSet;
+
+/// Tokens per `hash_ids` entry in the Mooncake traces (and the default `--trace-block-size`).
+pub const DEFAULT_TRACE_BLOCK_SIZE: u32 = 512;
+
+/// Largest accepted `timestamp` (milliseconds, about 31 years): simulated nanoseconds stay far
+/// from `u64` overflow.
+pub const MAX_TIMESTAMP_MS: f64 = 1e12;
+/// Largest accepted `output_length`.
+pub const MAX_OUTPUT_LENGTH: u64 = 1_000_000_000;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadRequest {
+    /// Arrival time, nanoseconds since the workload's time origin.
+    pub arrival_ns: u64,
+    /// Prompt tokens (>= 1).
+    pub input_length: u64,
+    /// Tokens to generate (0 is treated as 1: prefill always yields the first token).
+    pub output_length: u64,
+    /// Prompt block ids, `ceil(input_length / block_size)` of them.
+    pub hash_ids: Vec<u64>,
+    pub session_id: Option<String>,
+}
+
+/// Requests in arrival order, all cut into blocks of one size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workload {
+    /// Tokens per block (per `hash_ids` entry).
+    pub block_size: u32,
+    /// Sorted by `arrival_ns`; equal arrivals keep their input order.
+    pub requests: Vec<WorkloadRequest>,
+    /// Where it came from, for the report (`trace PATH` or a synthetic description).
+    pub source: String,
+}
+
+/// Reuse statistics that do not depend on any policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkloadStats {
+    pub requests: usize,
+    pub prompt_blocks: u64,
+    /// Prompt blocks in the leading run of blocks already seen in an earlier request.
+    pub reusable_blocks: u64,
+    /// `reusable_blocks / prompt_blocks` (0 for an empty workload).
+    pub ideal_hit_rate: f64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Distinct session ids (0 when the workload has none).
+    pub sessions: usize,
+    /// Last arrival minus first arrival, seconds.
+    pub duration_s: f64,
+}
+
+impl Workload {
+    /// The policy-independent statistics, including the ideal hit rate: with an infinite cache
+    /// shared by everyone, a request can reuse the leading run of its blocks that appeared in any
+    /// earlier request.
+    pub fn stats(&self) -> WorkloadStats {
+        let mut seen: FastSet<u64> = FastSet::default();
+        let mut sessions: FastSet<&str> = FastSet::default();
+        let (mut prompt_blocks, mut reusable, mut input, mut output) = (0u64, 0u64, 0u64, 0u64);
+        for r in &self.requests {
+            prompt_blocks += r.hash_ids.len() as u64;
+            reusable += r.hash_ids.iter().take_while(|b| seen.contains(b)).count() as u64;
+            seen.extend(r.hash_ids.iter().copied());
+            input += r.input_length;
+            output += r.output_length.max(1);
+            if let Some(s) = &r.session_id {
+                sessions.insert(s);
+            }
+        }
+        let duration_ns = match (self.requests.first(), self.requests.last()) {
+            (Some(a), Some(b)) => b.arrival_ns - a.arrival_ns,
+            _ => 0,
+        };
+        WorkloadStats {
+            requests: self.requests.len(),
+            prompt_blocks,
+            reusable_blocks: reusable,
+            ideal_hit_rate: ratio(reusable, prompt_blocks),
+            input_tokens: input,
+            output_tokens: output,
+            sessions: sessions.len(),
+            duration_s: duration_ns as f64 / 1e9,
+        }
+    }
+
+    /// Keep only the first `n` requests (in arrival order).
+    pub fn truncate(&mut self, n: usize) {
+        self.requests.truncate(n);
+    }
+
+    /// Multiply every arrival time by `factor` (0.5 = the same requests twice as fast).
+    pub fn scale_time(&mut self, factor: f64) {
+        // Capped like trace timestamps, so simulated time cannot overflow.
+        let cap = MAX_TIMESTAMP_MS * 1e6;
+        for r in &mut self.requests {
+            r.arrival_ns = (r.arrival_ns as f64 * factor).round().min(cap) as u64;
+        }
+    }
+
+    /// Read a Mooncake-format JSONL file.
+    pub fn from_jsonl_file(path: &Path, block_size: u32) -> Result<Workload, TraceError> {
+        let name = path.display().to_string();
+        let file = std::fs::File::open(path).map_err(|e| TraceError {
+            file: name.clone(),
+            line: None,
+            field: None,
+            message: format!("cannot read: {e}"),
+        })?;
+        let mut workload =
+            Self::from_jsonl_reader(std::io::BufReader::new(file), &name, block_size)?;
+        workload.source = format!("trace {name}");
+        Ok(workload)
+    }
+
+    /// Parse Mooncake-format JSONL; `file` names the input in errors.
+    pub fn from_jsonl_reader(
+        reader: impl BufRead,
+        file: &str,
+        block_size: u32,
+    ) -> Result<Workload, TraceError> {
+        if block_size == 0 {
+            return Err(TraceError {
+                file: file.to_string(),
+                line: None,
+                field: None,
+                message: "block size must be at least 1".to_string(),
+            });
+        }
+        let mut requests = Vec::new();
+        for (index, line) in reader.split(b'\n').enumerate() {
+            let number = index + 1;
+            let bad = |field: Option<&str>, message: String| TraceError {
+                file: file.to_string(),
+                line: Some(number),
+                field: field.map(str::to_string),
+                message,
+            };
+            let bytes = line.map_err(|e| bad(None, format!("cannot read: {e}")))?;
+            let text = std::str::from_utf8(&bytes)
+                .map_err(|e| bad(None, format!("not UTF-8: {e}")))?
+                .trim();
+            if text.is_empty() {
+                continue;
+            }
+            let request = parse_line(text, block_size).map_err(|(f, m)| bad(f, m))?;
+            requests.push(request);
+        }
+        // Replay in timestamp order; a stable sort keeps file order for equal timestamps.
+        requests.sort_by_key(|r: &WorkloadRequest| r.arrival_ns);
+        Ok(Workload {
+            block_size,
+            requests,
+            source: format!("trace {file}"),
+        })
+    }
+
+    /// Write the workload as Mooncake-format JSONL (timestamps in milliseconds, rebased so the
+    /// first request is at 0).
+    pub fn write_jsonl(&self, mut out: impl Write) -> std::io::Result<()> {
+        let origin = self.requests.first().map_or(0, |r| r.arrival_ns);
+        for r in &self.requests {
+            let ns = r.arrival_ns - origin;
+            let ts = if ns.is_multiple_of(1_000_000) {
+                serde_json::json!(ns / 1_000_000)
+            } else {
+                serde_json::json!(ns as f64 / 1e6)
+            };
+            let mut line = serde_json::Map::new();
+            line.insert("timestamp".into(), ts);
+            line.insert("input_length".into(), r.input_length.into());
+            line.insert("output_length".into(), r.output_length.into());
+            line.insert("hash_ids".into(), serde_json::json!(r.hash_ids));
+            if let Some(s) = &r.session_id {
+                line.insert("session_id".into(), s.clone().into());
+            }
+            serde_json::to_writer(&mut out, &serde_json::Value::Object(line))?;
+            out.write_all(b"\n")?;
+        }
+        out.flush()
+    }
+}
+
+pub(crate) fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// A trace that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceError {
+    pub file: String,
+    /// 1-based line, when the problem is on one line.
+    pub line: Option<usize>,
+    /// The offending field, when one is to blame.
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "trace {}: ", self.file)?;
+        if let Some(line) = self.line {
+            write!(f, "line {line}: ")?;
+        }
+        if let Some(field) = &self.field {
+            write!(f, "field `{field}`: ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+/// The fast path: the well-formed line.
+#[derive(Deserialize)]
+struct Line {
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+    #[serde(default)]
+    session_id: Option<serde_json::Value>,
+}
+
+type LineError = (Option<&'static str>, String);
+
+fn parse_line(text: &str, block_size: u32) -> Result<WorkloadRequest, LineError> {
+    let line: Line = match serde_json::from_str(text) {
+        Ok(line) => line,
+        Err(_) => return Err(diagnose(text)),
+    };
+    let session_id = match line.session_id {
+        None | Some(serde_json::Value::Null) => None,
+        Some(value) => Some(session_id(&value)?),
+    };
+    if !(line.timestamp.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&line.timestamp)) {
+        return Err((
+            Some("timestamp"),
+            format!(
+                "must be a number of milliseconds from 0 to 1e12, got {}",
+                line.timestamp
+            ),
+        ));
+    }
+    if line.output_length > MAX_OUTPUT_LENGTH {
+        return Err((
+            Some("output_length"),
+            format!(
+                "must be at most {MAX_OUTPUT_LENGTH}, got {}",
+                line.output_length
+            ),
+        ));
+    }
+    if line.input_length == 0 {
+        return Err((Some("input_length"), "must be at least 1".to_string()));
+    }
+    let expected = line.input_length.div_ceil(u64::from(block_size));
+    if line.hash_ids.len() as u64 != expected {
+        return Err((
+            Some("hash_ids"),
+            format!(
+                "has {} entries, but input_length {} at {} tokens per block needs {expected} \
+                 (set --trace-block-size to the trace's block size)",
+                line.hash_ids.len(),
+                line.input_length,
+                block_size
+            ),
+        ));
+    }
+    Ok(WorkloadRequest {
+        arrival_ns: (line.timestamp * 1e6).round() as u64,
+        input_length: line.input_length,
+        output_length: line.output_length,
+        hash_ids: line.hash_ids,
+        session_id,
+    })
+}
+
+fn session_id(value: &serde_json::Value) -> Result<String, LineError> {
+    match value {
+        serde_json::Value::String(s) if !s.is_empty() => Ok(s.clone()),
+        serde_json::Value::String(_) => Err((Some("session_id"), "must not be empty".to_string())),
+        serde_json::Value::Number(n) if n.is_u64() => Ok(n.to_string()),
+        other => Err((
+            Some("session_id"),
+            format!(
+                "expected a string or a non-negative integer, got {}",
+                describe(other)
+            ),
+        )),
+    }
+}
+
+/// The slow path: say which field is wrong.
+fn diagnose(text: &str) -> LineError {
+    let value: serde_json::Value = match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(e) => {
+            return (
+                None,
+                format!(
+                    "invalid JSON at column {}: {}",
+                    e.column(),
+                    strip_position(&e)
+                ),
+            )
+        }
+    };
+    let Some(map) = value.as_object() else {
+        return (
+            None,
+            format!("expected a JSON object, got {}", describe(&value)),
+        );
+    };
+    let uint = |v: &serde_json::Value| v.as_u64().is_some();
+    for (field, ok, expected) in [
+        (
+            "timestamp",
+            &(|v: &serde_json::Value| v.is_number()) as &dyn Fn(&serde_json::Value) -> bool,
+            "a number (milliseconds)",
+        ),
+        ("input_length", &uint, "a non-negative integer"),
+        ("output_length", &uint, "a non-negative integer"),
+    ] {
+        match map.get(field) {
+            None => return (Some(field), "missing".to_string()),
+            Some(v) if !ok(v) => {
+                return (
+                    Some(field),
+                    format!("expected {expected}, got {}", describe(v)),
+                )
+            }
+            Some(_) => {}
+        }
+    }
+    match map.get("hash_ids") {
+        None => return (Some("hash_ids"), "missing".to_string()),
+        Some(serde_json::Value::Array(ids)) => {
+            if let Some((i, v)) = ids.iter().enumerate().find(|(_, v)| !uint(v)) {
+                return (
+                    Some("hash_ids"),
+                    format!(
+                        "entry {i}: expected a non-negative integer, got {}",
+                        describe(v)
+                    ),
+                );
+            }
+        }
+        Some(v) => {
+            return (
+                Some("hash_ids"),
+                format!(
+                    "expected an array of non-negative integers, got {}",
+                    describe(v)
+                ),
+            )
+        }
+    }
+    if let Some(v) = map.get("session_id") {
+        if !v.is_null() {
+            if let Err(e) = session_id(v) {
+                return e;
+            }
+        }
+    }
+    (None, "malformed line".to_string())
+}
+
+fn describe(v: &serde_json::Value) -> String {
+    let text = v.to_string();
+    let shown = if text.len() > 40 {
+        let mut end = 40;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!("{}...", &text[..end])
+    } else {
+        text
+    };
+    let kind = match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "the number",
+        serde_json::Value::String(_) => "the string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    };
+    if matches!(v, serde_json::Value::Null) {
+        kind.to_string()
+    } else {
+        format!("{kind} {shown}")
+    }
+}
+
+fn strip_position(e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    match message.rfind(" at line ") {
+        Some(at) => message[..at].to_string(),
+        None => message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Workload, TraceError> {
+        Workload::from_jsonl_reader(text.as_bytes(), "t.jsonl", 4)
+    }
+
+    #[test]
+    fn reads_sorts_and_computes_the_ideal_bound() {
+        let w = parse(
+            "{\"timestamp\": 5, \"input_length\": 8, \"output_length\": 2, \"hash_ids\": [1, 2, 9], \"extra\": 1}\n\
+             \n\
+             {\"timestamp\": 0, \"input_length\": 8, \"output_length\": 2, \"hash_ids\": [1, 2], \"session_id\": 7}\n",
+        );
+        // 9 tokens needs 3 blocks of 4; 8 needs 2: the first line is wrong.
+        let err = w.unwrap_err();
+        assert_eq!(err.line, Some(1));
+        assert_eq!(err.field.as_deref(), Some("hash_ids"));
+        let w = parse(
+            "{\"timestamp\": 5, \"input_length\": 9, \"output_length\": 2, \"hash_ids\": [1, 2, 9]}\n\
+             {\"timestamp\": 0.5, \"input_length\": 8, \"output_length\": 2, \"hash_ids\": [1, 2], \"session_id\": 7}\n",
+        )
+        .unwrap();
+        assert_eq!(w.requests[0].arrival_ns, 500_000);
+        assert_eq!(w.requests[0].session_id.as_deref(), Some("7"));
+        let s = w.stats();
+        assert_eq!((s.prompt_blocks, s.reusable_blocks), (5, 2));
+        assert!((s.ideal_hit_rate - 0.4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn every_malformed_line_names_line_and_field() {
+        let good =
+            "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}";
+        for (bad, field) in [
+            ("{\"timestamp\": \"x\", \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}", Some("timestamp")),
+            ("{\"timestamp\": -1, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}", Some("timestamp")),
+            ("{\"timestamp\": 0, \"output_length\": 1, \"hash_ids\": [1]}", Some("input_length")),
+            ("{\"timestamp\": 0, \"input_length\": -4, \"output_length\": 1, \"hash_ids\": [1]}", Some("input_length")),
+            ("{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 1, \"hash_ids\": []}", Some("input_length")),
+            ("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1.5, \"hash_ids\": [1]}", Some("output_length")),
+            ("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [\"a\"]}", Some("hash_ids")),
+            ("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": 3}", Some("hash_ids")),
+            ("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1}", Some("hash_ids")),
+            ("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1], \"session_id\": [1]}", Some("session_id")),
+            ("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1], \"session_id\": \"\"}", Some("session_id")),
+            ("{\"timestamp\": 0, \"input_length\": 4,", None),
+            ("[1, 2]", None),
+            ("\u{1F600}", None),
+        ] {
+            let err = parse(&format!("{good}\n{good}\n{bad}\n")).unwrap_err();
+            assert_eq!(err.line, Some(3), "{err}");
+            assert_eq!(err.field.as_deref(), field, "{err}");
+            let text = err.to_string();
+            assert!(text.starts_with("trace t.jsonl: line 3: "), "{text}");
+        }
+    }
+
+    #[test]
+    fn jsonl_round_trips() {
+        let w = parse(
+            "{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 3, \"hash_ids\": [1, 2], \"session_id\": \"a\"}\n\
+             {\"timestamp\": 1.25, \"input_length\": 4, \"output_length\": 0, \"hash_ids\": [1]}\n",
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        w.write_jsonl(&mut out).unwrap();
+        let again = Workload::from_jsonl_reader(out.as_slice(), "t.jsonl", 4).unwrap();
+        assert_eq!(again.requests, w.requests);
+    }
+}
