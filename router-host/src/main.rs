@@ -7,6 +7,8 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod replay_cli;
+
 use router_host::config::RouterConfig;
 use router_host::host::Host;
 use router_host::loader::{open_library, PolicyTypeDoc, SearchPath, Verify};
@@ -60,7 +62,7 @@ enum Command {
     },
     /// Replay a trace (or the built-in multi-turn workload) through router configs on simulated
     /// engines and compare cache reuse, latency, load balance and decision cost.
-    Replay(Box<router_host::replay::cli::ReplayArgs>),
+    Replay(Box<replay_cli::ReplayArgs>),
 }
 
 fn main() -> ExitCode {
@@ -113,7 +115,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             allow_insecure_permissions,
         } => describe(&plugin, allow_insecure_permissions),
         Command::Select { config, scenario } => select(&config, &scenario),
-        Command::Replay(args) => router_host::replay::cli::run(&args),
+        Command::Replay(args) => replay_cli::run(&args),
     }
 }
 

@@ -9,9 +9,9 @@
 //!
 //! Modules: [`trace`] (Mooncake JSONL in and out, the ideal bound), [`synth`] (the embedded
 //! default workload), [`kv_index`], [`engine`], [`sim`] (the event loop), [`report`] (table and
-//! JSON), [`plot`] (SVG), [`cli`] (the subcommand). User documentation: `docs/replay.md`.
+//! JSON), [`plot`] (SVG). The subcommand itself (flags, progress bar, output files) lives in
+//! the binary (`src/replay_cli.rs`). User documentation: `docs/replay.md`.
 
-pub mod cli;
 pub mod engine;
 pub(crate) mod fast_hash;
 pub mod kv_index;
@@ -23,8 +23,10 @@ pub mod trace;
 
 use std::path::{Path, PathBuf};
 
-use crate::config::RouterConfig;
+use crate::config::{ConfigError, RouterConfig};
 use crate::loader::SearchPath;
+use crate::model::ClusterError;
+use crate::router::StartupError;
 
 pub use engine::{EngineParams, EngineSpec, KvCapacity};
 pub use report::{ConfigReport, Report};
@@ -53,6 +55,27 @@ pub const EXAMPLE_CONFIGS: &[(&str, &str)] = &[
     ),
 ];
 
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Config(#[from] Box<ConfigError>),
+    #[error("config {label}: {message}")]
+    Engine { label: String, message: String },
+    #[error("config {label}")]
+    Startup {
+        label: String,
+        #[source]
+        source: Box<StartupError>,
+    },
+    #[error("config {label}: simulated workers: {source}")]
+    Cluster {
+        label: String,
+        #[source]
+        source: ClusterError,
+    },
+}
+
 /// Settings shared by every config of one replay.
 #[derive(Debug, Clone)]
 pub struct Setup {
@@ -74,8 +97,8 @@ impl Setup {
 }
 
 /// Read a config file and prepare it for a workload of `block_size`-token blocks.
-pub fn prepare_file(path: &Path, setup: &Setup, block_size: u32) -> anyhow::Result<RunConfig> {
-    let config = RouterConfig::from_file(path)?;
+pub fn prepare_file(path: &Path, setup: &Setup, block_size: u32) -> Result<RunConfig, ReplayError> {
+    let config = RouterConfig::from_file(path).map_err(Box::new)?;
     let search = SearchPath::new(setup.plugin_dirs.clone(), Some(path));
     prepare(
         path.display().to_string(),
@@ -93,10 +116,9 @@ pub fn prepare_text(
     text: &str,
     setup: &Setup,
     block_size: u32,
-) -> anyhow::Result<RunConfig> {
-    let mut config = RouterConfig::from_yaml_str(text, None)
-        .map_err(|e| anyhow::anyhow!("{}", e.to_string().replacen("<string>", label, 1)))?;
-    config.source = Some(PathBuf::from(label));
+) -> Result<RunConfig, ReplayError> {
+    // Named after its file in examples/; it has no `path:` plugins to resolve against it.
+    let config = RouterConfig::from_yaml_str(text, Some(Path::new(label))).map_err(Box::new)?;
     let search = SearchPath::new(setup.plugin_dirs.clone(), None);
     prepare(label.to_string(), config, search, setup, block_size)
 }
@@ -107,17 +129,19 @@ fn prepare(
     search: SearchPath,
     setup: &Setup,
     block_size: u32,
-) -> anyhow::Result<RunConfig> {
+) -> Result<RunConfig, ReplayError> {
+    let engine_error = |message: String| ReplayError::Engine {
+        label: label.clone(),
+        message,
+    };
     let from_yaml = match &config.engine {
-        Some(value) => {
-            EngineSpec::from_json(value).map_err(|e| anyhow::anyhow!("config {label}: {e}"))?
-        }
+        Some(value) => EngineSpec::from_json(value).map_err(engine_error)?,
         None => EngineSpec::default(),
     };
     let engine = from_yaml
         .overlay(&setup.engine)
         .resolve(block_size)
-        .map_err(|e| anyhow::anyhow!("config {label}: {e}"))?;
+        .map_err(engine_error)?;
     // One `hash_ids` entry is one KV block: the router must count blocks the same way.
     let block_size_replaced = (config.block_size != block_size).then_some(config.block_size);
     config.block_size = block_size;
@@ -137,7 +161,7 @@ pub fn replay(
     shape: Shape,
     configs: &[RunConfig],
     progress: &mut dyn FnMut(usize, usize),
-) -> anyhow::Result<Report> {
+) -> Result<Report, ReplayError> {
     let stats = workload.stats();
     let mut reports = Vec::with_capacity(configs.len());
     for (i, config) in configs.iter().enumerate() {

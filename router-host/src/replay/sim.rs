@@ -21,6 +21,7 @@ use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
 use super::fast_hash::FastMap;
 use super::kv_index::{KvIndex, OverlapScratch, RequestOverlap, RowMap};
 use super::trace::Workload;
+use super::ReplayError;
 
 /// Load samples kept per run before the interval doubles.
 const MAX_SAMPLES: usize = 2048;
@@ -100,17 +101,6 @@ pub struct RunOutput {
     pub policy: String,
 }
 
-/// Why a run could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error("config {label}: {source:#}")]
-    Startup {
-        label: String,
-        #[source]
-        source: anyhow::Error,
-    },
-}
-
 struct Sim<'w> {
     workload: &'w Workload,
     rows: RowMap,
@@ -143,13 +133,13 @@ pub fn run(
     shape: Shape,
     config: &RunConfig,
     progress: &mut dyn FnMut(usize),
-) -> Result<RunOutput, RunError> {
-    let startup = |source: anyhow::Error| RunError::Startup {
-        label: config.label.clone(),
-        source,
-    };
-    let router = Router::from_config(&config.router, &config.search)
-        .map_err(|e| startup(anyhow::Error::new(e)))?;
+) -> Result<RunOutput, ReplayError> {
+    let router = Router::from_config(&config.router, &config.search).map_err(|source| {
+        ReplayError::Startup {
+            label: config.label.clone(),
+            source: Box::new(source),
+        }
+    })?;
     let policy = {
         let instance = router.instance(router.instance_for(crate::model::RequestRole::Aggregated));
         format!("{} ({})", instance.name, instance.type_name)
@@ -161,7 +151,10 @@ pub fn run(
             ..Worker::new(u64::from(w)).with_ranks(0, shape.dp_size)
         })
         .collect();
-    let cluster = Cluster::new(workers).map_err(|e| startup(anyhow::Error::new(e)))?;
+    let cluster = Cluster::new(workers).map_err(|source| ReplayError::Cluster {
+        label: config.label.clone(),
+        source,
+    })?;
     let clock = Arc::new(ManualClock::new(Duration::ZERO));
     let host = Host::with_clock(router, cluster, &config.router, clock.clone());
     let rows = shape.rows();

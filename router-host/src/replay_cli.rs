@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
-use super::engine::{EngineSpec, KvCapacity};
-use super::synth::{self, SynthParams};
-use super::trace::{Workload, DEFAULT_TRACE_BLOCK_SIZE};
-use super::{plot, prepare_file, prepare_text, replay, Setup, EXAMPLE_CONFIGS};
+use router_host::replay::engine::{EngineSpec, KvCapacity};
+use router_host::replay::synth::{self, SynthParams};
+use router_host::replay::trace::{Workload, DEFAULT_TRACE_BLOCK_SIZE};
+use router_host::replay::{plot, prepare_file, prepare_text, replay, Setup, EXAMPLE_CONFIGS};
 
 /// Replay a trace (or the built-in multi-turn workload) through one or more router configs on
 /// simulated engines, and compare cache reuse, latency, load balance and decision cost.
@@ -194,7 +194,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     let setup = Setup {
-        shape: super::Shape {
+        shape: router_host::replay::Shape {
             workers: args.workers,
             dp_size: args.dp_size,
         },
@@ -206,12 +206,12 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         EXAMPLE_CONFIGS
             .iter()
             .map(|(label, text)| prepare_text(label, text, &setup, workload.block_size))
-            .collect::<anyhow::Result<Vec<_>>>()?
+            .collect::<Result<Vec<_>, _>>()?
     } else {
         args.configs
             .iter()
             .map(|path| prepare_file(path, &setup, workload.block_size))
-            .collect::<anyhow::Result<Vec<_>>>()?
+            .collect::<Result<Vec<_>, _>>()?
     };
     let mut bar = Progress::new(
         configs.iter().map(|c| c.label.clone()).collect(),
