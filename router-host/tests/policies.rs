@@ -75,11 +75,14 @@ fn soft_pin_repin_example_walkthrough_goes_a_b_b_as_its_readme_shows() {
     assert_eq!(sessions, ["created", "moved", "kept"]);
 }
 
+/// (parameters, rows of A and B as (device, host, active), target worker, expected worker).
+type Case = (&'static str, [(u32, u32, u32); 2], Option<u64>, u64);
+
 #[test]
 fn two_tier_decisions_through_the_loaded_plugin_follow_the_conformance_table() {
     let dir = temp_dir("two-tier-table");
     // Rows written (device, host, active) for A = 29 and B = 41; block_size 16, isl 160: R = 10.
-    let cases: &[(&str, [(u32, u32, u32); 2], Option<u64>, u64)] = &[
+    let cases: &[Case] = &[
         ("{}", [(0, 0, 0), (6, 0, 4)], None, 41),
         ("{}", [(0, 0, 0), (5, 0, 4)], None, 29),
         ("{cache_threshold: 0.2}", [(0, 0, 0), (3, 0, 4)], None, 41),
