@@ -601,6 +601,18 @@ impl RouterConfig {
     pub fn from_yaml_str(text: &str, source: Option<&Path>) -> Result<Self, ConfigError> {
         // libyaml reads a byte-order mark only at the start of a byte stream, not in a `&str`.
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        if let Some(location) = flow_too_deep(text) {
+            return Err(ConfigError::new(
+                source,
+                ConfigErrorKind::Yaml {
+                    message: format!(
+                        "recursion limit exceeded: `[` and `{{` nested more than \
+                         {MAX_FLOW_DEPTH} levels deep"
+                    ),
+                },
+            )
+            .at(Some(location)));
+        }
         let raw: Option<RawConfig> =
             serde_yaml::from_str(text).map_err(|err| yaml_error(&err, source))?;
         let raw = raw.unwrap_or_default();
@@ -634,6 +646,77 @@ fn read_capped(path: &Path) -> Result<Vec<u8>, ConfigError> {
         ));
     }
     Ok(bytes)
+}
+
+/// Deepest nesting of flow collections (`[`, `{`) [`RouterConfig::from_yaml_str`] hands to the
+/// YAML parser; the parser's own recursion limit (128) refuses deeper documents anyway.
+pub const MAX_FLOW_DEPTH: usize = 128;
+
+/// Where the flow collections of `text` first nest deeper than [`MAX_FLOW_DEPTH`], if they do.
+///
+/// The YAML scanner revisits every open flow level on each token, so its time grows with tokens
+/// times depth: 100,000 nested `[` (200 KB) took minutes before the parser's recursion limit
+/// could refuse them. This linear pre-scan refuses them first. It skips comments and quoted
+/// scalars; a bracket inside a plain or block scalar counts, so a false refusal would need more
+/// than 128 unbalanced `[`/`{` in plain text.
+fn flow_too_deep(text: &str) -> Option<(usize, usize)> {
+    let bytes = text.as_bytes();
+    let (mut depth, mut line, mut line_start) = (0usize, 1usize, 0usize);
+    // Whether the previous byte lets a comment or a quoted scalar start here.
+    let mut at_token_start = true;
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        match b {
+            b'\n' => {
+                line += 1;
+                line_start = i + 1;
+            }
+            b'#' if at_token_start => {
+                while i + 1 < bytes.len() && bytes[i + 1] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'"' | b'\'' if at_token_start => {
+                i += 1;
+                while i < bytes.len() {
+                    match bytes[i] {
+                        // An escaped character, or `''` in single quotes; an escaped line
+                        // break still starts a new line.
+                        b'\\' if b == b'"' => {
+                            i += 1;
+                            if bytes.get(i) == Some(&b'\n') {
+                                line += 1;
+                                line_start = i + 1;
+                            }
+                        }
+                        b'\'' if b == b'\'' && bytes.get(i + 1) == Some(&b'\'') => i += 1,
+                        c if c == b => break,
+                        b'\n' => {
+                            line += 1;
+                            line_start = i + 1;
+                        }
+                        _ => {}
+                    }
+                    i += 1;
+                }
+            }
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > MAX_FLOW_DEPTH {
+                    return Some((line, i - line_start + 1));
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        at_token_start = matches!(
+            bytes.get(i),
+            Some(b' ' | b'\t' | b'\n' | b'\r' | b'[' | b'{' | b',' | b':')
+        );
+        i += 1;
+    }
+    None
 }
 
 /// 1-based line and (byte) column of `offset` in `bytes`.
@@ -754,7 +837,7 @@ struct RawInstance {
     type_name: String,
     #[serde(default)]
     parameters: Option<serde_yaml::Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "de_on_error")]
     on_error: Option<OnError>,
     #[serde(default, deserialize_with = "de_pick_budget")]
     pick_budget_us: Option<u64>,
@@ -768,6 +851,7 @@ struct RawInstance {
     expecting = "a `session_affinity` mapping with `mode`"
 )]
 struct RawSessionAffinity {
+    #[serde(deserialize_with = "de_affinity_mode")]
     mode: AffinityMode,
     #[serde(default, deserialize_with = "de_ttl_secs")]
     ttl_secs: Option<u64>,
@@ -784,7 +868,7 @@ struct RawPolicyClass {
     prefill_busy_threshold: Option<u64>,
     #[serde(default, deserialize_with = "de_busy_frac")]
     prefill_busy_threshold_frac: Option<f64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "de_admission")]
     admission: Option<AdmissionMode>,
 }
 
@@ -807,6 +891,11 @@ fn excerpt(s: &str) -> String {
 fn looks_like_integer(s: &str) -> bool {
     let digits = s.strip_prefix(['-', '+']).unwrap_or(s);
     !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit() || b == b'_')
+}
+
+/// Whether `s` is a numeral too large for `f64` (`1e400`), as opposed to a spelled-out infinity.
+fn overflows_to_infinity(s: &str) -> bool {
+    s.parse::<f64>().is_ok_and(f64::is_infinite) && !s.to_ascii_lowercase().contains("inf")
 }
 
 /// Accepts an integer in `min..=max`; null means "absent".
@@ -872,6 +961,12 @@ impl<'de> Visitor<'de> for UintVisitor {
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
         if looks_like_integer(v) && v.parse::<u128>().is_err() {
             Err(self.out_of_range(excerpt(v)))
+        } else if overflows_to_infinity(v) {
+            // The YAML parser hands over numerals that overflow `f64` (`1e400`) as strings.
+            Err(E::custom(format_args!(
+                "invalid type: floating point `{}` (overflows to infinity), expected {self}",
+                excerpt(v)
+            )))
         } else {
             Err(E::invalid_type(Unexpected::Str(&excerpt(v)), &self))
         }
@@ -982,14 +1077,13 @@ impl<'de> Visitor<'de> for FloatVisitor {
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
         // The YAML parser hands over numerals that overflow `f64` (`1e999`) as strings.
-        match v.parse::<f64>() {
-            Ok(parsed) if parsed.is_infinite() && !v.to_ascii_lowercase().contains("inf") => {
-                Err(E::custom(format_args!(
-                    "invalid value: {} is too large (overflows to infinity), expected {self}",
-                    excerpt(v)
-                )))
-            }
-            _ => Err(E::invalid_type(Unexpected::Str(&excerpt(v)), &self)),
+        if overflows_to_infinity(v) {
+            Err(E::custom(format_args!(
+                "invalid value: {} is too large (overflows to infinity), expected {self}",
+                excerpt(v)
+            )))
+        } else {
+            Err(E::invalid_type(Unexpected::Str(&excerpt(v)), &self))
         }
     }
 
@@ -1027,6 +1121,67 @@ fn yaml_float(v: f64) -> String {
     } else {
         v.to_string()
     }
+}
+
+/// Accepts a unit variant of `T` written as a plain string; null means "absent" unless
+/// `required`. Without it, `serde_yaml` reports a sequence or mapping given for an enum as
+/// "expected a YAML tag starting with '!'", which names neither the accepted values nor the
+/// mistake.
+struct VariantVisitor<T> {
+    expecting: &'static str,
+    required: bool,
+    variant: std::marker::PhantomData<T>,
+}
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for VariantVisitor<T> {
+    type Value = Option<T>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.expecting)
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        T::deserialize(de::value::StrDeserializer::<E>::new(v)).map(Some)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        if self.required {
+            Err(E::invalid_type(Unexpected::Other("null"), &self))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        self.visit_unit()
+    }
+}
+
+fn de_variant<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+    expecting: &'static str,
+    required: bool,
+) -> Result<Option<T>, D::Error> {
+    d.deserialize_any(VariantVisitor {
+        expecting,
+        required,
+        variant: std::marker::PhantomData,
+    })
+}
+
+fn de_on_error<'de, D: Deserializer<'de>>(d: D) -> Result<Option<OnError>, D::Error> {
+    de_variant(d, "`fallback` or `fail`", false)
+}
+
+fn de_admission<'de, D: Deserializer<'de>>(d: D) -> Result<Option<AdmissionMode>, D::Error> {
+    de_variant(d, "`any_eligible` or `chosen_row`", false)
+}
+
+fn de_affinity_mode<'de, D: Deserializer<'de>>(d: D) -> Result<AffinityMode, D::Error> {
+    const EXPECTING: &str = "`soft` or `hard`";
+    // `required` makes null an error inside the visitor, so the error carries the value's place.
+    de_variant(d, EXPECTING, true)?
+        .ok_or_else(|| de::Error::invalid_type(Unexpected::Other("null"), &EXPECTING))
 }
 
 /// What kind of string a [`StrVisitor`] accepts.
@@ -2157,5 +2312,118 @@ engine:
             assert!(message.starts_with("config <string>: "), "{message}");
             assert!(!message.contains(PROBE_HIT), "{message}");
         }
+    }
+
+    #[test]
+    fn enum_values_of_the_wrong_shape_name_the_accepted_values() {
+        // Found by the hostile-input tests (issue 6): a sequence or mapping given for an enum
+        // used to read "expected a YAML tag starting with '!'".
+        for (text, expected) in [
+            (
+                "session_affinity: {mode: [soft]}",
+                "line 1 column 26: session_affinity.mode: invalid type: sequence, expected `soft` or `hard`",
+            ),
+            (
+                "session_affinity: {mode: ~}",
+                "line 1 column 26: session_affinity.mode: invalid type: null, expected `soft` or `hard`",
+            ),
+            (
+                "session_affinity: {mode: sticky}",
+                "session_affinity.mode: unknown variant `sticky`, expected `soft` or `hard`",
+            ),
+            (
+                "worker_selection: {instances: [{name: a, type: t, on_error: {fail: 1}}]}",
+                "worker_selection.instances[0].on_error: invalid type: map, expected `fallback` or `fail`",
+            ),
+            (
+                "policy_classes: [{name: a, prefill_busy_threshold: 1, admission: [chosen_row]}]",
+                "policy_classes[0].admission: invalid type: sequence, expected `any_eligible` or `chosen_row`",
+            ),
+        ] {
+            let message = parse_err(text);
+            assert!(message.contains(expected), "{text}: {message}");
+        }
+        // Null still means "absent" for the optional ones.
+        let config = parse(
+            "worker_selection: {instances: [{name: a, type: t, on_error: ~}]}\n\
+             policy_classes: [{name: c, prefill_busy_threshold: 1, admission: ~}]\n",
+        );
+        assert_eq!(
+            config.worker_selection.instances[0].on_error,
+            OnError::Fallback
+        );
+        assert_eq!(
+            config.policy_classes[0].admission,
+            AdmissionMode::AnyEligible
+        );
+    }
+
+    #[test]
+    fn integers_written_as_overflowing_floats_say_so() {
+        // Found by the hostile-input tests (issue 6): `1e400` used to read as `string "1e400"`.
+        let message =
+            parse_err("worker_selection: {instances: [{name: a, type: t, pick_budget_us: 1e400}]}");
+        assert!(
+            message.contains(
+                "pick_budget_us: invalid type: floating point `1e400` (overflows to infinity), \
+                 expected an integer >= 1"
+            ),
+            "{message}"
+        );
+        let message = parse_err("block_size: 1e30");
+        assert!(
+            message.contains("block_size: invalid type: floating point"),
+            "{message}"
+        );
+        // A spelled-out infinity is still just a wrong type.
+        let message = parse_err("block_size: inf");
+        assert!(
+            message.contains("invalid type: string \"inf\""),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn deep_flow_nesting_is_refused_before_the_yaml_scanner_runs() {
+        // Found by the hostile-input tests (issue 6): the scanner's time grows with tokens times
+        // flow depth, so 100,000 nested `[` took minutes before the recursion limit refused them.
+        let deep = format!(
+            "engine:\n  x: {}{}\n",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        let started = std::time::Instant::now();
+        let message = parse_err(&deep);
+        assert_eq!(
+            message,
+            "config <string>: line 2 column 134: recursion limit exceeded: `[` and `{` nested \
+             more than 128 levels deep"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        // 128 levels are left to the parser (which refuses them: its limit counts the
+        // enclosing block mappings too); brackets in comments and quoted scalars do not count.
+        let at_limit = format!("engine: {}{}\n", "[".repeat(128), "]".repeat(128));
+        assert!(parse_err(&at_limit).contains("line 1 column"));
+        let open = "[".repeat(300);
+        let config = parse(&format!(
+            "# {open}\nengine: {{a: \"{open}\", b: '{open}''{open}', c: \"\\\"{open}\"}} # {open}\n"
+        ));
+        assert_eq!(
+            config
+                .engine
+                .as_ref()
+                .and_then(|e| e["a"].as_str())
+                .map(str::len),
+            Some(300)
+        );
+        assert_eq!(flow_too_deep("a: \"x\\\n[\"\nb: 1"), None);
+        assert_eq!(
+            flow_too_deep(&format!("a: 1\nb: \"q\\\n\"\nc: {}", "{".repeat(129))),
+            Some((4, 132))
+        );
     }
 }

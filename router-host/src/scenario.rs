@@ -44,7 +44,10 @@ pub struct ScenarioRequest {
 
 /// A change to one worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a worker update object with `worker_id`"
+)]
 pub struct WorkerUpdate {
     pub worker_id: u64,
     #[serde(default)]
@@ -88,8 +91,12 @@ pub enum ScenarioError {
     },
 }
 
+// `expecting` keeps the internal type names out of messages ("expected struct RawWorker").
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a scenario object with `workers` and `requests`"
+)]
 struct RawScenario {
     #[serde(default)]
     block_size: Option<u32>,
@@ -105,7 +112,7 @@ fn yes() -> bool {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a worker object with `worker_id`")]
 struct RawWorker {
     worker_id: u64,
     #[serde(default)]
@@ -123,7 +130,10 @@ struct RawWorker {
 }
 
 #[derive(Deserialize, Clone, Copy)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an affinity target object with `worker_id`"
+)]
 struct RawTarget {
     worker_id: u64,
     #[serde(default)]
@@ -131,7 +141,10 @@ struct RawTarget {
 }
 
 #[derive(Deserialize, Clone, Copy)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a pinned worker object with `worker_id`"
+)]
 struct RawPin {
     worker_id: u64,
     #[serde(default)]
@@ -148,7 +161,7 @@ enum RawRole {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a request object with `isl_tokens`")]
 struct RawRequest {
     isl_tokens: u64,
     #[serde(default)]
@@ -176,7 +189,7 @@ struct RawRequest {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a row object with `worker_id`")]
 struct RawRow {
     worker_id: u64,
     #[serde(default)]
