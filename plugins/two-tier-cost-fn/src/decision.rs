@@ -133,6 +133,22 @@ impl<'a> Columns<'a> {
         self.worker_id.len()
     }
 
+    /// The same columns, each cut to exactly `len()` values. `Rows` already guarantees one value
+    /// per row in every column, so nothing is cut; but a scan over the returned copy indexes all
+    /// five with `i < len()` without a bounds check per column.
+    #[inline]
+    fn exact(&self) -> Columns<'a> {
+        let n = self.len();
+        Columns {
+            worker_id: self.worker_id,
+            dp_rank: &self.dp_rank[..n],
+            device: &self.device[..n],
+            host: &self.host[..n],
+            active: &self.active[..n],
+        }
+    }
+
+    #[inline]
     pub fn row(&self, i: usize) -> RowId {
         RowId {
             worker_id: self.worker_id[i],
@@ -140,17 +156,20 @@ impl<'a> Columns<'a> {
         }
     }
 
+    #[inline]
     pub fn active(&self, i: usize) -> u64 {
         self.active[i]
     }
 
     /// Least-loaded order: fewer active requests first, then lowest `(worker_id, dp_rank)`.
+    #[inline]
     fn load_key(&self, i: usize) -> (u64, RowId) {
         (self.active[i], self.row(i))
     }
 
     /// `device + weight * host`. A NaN (no meaningful overlap) counts as nothing cached, which
     /// also keeps the comparisons below total.
+    #[inline]
     fn effective_overlap(&self, i: usize, host_weight: f64) -> f64 {
         let eff = self.device[i] + host_weight * self.host[i];
         if eff.is_nan() {
@@ -167,33 +186,43 @@ pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
     load.saturating_sub(min) > abs && load as f64 > rel * min as f64
 }
 
-/// Running statistics of one pass over a row set.
+/// Running statistics of one pass over a row set. The load keys of the current winners are
+/// kept, not re-read: each row costs one key read and two comparisons.
 struct Scan {
     least_loaded: usize,
+    least_key: (u64, RowId),
     max_active: u64,
     best_row: usize,
+    best_key: (u64, RowId),
     best_eff: f64,
 }
 
 impl Scan {
+    #[inline]
     fn first(i: usize, eff: f64, cols: &Columns<'_>) -> Scan {
+        let key = cols.load_key(i);
         Scan {
             least_loaded: i,
-            max_active: cols.active(i),
+            least_key: key,
+            max_active: key.0,
             best_row: i,
+            best_key: key,
             best_eff: eff,
         }
     }
 
+    #[inline]
     fn add(&mut self, i: usize, eff: f64, cols: &Columns<'_>) {
         let key = cols.load_key(i);
-        if key < cols.load_key(self.least_loaded) {
+        if key < self.least_key {
             self.least_loaded = i;
+            self.least_key = key;
         }
-        self.max_active = self.max_active.max(cols.active(i));
+        self.max_active = self.max_active.max(key.0);
         // Highest overlap wins; among equal overlap, the least-loaded row.
-        if eff > self.best_eff || (eff == self.best_eff && key < cols.load_key(self.best_row)) {
+        if eff > self.best_eff || (eff == self.best_eff && key < self.best_key) {
             self.best_row = i;
+            self.best_key = key;
             self.best_eff = eff;
         }
     }
@@ -207,16 +236,17 @@ pub fn run_tiers(
     request_blocks: u64,
     in_set: impl Fn(usize) -> bool,
 ) -> Option<TierDecision> {
-    let mut scan: Option<Scan> = None;
-    for i in (0..cols.len()).filter(|&i| in_set(i)) {
-        let eff = cols.effective_overlap(i, params.host_cache_weight);
-        match scan.as_mut() {
-            Some(scan) => scan.add(i, eff, cols),
-            None => scan = Some(Scan::first(i, eff, cols)),
+    let cols = &cols.exact();
+    let n = cols.len();
+    let weight = params.host_cache_weight;
+    let first = (0..n).find(|&i| in_set(i))?;
+    let mut scan = Scan::first(first, cols.effective_overlap(first, weight), cols);
+    for i in first + 1..n {
+        if in_set(i) {
+            scan.add(i, cols.effective_overlap(i, weight), cols);
         }
     }
-    let scan = scan?;
-    let min_active = cols.active(scan.least_loaded);
+    let min_active = scan.least_key.0;
     let cache_ratio = if request_blocks == 0 {
         0.0
     } else {
