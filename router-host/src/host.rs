@@ -15,7 +15,10 @@ use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
 
 use crate::config::{AdmissionMode, AffinityMode, PolicyClassConfig, RouterConfig};
 use crate::eligibility::{check_pin, eligible_rows};
-use crate::model::{Cluster, Request, RowId, RowLoad, Signals, TierOverlap};
+use crate::model::{
+    overlap_columns_by_row, Cluster, Request, RowId, RowLoad, Signals, TierOverlap,
+};
+use crate::replay::fast_hash::FastMap;
 use crate::router::{Decision, InstanceId, Router, Scratch, SelectError, Selection};
 use crate::sessions::{
     BindingGranularity, BindingMode, Clock, DispatchOutcome, Lease, SessionError, SessionTable,
@@ -29,12 +32,18 @@ pub type RequestId = u64;
 pub type Ticket = u64;
 
 /// Booked load per row.
+///
+/// Read once per candidate row on every decision, so it uses the fixed multiplicative hash
+/// (keys are the cluster's own rows, never request data) instead of SipHash.
 #[derive(Debug, Clone, Default)]
 pub struct LoadTable {
-    rows: HashMap<RowId, RowLoad>,
+    rows: FastMap<RowId, RowLoad>,
 }
 
 impl LoadTable {
+    /// Read for every candidate row of every decision (`inline`: callers are generic and often
+    /// instantiated in other crates).
+    #[inline]
     pub fn get(&self, row: RowId) -> RowLoad {
         self.rows.get(&row).copied().unwrap_or_default()
     }
@@ -88,6 +97,17 @@ pub trait OverlapSource {
         let _ = row;
         None
     }
+
+    /// See [`Signals::overlap_columns`]: the overlap of every row at once.
+    fn overlap_columns(
+        &self,
+        rows: &[RowId],
+        device: &mut [f64],
+        host: &mut [f64],
+        disk: &mut [f64],
+    ) {
+        overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
+    }
 }
 
 /// No cached prefix anywhere.
@@ -128,6 +148,16 @@ impl<O: OverlapSource + ?Sized> Signals for HostSignals<'_, O> {
         self.source
             .load_override(row)
             .unwrap_or_else(|| self.load.get(row))
+    }
+
+    fn overlap_columns(
+        &self,
+        rows: &[RowId],
+        device: &mut [f64],
+        host: &mut [f64],
+        disk: &mut [f64],
+    ) {
+        self.source.overlap_columns(rows, device, host, disk);
     }
 }
 
@@ -238,7 +268,8 @@ pub struct Host {
     classes: Vec<Class>,
     lanes: BTreeMap<LaneKey, VecDeque<Queued>>,
     clock: Arc<dyn Clock>,
-    inflight: HashMap<RequestId, Booking>,
+    /// Keyed by the host's own sequential ids: the fixed hash is safe and cheaper than SipHash.
+    inflight: FastMap<RequestId, Booking>,
     next_id: RequestId,
     next_ticket: Ticket,
     stats: AdmissionStats,
@@ -277,7 +308,7 @@ impl Host {
             classes: config.policy_classes.iter().map(class_of).collect(),
             lanes: BTreeMap::new(),
             clock,
-            inflight: HashMap::new(),
+            inflight: FastMap::default(),
             next_id: 0,
             next_ticket: 0,
             stats: AdmissionStats::default(),
@@ -544,7 +575,11 @@ impl Host {
             instance: decision.instance,
             prefill_tokens: request.isl_tokens,
             decode_blocks: self.router.request_blocks(request.isl_tokens),
-            session: request.session_id.as_deref().map(Arc::from),
+            // With session affinity the lease already holds the id: share it rather than copy it.
+            session: match &plan.lease {
+                Some(lease) => Some(lease.shared_session_id()),
+                None => request.session_id.as_deref().map(Arc::from),
+            },
             holds_lease: false,
         };
         self.load.book(decision.row, &booking);

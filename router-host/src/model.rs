@@ -215,6 +215,33 @@ impl Default for RowLoad {
 pub trait Signals {
     fn overlap(&self, row: RowId) -> TierOverlap;
     fn load(&self, row: RowId) -> RowLoad;
+
+    /// The overlap of every row of `rows` into three columns as long as `rows`. The default asks
+    /// [`Signals::overlap`] row by row; a source that computes all rows at once overrides it.
+    fn overlap_columns(
+        &self,
+        rows: &[RowId],
+        device: &mut [f64],
+        host: &mut [f64],
+        disk: &mut [f64],
+    ) {
+        overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
+    }
+}
+
+/// Fill overlap columns one row at a time (the default of the `overlap_columns` methods).
+pub(crate) fn overlap_columns_by_row(
+    rows: &[RowId],
+    device: &mut [f64],
+    host: &mut [f64],
+    disk: &mut [f64],
+    overlap: impl Fn(RowId) -> TierOverlap,
+) {
+    let columns = device.iter_mut().zip(host).zip(disk);
+    for (&row, ((device, host), disk)) in rows.iter().zip(columns) {
+        let o = overlap(row);
+        (*device, *host, *disk) = (o.device, o.host, o.disk);
+    }
 }
 
 /// No cache, no load: every row idle and cold.

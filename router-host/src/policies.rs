@@ -287,6 +287,12 @@ impl PolicyInstance {
         self.quarantined.load(Ordering::Relaxed)
     }
 
+    /// The policy object itself, as loaded. Calling it directly bypasses poisoning, quarantine,
+    /// the pick budget and the row bounds check: for benchmarks and tools, never for routing.
+    pub fn policy(&self) -> &PolicyBox {
+        &self.policy
+    }
+
     /// Count one timed pick; returns true when this pick tipped the instance into quarantine.
     pub(crate) fn record_pick_time(&self, pick_ns: u64) -> bool {
         let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);

@@ -152,33 +152,49 @@ impl Scratch {
     }
 
     /// Fill the columns `inputs` asks for, for `rows`.
+    ///
+    /// Each column is sized once and then written in place (no per-value capacity check); each
+    /// row's load is read once for all of its columns, and the overlap of all rows in one call.
     fn materialise<S: Signals + ?Sized>(&mut self, rows: &[RowId], inputs: Inputs, signals: &S) {
         self.worker_id.clear();
         self.dp_rank.clear();
         self.worker_id.extend(rows.iter().map(|r| r.worker_id));
         self.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
-        self.device.clear();
-        self.host.clear();
-        self.disk.clear();
-        if inputs.contains(Inputs::CACHE) {
-            for &row in rows {
-                let o = signals.overlap(row);
-                self.device.push(o.device);
-                self.host.push(o.host);
-                self.disk.push(o.disk);
-            }
+        let cache = if inputs.contains(Inputs::CACHE) {
+            rows.len()
+        } else {
+            0
+        };
+        fill(&mut self.device, cache);
+        fill(&mut self.host, cache);
+        fill(&mut self.disk, cache);
+        if cache > 0 {
+            signals.overlap_columns(rows, &mut self.device, &mut self.host, &mut self.disk);
         }
-        self.available.clear();
-        self.active_requests.clear();
-        self.active_prefill_tokens.clear();
-        self.decode_blocks.clear();
-        if inputs.contains(Inputs::LOAD) {
-            for &row in rows {
+        let load = if inputs.contains(Inputs::LOAD) {
+            rows.len()
+        } else {
+            0
+        };
+        fill(&mut self.available, load);
+        fill(&mut self.active_requests, load);
+        fill(&mut self.active_prefill_tokens, load);
+        fill(&mut self.decode_blocks, load);
+        if load > 0 {
+            let columns = self
+                .available
+                .iter_mut()
+                .zip(&mut self.active_requests)
+                .zip(&mut self.active_prefill_tokens)
+                .zip(&mut self.decode_blocks);
+            for (&row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
                 let l = signals.load(row);
-                self.available.push(l.available);
-                self.active_requests.push(l.active_requests);
-                self.active_prefill_tokens.push(l.active_prefill_tokens);
-                self.decode_blocks.push(l.decode_blocks);
+                (*available, *active, *prefill, *decode) = (
+                    l.available,
+                    l.active_requests,
+                    l.active_prefill_tokens,
+                    l.decode_blocks,
+                );
             }
         }
     }
@@ -198,6 +214,13 @@ impl Scratch {
             extra_columns: RSlice::EMPTY,
         }
     }
+}
+
+/// Make `column` exactly `len` values long. The caller overwrites every value, so values left
+/// from the previous request are not cleared first.
+fn fill<T: Copy + Default>(column: &mut Vec<T>, len: usize) {
+    column.truncate(len);
+    column.resize(len, T::default());
 }
 
 /// The loaded policies and which instance serves which role.

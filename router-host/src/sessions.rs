@@ -205,6 +205,11 @@ impl Lease {
         &self.session_id
     }
 
+    /// The session id as the table holds it: a second handle, not a copy (no allocation).
+    pub(crate) fn shared_session_id(&self) -> Arc<str> {
+        Arc::clone(&self.session_id)
+    }
+
     /// The binding the request should honour, if the session had one.
     pub fn binding(&self) -> Option<Binding> {
         self.binding

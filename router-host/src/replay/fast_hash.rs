@@ -2,7 +2,8 @@
 //!
 //! std's `RandomState` is seeded per process (iteration order changes from run to run) and SipHash
 //! is slow for `u64` keys on the replay's hot path. This is the FxHash mixing step: one multiply
-//! per word. Not DoS-resistant; only used on simulator-internal keys.
+//! per word. Not DoS-resistant: used only on keys no client chooses (the replay's block ids,
+//! the cluster's row ids, the host's own request ids), never on request data such as session ids.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
