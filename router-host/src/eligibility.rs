@@ -28,6 +28,9 @@ fn allowed(request: &Request, worker_id: u64) -> bool {
         .is_none_or(|ids| ids.contains(&worker_id))
 }
 
+/// Allow-lists up to this long are checked by a linear scan per worker.
+const LINEAR_ALLOW_LIST: usize = 16;
+
 /// Fill `out` with the eligible rows of `request` (worker order, then rank order).
 ///
 /// `pin` is the row the request must go to, if any: the explicit pinned worker, or a hard session
@@ -45,15 +48,35 @@ pub fn eligible_rows(
         return Ok(());
     }
     let mut excluded_for_overload = false;
-    for worker in cluster.workers() {
-        if !worker.available || !allowed(request, worker.worker_id) {
-            continue;
+    let mut admit = |worker: &crate::model::Worker, out: &mut Vec<RowId>| {
+        if !worker.available {
+            return;
         }
         if worker.overloaded {
             excluded_for_overload = true;
-            continue;
+            return;
         }
         out.extend(worker.rows());
+    };
+    match request.allowed_worker_ids.as_deref() {
+        // A long allow-list is walked once, looking each id up in the sorted cluster, instead of
+        // being scanned for every worker; sorting restores worker order and drops repeated ids.
+        Some(ids) if ids.len() > LINEAR_ALLOW_LIST => {
+            for &id in ids {
+                if let Some(worker) = cluster.worker(id) {
+                    admit(worker, out);
+                }
+            }
+            out.sort_unstable();
+            out.dedup();
+        }
+        _ => {
+            for worker in cluster.workers() {
+                if allowed(request, worker.worker_id) {
+                    admit(worker, out);
+                }
+            }
+        }
     }
     if out.is_empty() {
         return Err(if excluded_for_overload {
@@ -123,6 +146,28 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(rows(&request, None).unwrap(), vec![row(2, 0), row(2, 1)]);
+    }
+
+    #[test]
+    fn a_long_allow_list_gives_the_same_rows_as_a_short_one() {
+        // Unsorted, repeated and unknown ids; longer than the linear-scan limit.
+        let mut ids: Vec<u64> = vec![2, 99, 1, 2, 4];
+        ids.extend(1000..1000 + LINEAR_ALLOW_LIST as u64);
+        let long = Request {
+            allowed_worker_ids: Some(ids),
+            ..Default::default()
+        };
+        assert_eq!(
+            rows(&long, None).unwrap(),
+            vec![row(1, 0), row(2, 0), row(2, 1)]
+        );
+        let mut overloaded_only: Vec<u64> = vec![3, 4];
+        overloaded_only.extend(1000..1000 + LINEAR_ALLOW_LIST as u64);
+        let long = Request {
+            allowed_worker_ids: Some(overloaded_only),
+            ..Default::default()
+        };
+        assert_eq!(rows(&long, None), Err(EligibilityError::AllOverloaded));
     }
 
     #[test]

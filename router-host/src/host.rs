@@ -49,10 +49,13 @@ impl LoadTable {
     }
 
     fn book(&mut self, row: RowId, booking: &Booking) {
+        // Saturating: prompt sizes come from callers, and a wrapped counter would look idle.
         let load = self.rows.entry(row).or_default();
-        load.active_requests += 1;
-        load.active_prefill_tokens += booking.prefill_tokens;
-        load.decode_blocks += booking.decode_blocks;
+        load.active_requests = load.active_requests.saturating_add(1);
+        load.active_prefill_tokens = load
+            .active_prefill_tokens
+            .saturating_add(booking.prefill_tokens);
+        load.decode_blocks = load.decode_blocks.saturating_add(booking.decode_blocks);
     }
 
     fn release_prefill(&mut self, row: RowId, tokens: u64) {

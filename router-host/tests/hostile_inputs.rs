@@ -713,7 +713,6 @@ fn a_plugin_gets_a_hundred_thousand_rows_and_an_out_of_range_answer_falls_back()
 // --- arithmetic on hostile values ------------------------------------------------------------
 
 #[test]
-#[ignore = "host.rs LoadTable::book adds booked tokens without saturating (reported, issue 6)"]
 fn prompts_whose_sizes_overflow_u64_on_one_row_are_routed_not_a_panic() {
     // Regression for the overflow the `select_scenario` analysis found: two prompts of u64::MAX
     // tokens booked on the same row overflowed `active_prefill_tokens` (a panic in debug builds,
@@ -733,8 +732,6 @@ fn prompts_whose_sizes_overflow_u64_on_one_row_are_routed_not_a_panic() {
 }
 
 #[test]
-#[ignore = "eligibility.rs checks the allow-list with Vec::contains per worker: O(workers x ids), \
-            about 30 s in a debug build here (reported, issue 6)"]
 fn a_hundred_thousand_id_allow_list_over_a_hundred_thousand_workers_is_decided() {
     // `allowed_worker_ids` comes with the request. Every worker but the first 50,000 is allowed,
     // listed in reverse; all are idle and cold, so the lowest allowed id wins.
