@@ -22,6 +22,7 @@
 //!   against 1.0 keep loading; hosts simply find no hooks in them.
 
 pub mod abi;
+mod columns;
 mod create;
 pub mod export;
 mod policy;
@@ -29,6 +30,7 @@ mod policy;
 pub mod testing;
 
 pub use abi::{Inputs, RowId, API_VERSION};
+pub use columns::Columns;
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
     AffinityTarget, Completion, Context, Dispatch, Explanation, Load, Outcome, Overlap, PickError,

@@ -27,6 +27,7 @@ use crate::abi::{
     Inputs, PickFailure, PolicyBox, RawAffinityTarget, RawCandidateView, RawRequestContext,
     RoleCode, RowId,
 };
+use crate::columns::Columns;
 use crate::create::{CreateContext, CreateError, Parameters, PolicyType};
 use crate::policy::{AffinityTarget, Context, Explanation, PickError, Policy, Role, Rows};
 
@@ -170,74 +171,50 @@ impl TestRequest {
 /// Hand-written rows, stored as the columns the host would pass.
 #[derive(Debug, Clone, Default)]
 pub struct TestRows {
-    worker_id: Vec<u64>,
-    dp_rank: Vec<u32>,
-    device: Vec<f64>,
-    host: Vec<f64>,
-    disk: Vec<f64>,
-    available: Vec<bool>,
-    active_requests: Vec<u64>,
-    active_prefill_tokens: Vec<u64>,
-    decode_blocks: Vec<u64>,
+    columns: Columns,
 }
 
 impl TestRows {
     pub fn new(rows: Vec<TestRow>) -> Self {
-        let mut out = TestRows::default();
+        let mut c = Columns::default();
         for r in rows {
-            out.worker_id.push(r.worker_id);
-            out.dp_rank.push(r.dp_rank);
-            out.device.push(r.device);
-            out.host.push(r.host);
-            out.disk.push(r.disk);
-            out.available.push(r.available);
-            out.active_requests.push(r.active_requests);
-            out.active_prefill_tokens.push(r.active_prefill_tokens);
-            out.decode_blocks.push(r.decode_blocks);
+            c.worker_id.push(r.worker_id);
+            c.dp_rank.push(r.dp_rank);
+            c.device.push(r.device);
+            c.host.push(r.host);
+            c.disk.push(r.disk);
+            c.available.push(r.available);
+            c.active_requests.push(r.active_requests);
+            c.active_prefill_tokens.push(r.active_prefill_tokens);
+            c.decode_blocks.push(r.decode_blocks);
         }
-        out
+        TestRows { columns: c }
     }
 
     pub fn len(&self) -> usize {
-        self.worker_id.len()
+        self.columns.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.worker_id.is_empty()
+        self.columns.is_empty()
     }
 
     /// Identity of row `i`.
     pub fn row(&self, i: usize) -> RowId {
         RowId {
-            worker_id: self.worker_id[i],
-            dp_rank: self.dp_rank[i],
+            worker_id: self.columns.worker_id[i],
+            dp_rank: self.columns.dp_rank[i],
         }
+    }
+
+    /// The columns, as the host would hold them.
+    pub fn columns(&self) -> &Columns {
+        &self.columns
     }
 
     /// The ABI view with only the `inputs` column groups present, as the host builds it.
     pub fn view(&self, inputs: Inputs) -> RawCandidateView<'_> {
-        let cache = inputs.contains(Inputs::CACHE);
-        let load = inputs.contains(Inputs::LOAD);
-        fn col<T>(on: bool, v: &[T]) -> RSlice<'_, T> {
-            if on {
-                RSlice::from_slice(v)
-            } else {
-                RSlice::from_slice(&[])
-            }
-        }
-        RawCandidateView {
-            present: inputs,
-            worker_id: RSlice::from_slice(&self.worker_id),
-            dp_rank: RSlice::from_slice(&self.dp_rank),
-            device_blocks: col(cache, &self.device),
-            host_blocks: col(cache, &self.host),
-            disk_blocks: col(cache, &self.disk),
-            available: col(load, &self.available),
-            active_requests: col(load, &self.active_requests),
-            active_prefill_tokens: col(load, &self.active_prefill_tokens),
-            decode_blocks: col(load, &self.decode_blocks),
-            extra_columns: RSlice::EMPTY,
-        }
+        self.columns.view(inputs)
     }
 
     /// Call `policy.pick` directly with the columns it declares.

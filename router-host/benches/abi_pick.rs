@@ -22,68 +22,28 @@ use std::hint::black_box;
 use abi_stable::std_types::{ROption, RResult, RSlice};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use plugin_api::abi::{PolicyBox, RawCandidateView, RawRequestContext, RoleCode};
-use plugin_api::{Context, Inputs, Policy, Rows};
+use plugin_api::{Columns, Context, Inputs, Policy, Rows};
 use two_tier_cost_fn::{TwoTierCostFn, TwoTierParams};
 
 const SIZES: [usize; 4] = [8, 64, 256, 1024];
 
 /// The columns of `n` rows: 8 ranks per worker, varied overlap and load (no tier short-cuts:
 /// every row is scanned in every call whatever tier decides).
-struct Columns {
-    worker_id: Vec<u64>,
-    dp_rank: Vec<u32>,
-    device: Vec<f64>,
-    host: Vec<f64>,
-    disk: Vec<f64>,
-    available: Vec<bool>,
-    active: Vec<u64>,
-    prefill: Vec<u64>,
-    decode: Vec<u64>,
-}
-
-impl Columns {
-    fn new(n: usize) -> Self {
-        let mut rng = common::Rng::new(n as u64);
-        let mut c = Columns {
-            worker_id: Vec::new(),
-            dp_rank: Vec::new(),
-            device: Vec::new(),
-            host: Vec::new(),
-            disk: Vec::new(),
-            available: Vec::new(),
-            active: Vec::new(),
-            prefill: Vec::new(),
-            decode: Vec::new(),
-        };
-        for i in 0..n {
-            c.worker_id.push((i / 8) as u64);
-            c.dp_rank.push((i % 8) as u32);
-            c.device.push(rng.below(200) as f64);
-            c.host.push(rng.below(40) as f64);
-            c.disk.push(0.0);
-            c.available.push(true);
-            c.active.push(rng.below(24));
-            c.prefill.push(rng.below(8192));
-            c.decode.push(rng.below(4096));
-        }
-        c
+fn columns(n: usize) -> Columns {
+    let mut rng = common::Rng::new(n as u64);
+    let mut c = Columns::default();
+    for i in 0..n {
+        c.worker_id.push((i / 8) as u64);
+        c.dp_rank.push((i % 8) as u32);
+        c.device.push(rng.below(200) as f64);
+        c.host.push(rng.below(40) as f64);
+        c.disk.push(0.0);
+        c.available.push(true);
+        c.active_requests.push(rng.below(24));
+        c.active_prefill_tokens.push(rng.below(8192));
+        c.decode_blocks.push(rng.below(4096));
     }
-
-    fn view(&self) -> RawCandidateView<'_> {
-        RawCandidateView {
-            present: Inputs::CACHE | Inputs::LOAD,
-            worker_id: RSlice::from_slice(&self.worker_id),
-            dp_rank: RSlice::from_slice(&self.dp_rank),
-            device_blocks: RSlice::from_slice(&self.device),
-            host_blocks: RSlice::from_slice(&self.host),
-            disk_blocks: RSlice::from_slice(&self.disk),
-            available: RSlice::from_slice(&self.available),
-            active_requests: RSlice::from_slice(&self.active),
-            active_prefill_tokens: RSlice::from_slice(&self.prefill),
-            decode_blocks: RSlice::from_slice(&self.decode),
-            extra_columns: RSlice::EMPTY,
-        }
-    }
+    c
 }
 
 fn context() -> RawRequestContext<'static> {
@@ -145,8 +105,8 @@ fn bench(c: &mut Criterion, f: &Fixture) {
     let ctx = context();
     let mut group = c.benchmark_group("two_tier_pick");
     for n in SIZES {
-        let cols = Columns::new(n);
-        let view = cols.view();
+        let cols = columns(n);
+        let view = cols.view(Inputs::CACHE | Inputs::LOAD);
         // Both sides decide the same row.
         let expected = {
             let rows = Rows::from_raw(&view).unwrap();
@@ -180,8 +140,8 @@ fn ratios(f: &Fixture) {
         "", "p50 ns", "p50 ns", "p50 ns", "p50", "min ns", "min ns", "min"
     );
     for n in SIZES {
-        let cols = Columns::new(n);
-        let view = cols.view();
+        let cols = columns(n);
+        let view = cols.view(Inputs::CACHE | Inputs::LOAD);
         let calls = (10_000 / (n as u32 * 2 + 20)).max(8);
         let p = common::paired(
             || pick_static(&f.policy_static, &ctx, &view),
@@ -205,8 +165,8 @@ fn ratios(f: &Fixture) {
 fn profile(f: &Fixture, name: &str, arg: &str) {
     let n: usize = arg.parse().unwrap_or(256);
     let iters = common::profile_iters(100_000);
-    let cols = Columns::new(n);
-    let view = cols.view();
+    let cols = columns(n);
+    let view = cols.view(Inputs::CACHE | Inputs::LOAD);
     let ctx = context();
     match name {
         "static" => common::profile_loop(iters, &mut || pick_static(&f.policy_static, &ctx, &view)),

@@ -13,9 +13,9 @@ use std::time::Instant;
 use abi_stable::std_types::{ROption, RResult, RSlice};
 use plugin_api::abi::{
     opt_str, CompleteEvent, DispatchEvent, PickFailure, PickFailureKind, RawAffinityTarget,
-    RawCandidateView, RawExplanation, RawRequestContext,
+    RawExplanation, RawRequestContext,
 };
-use plugin_api::{Explanation, Inputs};
+use plugin_api::{Columns, Explanation, Inputs};
 
 use crate::builtin::{Builtin, BuiltinSettings};
 use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
@@ -134,15 +134,7 @@ impl<'a> Selection<'a> {
 pub struct Scratch {
     rows: Vec<RowId>,
     narrowed: Vec<RowId>,
-    worker_id: Vec<u64>,
-    dp_rank: Vec<u32>,
-    device: Vec<f64>,
-    host: Vec<f64>,
-    disk: Vec<f64>,
-    available: Vec<bool>,
-    active_requests: Vec<u64>,
-    active_prefill_tokens: Vec<u64>,
-    decode_blocks: Vec<u64>,
+    columns: Columns,
 }
 
 impl Scratch {
@@ -156,37 +148,38 @@ impl Scratch {
     /// Each column is sized once and then written in place (no per-value capacity check); each
     /// row's load is read once for all of its columns, and the overlap of all rows in one call.
     fn materialise<S: Signals + ?Sized>(&mut self, rows: &[RowId], inputs: Inputs, signals: &S) {
-        self.worker_id.clear();
-        self.dp_rank.clear();
-        self.worker_id.extend(rows.iter().map(|r| r.worker_id));
-        self.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
+        let c = &mut self.columns;
+        c.worker_id.clear();
+        c.dp_rank.clear();
+        c.worker_id.extend(rows.iter().map(|r| r.worker_id));
+        c.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
         let cache = if inputs.contains(Inputs::CACHE) {
             rows.len()
         } else {
             0
         };
-        fill(&mut self.device, cache);
-        fill(&mut self.host, cache);
-        fill(&mut self.disk, cache);
+        fill(&mut c.device, cache);
+        fill(&mut c.host, cache);
+        fill(&mut c.disk, cache);
         if cache > 0 {
-            signals.overlap_columns(rows, &mut self.device, &mut self.host, &mut self.disk);
+            signals.overlap_columns(rows, &mut c.device, &mut c.host, &mut c.disk);
         }
         let load = if inputs.contains(Inputs::LOAD) {
             rows.len()
         } else {
             0
         };
-        fill(&mut self.available, load);
-        fill(&mut self.active_requests, load);
-        fill(&mut self.active_prefill_tokens, load);
-        fill(&mut self.decode_blocks, load);
+        fill(&mut c.available, load);
+        fill(&mut c.active_requests, load);
+        fill(&mut c.active_prefill_tokens, load);
+        fill(&mut c.decode_blocks, load);
         if load > 0 {
-            let columns = self
+            let columns = c
                 .available
                 .iter_mut()
-                .zip(&mut self.active_requests)
-                .zip(&mut self.active_prefill_tokens)
-                .zip(&mut self.decode_blocks);
+                .zip(&mut c.active_requests)
+                .zip(&mut c.active_prefill_tokens)
+                .zip(&mut c.decode_blocks);
             for (&row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
                 let l = signals.load(row);
                 (*available, *active, *prefill, *decode) = (
@@ -196,22 +189,6 @@ impl Scratch {
                     l.decode_blocks,
                 );
             }
-        }
-    }
-
-    fn view(&self, inputs: Inputs) -> RawCandidateView<'_> {
-        RawCandidateView {
-            present: inputs,
-            worker_id: RSlice::from_slice(&self.worker_id),
-            dp_rank: RSlice::from_slice(&self.dp_rank),
-            device_blocks: RSlice::from_slice(&self.device),
-            host_blocks: RSlice::from_slice(&self.host),
-            disk_blocks: RSlice::from_slice(&self.disk),
-            available: RSlice::from_slice(&self.available),
-            active_requests: RSlice::from_slice(&self.active_requests),
-            active_prefill_tokens: RSlice::from_slice(&self.active_prefill_tokens),
-            decode_blocks: RSlice::from_slice(&self.decode_blocks),
-            extra_columns: RSlice::EMPTY,
         }
     }
 }
@@ -439,7 +416,7 @@ impl Router {
             priority: request.priority,
             extensions: RSlice::EMPTY,
         };
-        let view = scratch.view(instance.inputs);
+        let view = scratch.columns.view(instance.inputs);
         instance.stats.picks.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let picked = instance.policy.pick(&ctx, &view);
