@@ -14,6 +14,7 @@ use plugin_api::{
 use serde::Deserialize;
 
 use crate::loader::PolicyTypeDoc;
+use crate::rng::{mix, GOLDEN_GAMMA};
 
 /// Host settings a built-in needs at creation.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -237,13 +238,11 @@ impl Policy for Random {
         if rows.is_empty() {
             return Err(PickError::new("no rows"));
         }
-        let mut z = self
+        let state = self
             .state
-            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
-            .wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
+            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
+            .wrapping_add(GOLDEN_GAMMA);
+        let z = mix(state);
         Ok((z % rows.len() as u64) as usize)
     }
 }

@@ -15,6 +15,7 @@ pub mod loader;
 pub mod model;
 pub mod policies;
 pub mod replay;
+pub mod rng;
 pub mod router;
 pub mod scenario;
 pub mod sessions;

@@ -16,6 +16,7 @@
 //!   the same workload, byte for byte.
 
 use super::trace::{Workload, WorkloadRequest, MAX_TIMESTAMP_MS};
+use crate::rng::SplitMix64;
 
 /// Generator knobs (the `replay` flags of the same names).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,48 +122,15 @@ impl SynthParams {
     }
 }
 
-/// splitmix64: tiny, fast, and good enough for workload shapes.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `0..n` (n >= 1).
-    pub fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
-    }
-
-    /// Exp(1).
-    pub fn exp(&mut self) -> f64 {
-        -(1.0 - self.unit()).ln()
-    }
-
-    /// `mean * U(0.5, 1.5)`, at least 1.
-    fn around(&mut self, mean: u64) -> u64 {
-        ((mean as f64 * (0.5 + self.unit())).round() as u64).max(1)
-    }
+/// `mean * U(0.5, 1.5)`, at least 1.
+fn around(rng: &mut SplitMix64, mean: u64) -> u64 {
+    ((mean as f64 * (0.5 + rng.unit())).round() as u64).max(1)
 }
 
 /// Generate the workload (see the module docs).
 pub fn generate(p: &SynthParams) -> Workload {
     let bs = u64::from(p.block_size.max(1));
-    let mut rng = Rng::new(p.seed);
+    let mut rng = SplitMix64::new(p.seed);
     let mut next_id: u64 = 0;
     let mut fresh = |n: u64, out: &mut Vec<u64>| {
         for _ in 0..n {
@@ -195,8 +163,8 @@ pub fn generate(p: &SynthParams) -> Workload {
             if turn > 0 {
                 at_s += p.think_time_s * (0.5 + 0.5 * rng.exp());
             }
-            let input = context + rng.around(p.user_tokens);
-            let output = rng.around(p.output_tokens);
+            let input = context + around(&mut rng, p.user_tokens);
+            let output = around(&mut rng, p.output_tokens);
             let mut hash_ids = blocks.clone();
             fresh(input.div_ceil(bs) - hash_ids.len() as u64, &mut hash_ids);
             // After this turn the conversation holds the prompt and the answer; blocks that were
