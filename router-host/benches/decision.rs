@@ -29,8 +29,8 @@ use criterion::Criterion;
 
 use router_host::config::RouterConfig;
 use router_host::host::{Host, NoOverlap, OverlapSource};
+use router_host::kv_index::{OverlapScratch, RequestOverlap, RowMap};
 use router_host::model::{Request, RowId};
-use router_host::replay::kv_index::{OverlapScratch, RequestOverlap, RowMap};
 
 use common::{CacheFixture, Rng, PROMPT_BLOCKS, PROMPT_TOKENS, RANKS, WORKERS};
 

@@ -15,10 +15,10 @@ use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
 
 use crate::config::{AdmissionMode, AffinityMode, PolicyClassConfig, RouterConfig};
 use crate::eligibility::{check_pin, eligible_rows};
+use crate::fast_hash::FastMap;
 use crate::model::{
     overlap_columns_by_row, Cluster, Request, RowId, RowLoad, Signals, TierOverlap,
 };
-use crate::replay::fast_hash::FastMap;
 use crate::router::{Decision, InstanceId, Router, Scratch, SelectError, Selection};
 use crate::sessions::{
     BindingGranularity, BindingMode, Clock, DispatchOutcome, Lease, SessionError, SessionTable,

@@ -3,14 +3,18 @@
 //! The host side of the router: it loads worker-selection policies from shared objects
 //! ([`loader`]), validates configuration ([`config`]), decides which rows a request may use
 //! ([`eligibility`]), calls the configured policy ([`router`]) and runs the request lifecycle
-//! around it: session bindings ([`sessions`]), load booking and completion ([`host`]).
+//! around it: session bindings ([`sessions`]), load booking and completion ([`host`]), with
+//! prompt overlap from the KV-overlap index fed by engines' cache events ([`kv_index`]).
+//! [`replay`] drives all of it against simulated engines.
 //!
 //! Architecture, invariants and the crate map are in `docs/architecture.md`.
 
 pub mod builtin;
 pub mod config;
 pub mod eligibility;
+pub(crate) mod fast_hash;
 pub mod host;
+pub mod kv_index;
 pub mod loader;
 pub mod model;
 pub mod policies;

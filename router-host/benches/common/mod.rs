@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 
 use router_host::config::RouterConfig;
+use router_host::kv_index::{KvEvent, KvEventKind, KvIndex};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Worker};
-use router_host::replay::kv_index::{KvEvent, KvEventKind, KvIndex};
 use router_host::router::Router;
 
 /// Workers and ranks of the benchmark cluster (issue 7: 16 workers x 8 ranks).

@@ -35,9 +35,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::host::RequestId;
 
-use super::fast_hash::FastMap;
-use super::kv_index::{KvEvent, KvEventKind};
 use super::trace::WorkloadRequest;
+use crate::fast_hash::FastMap;
+use crate::kv_index::{KvEvent, KvEventKind};
 
 /// Default KV capacity in tokens (`kv_blocks = kv_tokens / block_size`).
 pub const DEFAULT_KV_TOKENS: u64 = 1 << 20;

@@ -4,17 +4,15 @@
 //! built-in default, session bindings, queue admission, load booking through dispatch and
 //! completion) on a simulated clock. The other side is one simulated engine per row
 //! ([`engine`]): continuous batching with a prefix cache that publishes block stored / evicted
-//! events, from which the replay's host side keeps its KV-overlap index ([`kv_index`]), the way
+//! events, from which the host keeps its KV-overlap index ([`crate::kv_index`]), the way
 //! a deployed router follows real engines' KV events.
 //!
 //! Modules: [`trace`] (Mooncake JSONL in and out, the ideal bound), [`synth`] (the embedded
-//! default workload), [`kv_index`], [`engine`], [`sim`] (the event loop), [`report`] (table and
+//! default workload), [`engine`], [`sim`] (the event loop), [`report`] (table and
 //! JSON), [`plot`] (SVG). The subcommand itself (flags, progress bar, output files) lives in
 //! the binary (`src/replay_cli.rs`). User documentation: `docs/replay.md`.
 
 pub mod engine;
-pub(crate) mod fast_hash;
-pub mod kv_index;
 pub mod plot;
 pub mod report;
 pub mod sim;

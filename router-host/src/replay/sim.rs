@@ -18,10 +18,10 @@ use crate::router::Router;
 use crate::sessions::{DispatchOutcome, ManualClock};
 
 use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
-use super::fast_hash::FastMap;
-use super::kv_index::{KvIndex, OverlapScratch, RequestOverlap, RowMap};
 use super::trace::Workload;
 use super::ReplayError;
+use crate::fast_hash::FastMap;
+use crate::kv_index::{KvIndex, OverlapScratch, RequestOverlap, RowMap};
 
 /// Load samples kept per run before the interval doubles.
 const MAX_SAMPLES: usize = 2048;

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::fast_hash::FastSet;
+use crate::fast_hash::FastSet;
 
 /// Tokens per `hash_ids` entry in the Mooncake traces (and the default `--trace-block-size`).
 pub const DEFAULT_TRACE_BLOCK_SIZE: u32 = 512;

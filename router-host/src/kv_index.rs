@@ -2,7 +2,8 @@
 //!
 //! Real engines publish "block stored" and "block removed" events; the router keeps an index of
 //! which worker holds which block and, per request, counts the leading run of the prompt's blocks
-//! each worker holds. This is that index for the replay: one global map `block id -> bitset of
+//! each worker holds. This is that index (used today by `replay`, whose simulated engines publish
+//! the events): one global map `block id -> bitset of
 //! rows holding it`, so one walk over the prompt's blocks answers every row at once (each step
 //! ANDs the surviving rows with the block's holders; a row drops out at the first block it lacks).
 //! Cost per request: one hash lookup per block of the longest overlap, independent of the number
@@ -18,7 +19,7 @@ use std::cell::{Cell, RefCell};
 use crate::host::OverlapSource;
 use crate::model::{RowId, TierOverlap};
 
-use super::fast_hash::FastMap;
+use crate::fast_hash::FastMap;
 
 /// A cache event from one engine (row index = `worker_id * dp_size + dp_rank`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
