@@ -53,9 +53,15 @@ impl Worker {
     }
 }
 
+/// Most rows (the sum of every worker's `dp_size`) a cluster may have. Every request materialises
+/// its eligible rows, so without a cap a single `dp_size` of billions would ask for gigabytes.
+pub const MAX_ROWS: usize = 1 << 20;
+
 /// Why a set of workers is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClusterError {
+    #[error("{rows} rows in total (the sum of every dp_size), over the limit of {max}")]
+    TooManyRows { rows: u64, max: usize },
     #[error("duplicate worker_id {0}")]
     DuplicateWorker(u64),
     #[error("worker {worker_id}: dp_size must be at least 1")]
@@ -76,6 +82,15 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn new(mut workers: Vec<Worker>) -> Result<Self, ClusterError> {
+        let rows = workers
+            .iter()
+            .fold(0u64, |sum, w| sum.saturating_add(u64::from(w.dp_size)));
+        if rows > MAX_ROWS as u64 {
+            return Err(ClusterError::TooManyRows {
+                rows,
+                max: MAX_ROWS,
+            });
+        }
         workers.sort_by_key(|w| w.worker_id);
         for pair in workers.windows(2) {
             if pair[0].worker_id == pair[1].worker_id {

@@ -16,10 +16,8 @@ use crate::model::{
     Worker,
 };
 
-/// Largest number of rows (the sum of every worker's `dp_size`) a scenario may declare. Each
-/// request materialises its eligible rows, so without a cap a few bytes of JSON
-/// (`"dp_size": 4000000000`) would ask for tens of gigabytes.
-pub const MAX_SCENARIO_ROWS: usize = 1 << 20;
+/// Most rows a scenario may declare: the cluster's own cap.
+pub const MAX_SCENARIO_ROWS: usize = crate::model::MAX_ROWS;
 
 /// A parsed scenario.
 #[derive(Debug, Clone, PartialEq)]
@@ -78,11 +76,6 @@ pub enum ScenarioError {
         #[source]
         source: ClusterError,
     },
-    #[error(
-        "scenario {file}: workers: {rows} rows in total (the sum of every dp_size), over the \
-         limit of {max}"
-    )]
-    TooManyRows { file: String, rows: u64, max: usize },
     #[error("scenario {file}: requests[{request}]: {message}")]
     Request {
         file: String,
@@ -234,17 +227,6 @@ impl Scenario {
                 line: 1,
                 column: 1,
                 message: "block_size must be at least 1".to_string(),
-            });
-        }
-        let rows = raw
-            .workers
-            .iter()
-            .fold(0u64, |sum, w| sum.saturating_add(u64::from(w.dp_size)));
-        if rows > MAX_SCENARIO_ROWS as u64 {
-            return Err(ScenarioError::TooManyRows {
-                file: file.to_string(),
-                rows,
-                max: MAX_SCENARIO_ROWS,
             });
         }
         let workers = raw
