@@ -16,6 +16,10 @@ use crate::model::{
     Worker,
 };
 
+/// Largest scenario file read (a scenario is operator input, but `--scenario /dev/zero` must not
+/// exhaust memory).
+pub const MAX_SCENARIO_BYTES: u64 = 256 << 20;
+
 /// Most rows a scenario may declare: the cluster's own cap.
 pub const MAX_SCENARIO_ROWS: usize = crate::model::MAX_ROWS;
 
@@ -76,6 +80,8 @@ pub enum ScenarioError {
         #[source]
         source: ClusterError,
     },
+    #[error("scenario {file}: larger than {max} bytes")]
+    TooLarge { file: String, max: u64 },
     #[error("scenario {file}: requests[{request}]: {message}")]
     Request {
         file: String,
@@ -205,11 +211,22 @@ struct RawRow {
 
 impl Scenario {
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
+        use std::io::Read;
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read {
+        let read_error = |source| ScenarioError::Read {
             file: file.clone(),
             source,
-        })?;
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_SCENARIO_BYTES + 1).read_to_string(&mut text))
+            .map_err(read_error)?;
+        if text.len() as u64 > MAX_SCENARIO_BYTES {
+            return Err(ScenarioError::TooLarge {
+                file,
+                max: MAX_SCENARIO_BYTES,
+            });
+        }
         Self::from_json_str(&text, &file)
     }
 

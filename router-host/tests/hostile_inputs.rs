@@ -749,3 +749,22 @@ fn a_hundred_thousand_id_allow_list_over_a_hundred_thousand_workers_is_decided()
     assert_eq!(code, 0, "{err}");
     assert_eq!(lines[0]["worker_id"], WORKERS / 2);
 }
+
+#[test]
+fn an_endless_scenario_file_is_refused_at_its_size_limit() {
+    let dir = temp_dir("endless-scenario");
+    let config = write(&dir, "router.yaml", "{}");
+    let (code, out, err) = run_cli(&[
+        "select",
+        "--config",
+        config.to_str().unwrap(),
+        "--scenario",
+        "/dev/zero",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    assert!(
+        err.contains("scenario /dev/zero: larger than 268435456 bytes"),
+        "{err}"
+    );
+}
