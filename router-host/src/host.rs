@@ -375,13 +375,15 @@ impl Host {
         };
         // A pin (explicit, or a hard session binding) waits in its own lane, so a busy pinned
         // row never holds up the class's other requests.
-        let pin = self.plan(&request, false)?.selection.pin;
-        let lane = (class, pin);
+        let plan = self.plan(&request, explain)?;
+        let lane = (class, plan.selection.pin);
         // A lane with a backlog keeps its order: later arrivals wait behind it.
-        if self.lanes.get(&lane).is_some_and(|q| !q.is_empty()) {
-            return Ok(Submitted::Queued(self.enqueue(lane, request)));
-        }
-        match self.try_admit(&request, class, source, explain, Duration::ZERO)? {
+        let admitted = if self.lanes.get(&lane).is_some_and(|q| !q.is_empty()) {
+            None
+        } else {
+            self.try_admit(&request, plan, class, source, Duration::ZERO)?
+        };
+        match admitted {
             Some(routed) => Ok(Submitted::Dispatched(routed)),
             None => Ok(Submitted::Queued(self.enqueue(lane, request))),
         }
@@ -401,7 +403,10 @@ impl Host {
             while let Some(head) = self.lanes.get_mut(&lane).and_then(VecDeque::pop_front) {
                 let source = source_for(head.ticket, &head.request);
                 let waited = self.clock.now().saturating_sub(head.since);
-                match self.try_admit(&head.request, lane.0, &source, explain, waited) {
+                let admitted = self
+                    .plan(&head.request, explain)
+                    .and_then(|plan| self.try_admit(&head.request, plan, lane.0, &source, waited));
+                match admitted {
                     Ok(Some(routed)) => drained.push(Drained {
                         ticket: head.ticket,
                         result: Ok(routed),
@@ -465,12 +470,11 @@ impl Host {
     fn try_admit<O: OverlapSource + ?Sized>(
         &mut self,
         request: &Request,
+        plan: Plan<'_>,
         class: usize,
         source: &O,
-        explain: bool,
         waited: Duration,
     ) -> Result<Option<Routed>, RouteError> {
-        let plan = self.plan(request, explain)?;
         let decision = match self.classes[class].mode {
             // A deferral signal, not a reservation: while any eligible row has room, the
             // request goes, even if the policy then keeps a busy soft target.
@@ -598,10 +602,12 @@ impl Host {
                         SessionOutcome::NotRecorded(err)
                     }
                 };
-                Some(if plan.hard_binding_gone {
-                    SessionOutcome::HardBindingGone
-                } else {
-                    outcome
+                Some(match outcome {
+                    // The binding could not be recorded: that is the news, whatever happened
+                    // to the old one.
+                    SessionOutcome::NotRecorded(_) => outcome,
+                    _ if plan.hard_binding_gone => SessionOutcome::HardBindingGone,
+                    _ => outcome,
                 })
             }
             _ => None,

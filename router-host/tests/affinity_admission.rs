@@ -497,3 +497,26 @@ policy_classes:
         }
     ));
 }
+
+#[test]
+fn a_hard_binding_found_gone_is_reported_once_through_admission_too() {
+    let outcomes = run(
+        &format!("{HARD}policy_classes:\n  - {{name: default, prefill_busy_threshold: 1000000}}\n"),
+        r#"{"workers": [{"worker_id": 29}, {"worker_id": 41}],
+            "requests": [
+              {"isl_tokens": 16, "session_id": "s1"},
+              {"isl_tokens": 16, "session_id": "s1", "worker_updates": [{"worker_id": 29, "available": false}]},
+              {"isl_tokens": 16, "session_id": "s1"}
+            ]}"#,
+    );
+    assert_eq!(worker_of(&outcomes[0]), A);
+    assert_eq!(
+        session_of(&outcomes[1]),
+        Some(SessionOutcome::HardBindingGone)
+    );
+    assert_eq!(worker_of(&outcomes[1]), B);
+    assert_eq!(
+        session_of(&outcomes[2]),
+        Some(SessionOutcome::Dispatched(DispatchOutcome::Kept))
+    );
+}
