@@ -31,41 +31,117 @@ pub type RequestId = u64;
 /// Identifies a queued request until it is dispatched.
 pub type Ticket = u64;
 
-/// Booked load per row.
+/// Booked load per row, dense in cluster order (workers sorted by id, then ranks).
 ///
-/// Read once per candidate row on every decision, so it uses the fixed multiplicative hash
-/// (keys are the cluster's own rows, never request data) instead of SipHash.
+/// Read for every candidate row of every decision: candidate rows come in cluster order, so
+/// [`LoadTable::fill`] walks the table with one worker lookup per worker instead of a hash
+/// lookup per row. The cluster's set of workers and ranks is fixed for the host's lifetime
+/// (only their state flags change), which keeps the layout valid.
 #[derive(Debug, Clone, Default)]
 pub struct LoadTable {
-    rows: FastMap<RowId, RowLoad>,
+    /// Worker ids, sorted (the cluster's order).
+    ids: Vec<u64>,
+    dp_start: Vec<u32>,
+    /// Index of each worker's first row; one more entry than workers.
+    offset: Vec<usize>,
+    rows: Vec<RowLoad>,
 }
 
 impl LoadTable {
-    /// Read for every candidate row of every decision (`inline`: callers are generic and often
-    /// instantiated in other crates).
-    #[inline]
-    pub fn get(&self, row: RowId) -> RowLoad {
-        self.rows.get(&row).copied().unwrap_or_default()
+    /// An idle table for every row of `cluster`.
+    pub fn new(cluster: &Cluster) -> Self {
+        let workers = cluster.workers();
+        let mut offset = Vec::with_capacity(workers.len() + 1);
+        let mut total = 0;
+        for w in workers {
+            offset.push(total);
+            total += w.dp_size as usize;
+        }
+        offset.push(total);
+        LoadTable {
+            ids: workers.iter().map(|w| w.worker_id).collect(),
+            dp_start: workers.iter().map(|w| w.dp_start).collect(),
+            offset,
+            rows: vec![RowLoad::default(); total],
+        }
     }
 
+    /// Index of `row` given its worker's position `w`.
+    #[inline]
+    fn index_in(&self, w: usize, row: RowId) -> Option<usize> {
+        let rank = row.dp_rank.checked_sub(self.dp_start[w])? as usize;
+        let i = self.offset[w] + rank;
+        (i < self.offset[w + 1]).then_some(i)
+    }
+
+    #[inline]
+    fn index(&self, row: RowId) -> Option<usize> {
+        let w = self.ids.binary_search(&row.worker_id).ok()?;
+        self.index_in(w, row)
+    }
+
+    /// The booked load of `row` (idle for a row the cluster does not have).
+    #[inline]
+    pub fn get(&self, row: RowId) -> RowLoad {
+        self.index(row)
+            .map_or_else(RowLoad::default, |i| self.rows[i])
+    }
+
+    /// The booked load of every row of `rows` into four columns as long as `rows`; one worker
+    /// lookup per change of worker (rows in cluster order make that one per worker).
+    #[inline]
+    pub fn fill(
+        &self,
+        rows: &[RowId],
+        available: &mut [bool],
+        active: &mut [u64],
+        prefill: &mut [u64],
+        decode: &mut [u64],
+    ) {
+        let columns = available.iter_mut().zip(active).zip(prefill).zip(decode);
+        let mut w = usize::MAX;
+        for (&row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
+            if self.ids.get(w) != Some(&row.worker_id) {
+                w = self.ids.binary_search(&row.worker_id).unwrap_or(usize::MAX);
+            }
+            let load = match (w != usize::MAX).then(|| self.index_in(w, row)).flatten() {
+                Some(i) => self.rows[i],
+                None => RowLoad::default(),
+            };
+            (*available, *active, *prefill, *decode) = (
+                load.available,
+                load.active_requests,
+                load.active_prefill_tokens,
+                load.decode_blocks,
+            );
+        }
+    }
+
+    fn slot(&mut self, row: RowId) -> Option<&mut RowLoad> {
+        let i = self.index(row)?;
+        self.rows.get_mut(i)
+    }
+
+    /// Only rows of the cluster are ever booked: they come from decisions over its rows.
     fn book(&mut self, row: RowId, booking: &Booking) {
         // Saturating: prompt sizes come from callers, and a wrapped counter would look idle.
-        let load = self.rows.entry(row).or_default();
-        load.active_requests = load.active_requests.saturating_add(1);
-        load.active_prefill_tokens = load
-            .active_prefill_tokens
-            .saturating_add(booking.prefill_tokens);
-        load.decode_blocks = load.decode_blocks.saturating_add(booking.decode_blocks);
+        if let Some(load) = self.slot(row) {
+            load.active_requests = load.active_requests.saturating_add(1);
+            load.active_prefill_tokens = load
+                .active_prefill_tokens
+                .saturating_add(booking.prefill_tokens);
+            load.decode_blocks = load.decode_blocks.saturating_add(booking.decode_blocks);
+        }
     }
 
     fn release_prefill(&mut self, row: RowId, tokens: u64) {
-        if let Some(load) = self.rows.get_mut(&row) {
+        if let Some(load) = self.slot(row) {
             load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(tokens);
         }
     }
 
     fn release(&mut self, row: RowId, booking: &Booking) {
-        if let Some(load) = self.rows.get_mut(&row) {
+        if let Some(load) = self.slot(row) {
             load.active_requests = load.active_requests.saturating_sub(1);
             load.active_prefill_tokens = load
                 .active_prefill_tokens
@@ -101,6 +177,12 @@ pub trait OverlapSource {
         None
     }
 
+    /// Whether [`OverlapSource::load_override`] may return `Some` for any row (if not, load
+    /// columns are read straight from the booked table).
+    fn overrides_load(&self) -> bool {
+        false
+    }
+
     /// See [`Signals::overlap_columns`]: the overlap of every row at once.
     fn overlap_columns(
         &self,
@@ -134,6 +216,10 @@ impl OverlapSource for InjectedRows {
     fn load_override(&self, row: RowId) -> Option<RowLoad> {
         self.get(&row).map(|(_, l)| *l)
     }
+
+    fn overrides_load(&self) -> bool {
+        !self.is_empty()
+    }
 }
 
 /// The one snapshot both admission and selection read.
@@ -161,6 +247,23 @@ impl<O: OverlapSource + ?Sized> Signals for HostSignals<'_, O> {
         disk: &mut [f64],
     ) {
         self.source.overlap_columns(rows, device, host, disk);
+    }
+
+    fn load_columns(
+        &self,
+        rows: &[RowId],
+        available: &mut [bool],
+        active: &mut [u64],
+        prefill: &mut [u64],
+        decode: &mut [u64],
+    ) {
+        if self.source.overrides_load() {
+            crate::model::load_columns_by_row(rows, available, active, prefill, decode, |row| {
+                self.load(row)
+            });
+        } else {
+            self.load.fill(rows, available, active, prefill, decode);
+        }
     }
 }
 
@@ -303,10 +406,11 @@ impl Host {
             SessionTable::new(mode, a.ttl, a.max_bindings, clock.clone())
                 .with_granularity(granularity)
         });
+        let load = LoadTable::new(&cluster);
         Host {
             router,
             cluster,
-            load: LoadTable::default(),
+            load,
             sessions,
             classes: config.policy_classes.iter().map(class_of).collect(),
             lanes: BTreeMap::new(),
@@ -328,8 +432,25 @@ impl Host {
         &self.cluster
     }
 
-    pub fn cluster_mut(&mut self) -> &mut Cluster {
-        &mut self.cluster
+    /// Change a worker's availability or overload flag (`None` = leave as is); returns whether
+    /// the worker exists. The set of workers and ranks is fixed for the host's lifetime: the
+    /// load table is laid out over it.
+    pub fn set_worker_state(
+        &mut self,
+        worker_id: u64,
+        available: Option<bool>,
+        overloaded: Option<bool>,
+    ) -> bool {
+        let Some(worker) = self.cluster.worker_mut(worker_id) else {
+            return false;
+        };
+        if let Some(available) = available {
+            worker.available = available;
+        }
+        if let Some(overloaded) = overloaded {
+            worker.overloaded = overloaded;
+        }
+        true
     }
 
     pub fn load(&self) -> &LoadTable {
@@ -690,5 +811,84 @@ impl std::fmt::Debug for Host {
             .field("in_flight", &self.inflight.len())
             .field("admission", &self.stats)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Worker;
+
+    fn row(worker_id: u64, dp_rank: u32) -> RowId {
+        RowId { worker_id, dp_rank }
+    }
+
+    #[test]
+    fn load_table_columns_match_row_lookups_in_any_order() {
+        let cluster = Cluster::new(vec![
+            Worker::new(9).with_ranks(4, 2),
+            Worker::new(3),
+            Worker::new(5).with_ranks(0, 3),
+        ])
+        .unwrap();
+        let mut table = LoadTable::new(&cluster);
+        let booking = |tokens| Booking {
+            row: row(0, 0),
+            instance: 0,
+            prefill_tokens: tokens,
+            decode_blocks: 2,
+            session: None,
+            holds_lease: false,
+        };
+        table.book(row(5, 2), &booking(10));
+        table.book(row(9, 5), &booking(20));
+        table.book(row(9, 5), &booking(30));
+        // Rows of no worker, or ranks out of range, are never booked and read as idle.
+        table.book(row(9, 3), &booking(99));
+        table.book(row(7, 0), &booking(99));
+        assert_eq!(table.get(row(9, 5)).active_requests, 2);
+        assert_eq!(table.get(row(9, 5)).active_prefill_tokens, 50);
+        assert_eq!(table.get(row(5, 2)).decode_blocks, 2);
+        assert_eq!(table.get(row(9, 3)), RowLoad::default());
+        assert_eq!(table.get(row(7, 0)), RowLoad::default());
+
+        let rows = [
+            row(3, 0),
+            row(5, 0),
+            row(5, 2),
+            row(9, 5),
+            row(9, 4),
+            row(5, 2),
+            row(7, 0),
+            row(9, 6),
+            row(3, 0),
+        ];
+        let n = rows.len();
+        let (mut available, mut active, mut prefill, mut decode) =
+            (vec![false; n], vec![0; n], vec![0; n], vec![0; n]);
+        table.fill(
+            &rows,
+            &mut available,
+            &mut active,
+            &mut prefill,
+            &mut decode,
+        );
+        for (i, &r) in rows.iter().enumerate() {
+            let expected = table.get(r);
+            assert_eq!(
+                (available[i], active[i], prefill[i], decode[i]),
+                (
+                    expected.available,
+                    expected.active_requests,
+                    expected.active_prefill_tokens,
+                    expected.decode_blocks
+                ),
+                "row {r:?}"
+            );
+        }
+        table.release(row(9, 5), &booking(20));
+        table.release_prefill(row(9, 5), 30);
+        assert_eq!(table.get(row(9, 5)).active_requests, 1);
+        assert_eq!(table.get(row(9, 5)).active_prefill_tokens, 0);
     }
 }

@@ -242,6 +242,42 @@ pub trait Signals {
     ) {
         overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
     }
+
+    /// The load of every row of `rows` into four columns as long as `rows`. The default asks
+    /// [`Signals::load`] row by row; a source that can walk its table in row order overrides it.
+    fn load_columns(
+        &self,
+        rows: &[RowId],
+        available: &mut [bool],
+        active: &mut [u64],
+        prefill: &mut [u64],
+        decode: &mut [u64],
+    ) {
+        load_columns_by_row(rows, available, active, prefill, decode, |row| {
+            self.load(row)
+        });
+    }
+}
+
+/// Fill load columns one row at a time (the default of [`Signals::load_columns`]).
+pub(crate) fn load_columns_by_row(
+    rows: &[RowId],
+    available: &mut [bool],
+    active: &mut [u64],
+    prefill: &mut [u64],
+    decode: &mut [u64],
+    load: impl Fn(RowId) -> RowLoad,
+) {
+    let columns = available.iter_mut().zip(active).zip(prefill).zip(decode);
+    for (&row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
+        let l = load(row);
+        (*available, *active, *prefill, *decode) = (
+            l.available,
+            l.active_requests,
+            l.active_prefill_tokens,
+            l.decode_blocks,
+        );
+    }
 }
 
 /// Fill overlap columns one row at a time (the default of the `overlap_columns` methods).

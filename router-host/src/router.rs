@@ -174,21 +174,13 @@ impl Scratch {
         fill(&mut c.active_prefill_tokens, load);
         fill(&mut c.decode_blocks, load);
         if load > 0 {
-            let columns = c
-                .available
-                .iter_mut()
-                .zip(&mut c.active_requests)
-                .zip(&mut c.active_prefill_tokens)
-                .zip(&mut c.decode_blocks);
-            for (&row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
-                let l = signals.load(row);
-                (*available, *active, *prefill, *decode) = (
-                    l.available,
-                    l.active_requests,
-                    l.active_prefill_tokens,
-                    l.decode_blocks,
-                );
-            }
+            signals.load_columns(
+                rows,
+                &mut c.available,
+                &mut c.active_requests,
+                &mut c.active_prefill_tokens,
+                &mut c.decode_blocks,
+            );
         }
     }
 }

@@ -404,14 +404,8 @@ pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
             }
         }
         for update in &step.worker_updates {
-            if let Some(worker) = host.cluster_mut().worker_mut(update.worker_id) {
-                if let Some(available) = update.available {
-                    worker.available = available;
-                }
-                if let Some(overloaded) = update.overloaded {
-                    worker.overloaded = overloaded;
-                }
-            }
+            // Validated at parse time: every updated worker is in `workers`.
+            host.set_worker_state(update.worker_id, update.available, update.overloaded);
         }
         let drained = host.drain(
             |ticket, _| {
