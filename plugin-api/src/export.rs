@@ -406,6 +406,17 @@ impl tracing::field::Visit for Render {
 }
 
 impl tracing::Subscriber for Bridge {
+    // `sometimes`, never a cached `always`/`never`: a test binary may also run scoped capture
+    // subscribers (`testing::capture_logs`), and a cached verdict from one dispatcher would
+    // silence or leak the other's events. `enabled` is two loads.
+    fn register_callsite(
+        &self,
+        metadata: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        let _ = metadata;
+        tracing::subscriber::Interest::sometimes()
+    }
+
     fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
         HOST_LOG
             .get()

@@ -300,14 +300,32 @@ pub fn create_boxed<T: PolicyType>(parameters_json: &str) -> Result<PolicyBox, C
 
 /// Run `f` and return what it logged through `tracing` on this thread, one rendered event per
 /// entry (`message key=value ...`, as the host receives it).
+///
+/// One process-wide subscriber (installed on first use) serves every capture and records into
+/// the buffer of the thread that is capturing. A scoped subscriber per call would lose events:
+/// `tracing` caches each callsite's interest across all live dispatchers, so a callsite first hit
+/// on another thread while no capture was live could be cached as "never" and stay silent. This
+/// subscriber answers `sometimes` for every callsite, so `enabled` is asked on every event. If
+/// the process already has a different global subscriber, a scoped one is used instead.
 pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
-    use std::sync::{Arc, Mutex};
+    use std::cell::RefCell;
+    use std::sync::OnceLock;
 
-    struct Capture(Arc<Mutex<Vec<String>>>);
+    thread_local! {
+        static CAPTURED: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
+    }
+
+    struct Capture;
 
     impl tracing::Subscriber for Capture {
+        fn register_callsite(
+            &self,
+            _: &'static tracing::Metadata<'static>,
+        ) -> tracing::subscriber::Interest {
+            tracing::subscriber::Interest::sometimes()
+        }
         fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-            true
+            CAPTURED.with(|c| c.try_borrow().is_ok_and(|c| c.is_some()))
         }
         fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
             tracing::span::Id::from_u64(1)
@@ -317,17 +335,27 @@ pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
         fn event(&self, event: &tracing::Event<'_>) {
             let mut text = crate::export::Render(String::new());
             event.record(&mut text);
-            if let Ok(mut events) = self.0.lock() {
-                events.push(text.0.trim_start().to_string());
-            }
+            CAPTURED.with(|c| {
+                if let Ok(mut c) = c.try_borrow_mut() {
+                    if let Some(events) = c.as_mut() {
+                        events.push(text.0.trim_start().to_string());
+                    }
+                }
+            });
         }
         fn enter(&self, _: &tracing::span::Id) {}
         fn exit(&self, _: &tracing::span::Id) {}
     }
 
-    let events = Arc::new(Mutex::new(Vec::new()));
-    let result = tracing::subscriber::with_default(Capture(events.clone()), f);
-    let events = events.lock().map(|e| e.clone()).unwrap_or_default();
+    static GLOBAL: OnceLock<bool> = OnceLock::new();
+    let global = *GLOBAL.get_or_init(|| tracing::subscriber::set_global_default(Capture).is_ok());
+    let outer = CAPTURED.with(|c| c.replace(Some(Vec::new())));
+    let result = if global {
+        f()
+    } else {
+        tracing::subscriber::with_default(Capture, f)
+    };
+    let events = CAPTURED.with(|c| c.replace(outer)).unwrap_or_default();
     (result, events)
 }
 
