@@ -53,7 +53,7 @@ struct Setup {
 impl Setup {
     fn new(config: &RouterConfig, request: Request) -> Setup {
         let router = common::two_tier_router(config);
-        let mut host = Host::new(router, common::cluster(), config);
+        let host = Host::new(router, common::cluster(), config);
         let rows = RowMap {
             workers: WORKERS,
             dp_size: RANKS,

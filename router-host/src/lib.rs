@@ -9,17 +9,13 @@
 //!
 //! Architecture, invariants and the crate map are in `docs/architecture.md`.
 
+pub use router_core::{eligibility, fast_hash, kv_index, model, rng, sessions};
+
 pub mod builtin;
 pub mod config;
-pub mod eligibility;
-pub(crate) mod fast_hash;
 pub mod host;
-pub mod kv_index;
 pub mod loader;
-pub mod model;
 pub mod policies;
 pub mod replay;
-pub mod rng;
 pub mod router;
 pub mod scenario;
-pub mod sessions;

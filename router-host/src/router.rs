@@ -12,16 +12,18 @@ use std::time::Instant;
 
 use abi_stable::std_types::{ROption, RResult, RSlice};
 use plugin_api::abi::{
-    opt_str, CompleteEvent, DispatchEvent, PickFailure, PickFailureKind, RawAffinityTarget,
-    RawExplanation, RawRequestContext,
+    opt_str, CompleteEvent, DispatchEvent, RawAffinityTarget, RawExplanation, RawRequestContext,
 };
-use plugin_api::{Columns, Explanation, Inputs};
+use plugin_api::Explanation;
+pub use router_core::select::{
+    Decision, InstanceId, PolicyFailure, Scratch, SelectError, Selection, Selector,
+};
 
 use crate::builtin::{Builtin, BuiltinSettings};
 use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
-use crate::eligibility::{eligible_rows, EligibilityError};
+use crate::eligibility::eligible_rows;
 use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
-use crate::model::{AffinityTarget, Cluster, Request, RequestRole, RowId, Signals};
+use crate::model::{Cluster, RequestRole, RowId, Signals};
 use crate::policies::{Catalog, HostSettings, PolicyError, PolicyInstance};
 
 /// Why the host could not start.
@@ -37,159 +39,6 @@ pub enum StartupError {
     },
     #[error(transparent)]
     Policy(#[from] PolicyError),
-}
-
-/// Why one request got no row.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum SelectError {
-    #[error(transparent)]
-    Eligibility(#[from] EligibilityError),
-    #[error("instance `{instance}` ({origin}): {failure}")]
-    Policy {
-        instance: String,
-        origin: String,
-        failure: PolicyFailure,
-    },
-}
-
-/// How a policy call failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PolicyFailure {
-    #[error("policy returned an error: {0}")]
-    Failed(String),
-    #[error("policy panicked: {0}; the instance is poisoned")]
-    Panicked(String),
-    #[error("policy is poisoned after an earlier panic")]
-    Poisoned,
-    #[error("policy is quarantined after repeated picks over its time budget")]
-    Quarantined,
-    #[error("policy returned row index {index}, but only {rows} rows were given")]
-    OutOfRange { index: usize, rows: usize },
-    #[error("host passed an inconsistent view: {0}")]
-    BadView(String),
-}
-
-impl PolicyFailure {
-    fn from_abi(failure: PickFailure) -> Self {
-        let message = failure.message.to_string();
-        match failure.kind {
-            PickFailureKind::PANICKED => PolicyFailure::Panicked(message),
-            PickFailureKind::POISONED => PolicyFailure::Poisoned,
-            PickFailureKind::BAD_VIEW => PolicyFailure::BadView(message),
-            _ => PolicyFailure::Failed(message),
-        }
-    }
-}
-
-/// Index of an instance in [`Router::instances`].
-pub type InstanceId = usize;
-
-/// What selection decided for one request.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
-    pub row: RowId,
-    /// The instance configured for the request's role.
-    pub instance: InstanceId,
-    /// Set when the configured instance failed and the built-in default decided instead.
-    pub fallback: Option<PolicyFailure>,
-    /// The deciding policy's explanation, when asked for.
-    pub explanation: Option<Explanation>,
-    /// Rows handed to the policy.
-    pub candidates: usize,
-    /// Wall-clock time of the policy call.
-    pub pick_ns: u64,
-}
-
-/// One request's routing inputs after the host applied session bindings.
-#[derive(Debug, Clone, Copy)]
-pub struct Selection<'a> {
-    pub request: &'a Request,
-    /// The row the request must go to: its pinned worker, or a hard session binding.
-    pub pin: Option<RowId>,
-    /// Advisory target: explicit, or from a soft session binding.
-    pub target: Option<AffinityTarget>,
-    /// Ask the deciding policy to explain itself (allocates; off the hot path).
-    pub explain: bool,
-}
-
-impl<'a> Selection<'a> {
-    /// The request's own pin and target, no session binding applied.
-    pub fn of(request: &'a Request) -> Self {
-        Selection {
-            request,
-            pin: request.pinned_worker,
-            target: request.affinity_target,
-            explain: false,
-        }
-    }
-
-    pub fn explained(mut self) -> Self {
-        self.explain = true;
-        self
-    }
-}
-
-/// Reusable buffers for one selecting thread: steady-state selection allocates nothing.
-#[derive(Debug, Default)]
-pub struct Scratch {
-    rows: Vec<RowId>,
-    narrowed: Vec<RowId>,
-    columns: Columns,
-}
-
-impl Scratch {
-    /// The rows handed to the last policy called (after default-selector narrowing).
-    pub fn last_candidates(&self) -> &[RowId] {
-        &self.narrowed
-    }
-
-    /// Fill the columns `inputs` asks for, for `rows`.
-    ///
-    /// Each column is sized once and then written in place (no per-value capacity check); each
-    /// row's load is read once for all of its columns, and the overlap of all rows in one call.
-    fn materialise<S: Signals + ?Sized>(&mut self, rows: &[RowId], inputs: Inputs, signals: &S) {
-        let c = &mut self.columns;
-        c.worker_id.clear();
-        c.dp_rank.clear();
-        c.worker_id.extend(rows.iter().map(|r| r.worker_id));
-        c.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
-        let cache = if inputs.contains(Inputs::CACHE) {
-            rows.len()
-        } else {
-            0
-        };
-        fill(&mut c.device, cache);
-        fill(&mut c.host, cache);
-        fill(&mut c.disk, cache);
-        if cache > 0 {
-            signals.overlap_columns(rows, &mut c.device, &mut c.host, &mut c.disk);
-        }
-        let load = if inputs.contains(Inputs::LOAD) {
-            rows.len()
-        } else {
-            0
-        };
-        fill(&mut c.available, load);
-        fill(&mut c.active_requests, load);
-        fill(&mut c.active_prefill_tokens, load);
-        fill(&mut c.decode_blocks, load);
-        if load > 0 {
-            signals.load_columns(
-                rows,
-                &mut c.available,
-                &mut c.active_requests,
-                &mut c.active_prefill_tokens,
-                &mut c.decode_blocks,
-            );
-        }
-    }
-}
-
-/// Make `column` exactly `len` values long. The caller overwrites every value, so values left
-/// from the previous request are not cleared first.
-fn fill<T: Copy + Default>(column: &mut Vec<T>, len: usize) {
-    column.truncate(len);
-    column.resize(len, T::default());
 }
 
 /// The loaded policies and which instance serves which role.
@@ -488,5 +337,33 @@ fn explanation_from_abi(raw: RawExplanation) -> Explanation {
             .into_iter()
             .map(|l| (l.name.into_string(), l.value.into_string()))
             .collect(),
+    }
+}
+
+impl Selector for Router {
+    fn select(
+        &self,
+        cluster: &Cluster,
+        selection: Selection<'_>,
+        signals: &dyn Signals,
+        scratch: &mut Scratch,
+    ) -> Result<Decision, SelectError> {
+        Router::select(self, cluster, selection, signals, scratch)
+    }
+
+    fn request_blocks(&self, isl_tokens: u64) -> u64 {
+        Router::request_blocks(self, isl_tokens)
+    }
+
+    fn notify_dispatch(&self, instance: InstanceId, event: &DispatchEvent<'_>) {
+        Router::notify_dispatch(self, instance, event);
+    }
+
+    fn notify_complete(&self, instance: InstanceId, event: &CompleteEvent<'_>) {
+        Router::notify_complete(self, instance, event);
+    }
+
+    fn instance_name(&self, instance: InstanceId) -> &str {
+        &self.instances[instance].name
     }
 }

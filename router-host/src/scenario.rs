@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use crate::host::{
     Host, InjectedRows, OverlapSource, RequestId, RouteError, Routed, SessionOutcome, Submitted,
-    Ticket,
+    TicketId,
 };
 use crate::model::{
     AffinityTarget, Cluster, ClusterError, Request, RequestRole, RowId, RowLoad, TierOverlap,
@@ -255,6 +255,7 @@ impl Scenario {
                 dp_size: w.dp_size,
                 available: w.available,
                 overloaded: w.overloaded,
+                draining: false,
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 total_kv_blocks: w.total_kv_blocks,
             })
@@ -324,6 +325,9 @@ impl Scenario {
             }
             requests.push(ScenarioRequest {
                 request: Request {
+                    // Scenario requests are numbered by the host, in dispatch order.
+                    id: None,
+                    blocks: Vec::new(),
                     isl_tokens: r.isl_tokens,
                     role: match r.role {
                         RawRole::Aggregated => RequestRole::Aggregated,
@@ -396,7 +400,7 @@ pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
     let n = scenario.requests.len();
     let mut outcomes = vec![Outcome::StillQueued; n];
     let mut dispatched: Vec<Option<RequestId>> = vec![None; n];
-    let mut queued: HashMap<Ticket, usize> = HashMap::new();
+    let mut queued: HashMap<TicketId, usize> = HashMap::new();
     for (index, step) in scenario.requests.iter().enumerate() {
         for &earlier in &step.complete {
             if let Some(id) = dispatched[earlier] {
@@ -438,7 +442,7 @@ pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
                 }
             }
             Ok(Submitted::Queued(ticket)) => {
-                queued.insert(ticket, index);
+                queued.insert(ticket.id(), index);
                 Outcome::StillQueued
             }
             Err(err) => Outcome::Failed(err),

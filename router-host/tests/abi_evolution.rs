@@ -141,7 +141,7 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
     let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
-    let mut host = Host::new(router, cluster, &config);
+    let host = Host::new(router, cluster, &config);
     let request = Request {
         isl_tokens: 32,
         session_id: Some("s".into()),
@@ -224,7 +224,7 @@ fn a_plugin_built_against_1_1_gets_its_dispatch_and_completion_hooks() {
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
     let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
-    let mut host = Host::new(router, cluster, &config);
+    let host = Host::new(router, cluster, &config);
     let request = |session: &str| Request {
         isl_tokens: 32,
         session_id: Some(session.into()),

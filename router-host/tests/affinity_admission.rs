@@ -253,7 +253,7 @@ fn explicit_pin_beats_a_session_binding() {
 #[test]
 fn soft_binding_expires_after_the_idle_ttl_restarted_by_the_last_completion() {
     let clock = Arc::new(ManualClock::new(Duration::from_secs(1)));
-    let mut host = host_with_clock(
+    let host = host_with_clock(
         &STICKY.replace("ttl_secs: 600", "ttl_secs: 10"),
         vec![Worker::new(A), Worker::new(B)],
         clock.clone(),
@@ -294,7 +294,7 @@ fn soft_binding_expires_after_the_idle_ttl_restarted_by_the_last_completion() {
 #[test]
 fn oversized_session_ids_are_rejected_with_a_clear_error() {
     let clock = Arc::new(ManualClock::new(Duration::ZERO));
-    let mut host = host_with_clock(STICKY, vec![Worker::new(A)], clock);
+    let host = host_with_clock(STICKY, vec![Worker::new(A)], clock);
     let request = Request {
         isl_tokens: 16,
         session_id: Some("x".repeat(10 * 1024)),
@@ -415,7 +415,7 @@ fn busy_checks_are_strict_and_unknown_batch_size_is_never_busy() {
     let clock = Arc::new(ManualClock::new(Duration::ZERO));
     let mut sized = Worker::new(A);
     sized.max_num_batched_tokens = Some(200);
-    let mut host = host_with_clock(yaml, vec![sized], clock.clone());
+    let host = host_with_clock(yaml, vec![sized], clock.clone());
     let req = |isl: u64, class: Option<&str>| Request {
         isl_tokens: isl,
         policy_class: class.map(str::to_string),
@@ -449,7 +449,7 @@ fn busy_checks_are_strict_and_unknown_batch_size_is_never_busy() {
     );
 
     // A worker with unknown max_num_batched_tokens is never busy by the fraction rule.
-    let mut host = host_with_clock(yaml, vec![Worker::new(A)], clock);
+    let host = host_with_clock(yaml, vec![Worker::new(A)], clock);
     for _ in 0..3 {
         assert!(matches!(
             host.submit(req(10_000, Some("frac")), &NoOverlap, false),

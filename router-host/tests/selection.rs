@@ -181,7 +181,7 @@ fn plugin_sees_only_the_columns_it_declared() {
 fn default_picks(target: Option<AffinityTarget>, injected: &InjectedRows) -> RowId {
     let config = RouterConfig::from_yaml_str("{}", None).unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
-    let mut host = Host::new(router, cluster(), &config);
+    let host = Host::new(router, cluster(), &config);
     let request = Request {
         isl_tokens: 160,
         affinity_target: target,
@@ -242,7 +242,7 @@ fn out_of_range_index_is_rejected_and_books_nothing() {
     )
     .unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
-    let mut host = Host::new(router, cluster(), &config);
+    let host = Host::new(router, cluster(), &config);
     let err = host
         .route(&Request::default(), &NoOverlap, false)
         .unwrap_err()

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::RouterConfig;
-use crate::host::{Host, RouteError, Routed, SessionOutcome, Submitted, Ticket};
+use crate::host::{Host, RouteError, Routed, SessionOutcome, Submitted, TicketId};
 use crate::loader::SearchPath;
 use crate::model::{Cluster, Request, Worker};
 use crate::router::Router;
@@ -115,7 +115,7 @@ struct Sim<'w> {
     heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
     scheduled: Vec<Option<u64>>,
     versions: Vec<u64>,
-    tickets: FastMap<Ticket, u32>,
+    tickets: FastMap<TicketId, u32>,
     decision_ns: Vec<u64>,
     errors: BTreeMap<String, u64>,
     sessions: SessionCounts,
@@ -394,7 +394,7 @@ impl Sim<'_> {
         match outcome {
             Ok(Submitted::Dispatched(routed)) => self.dispatched(i as u32, routed),
             Ok(Submitted::Queued(ticket)) => {
-                self.tickets.insert(ticket, i as u32);
+                self.tickets.insert(ticket.id(), i as u32);
             }
             Err(err) => self.failed(&err),
         }

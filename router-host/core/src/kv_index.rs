@@ -16,12 +16,12 @@
 
 use std::cell::{Cell, RefCell};
 
-use crate::host::OverlapSource;
-use crate::model::{RowId, TierOverlap};
+use crate::model::{OverlapSource, RowId, TierOverlap};
 
 use crate::fast_hash::FastMap;
 
-/// A cache event from one engine (row index = `worker_id * dp_size + dp_rank`).
+/// A cache event for one row (its slot, see `crate::topology`; replay numbers rows
+/// `worker_id * dp_size + dp_rank`, which is the same numbering for its fixed cluster).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvEvent {
     pub row: u32,
@@ -186,6 +186,58 @@ impl KvIndex {
         let next = hint.next_slot;
         let target = self.info.get(next as usize)?;
         (hint.next_block == block && target.live && target.block == block).then_some(next)
+    }
+
+    /// Make room for rows `0..rows` (never shrinks). Re-lays every mask when the word count
+    /// changes: rare (a worker joined past a multiple of 64 rows), linear in the index size.
+    pub fn ensure_rows(&mut self, rows: usize) {
+        if rows <= self.rows {
+            return;
+        }
+        let words = rows.div_ceil(64).max(1);
+        if words != self.words {
+            let slots = self.info.len();
+            let mut masks = vec![0u64; slots * words];
+            for slot in 0..slots {
+                masks[slot * words..][..self.words]
+                    .copy_from_slice(&self.masks[slot * self.words..][..self.words]);
+            }
+            self.masks = masks;
+            self.words = words;
+        }
+        self.rows = rows;
+        self.last_stored.resize(rows, NO_SLOT);
+    }
+
+    /// Forget every block `row` holds (its worker left, or its engine restarted); returns how
+    /// many it held. Linear in the number of distinct blocks.
+    pub fn clear_row(&mut self, row: u32) -> u64 {
+        let row = row as usize;
+        if row >= self.rows {
+            return 0;
+        }
+        let (word, bit) = (row / 64, 1u64 << (row % 64));
+        let mut cleared = 0;
+        let words = self.words;
+        let masks = &mut self.masks;
+        let info = &mut self.info;
+        let free = &mut self.free;
+        self.slots.retain(|_, &mut slot| {
+            let base = slot as usize * words;
+            if masks[base + word] & bit == 0 {
+                return true;
+            }
+            cleared += 1;
+            masks[base + word] &= !bit;
+            if masks[base..base + words].iter().all(|&w| w == 0) {
+                info[slot as usize].live = false;
+                free.push(slot);
+                return false;
+            }
+            true
+        });
+        self.last_stored[row] = NO_SLOT;
+        cleared
     }
 
     /// (row, block) pairs held, over all rows.

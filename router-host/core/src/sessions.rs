@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use plugin_api::{AffinityTarget, RowId};
 use thiserror::Error;
@@ -44,39 +44,33 @@ const ID_PREVIEW_BYTES: usize = 32;
 // Clock
 // ---------------------------------------------------------------------------------------------
 
-/// Monotonic time since an arbitrary epoch.
+/// Time since the Unix epoch.
 ///
-/// Injected so that tests and the replay simulator can drive TTL expiry with simulated time
-/// instead of sleeping.
+/// Session TTLs and queue waits are measured on it. Wall time, so that the instant a binding was
+/// last used means the same thing to every router process sharing the binding (see
+/// `docs/routing-contract.md`, "Sessions"). Injected so that tests and the replay simulator can
+/// drive expiry with simulated time instead of sleeping.
 pub trait Clock: Send + Sync {
-    /// Time elapsed since the clock's epoch. Must never go backwards in production clocks.
+    /// Time elapsed since the Unix epoch (or, for a simulated clock, since its own start).
     fn now(&self) -> Duration;
 }
 
-/// Wall-clock-independent real time ([`Instant`]-based), for production use.
-#[derive(Debug, Clone, Copy)]
-pub struct SystemClock {
-    origin: Instant,
-}
+/// The system's wall clock. A step backwards (NTP) only makes bindings look younger: expiry uses
+/// saturating differences, so nothing breaks, a binding just lives a little longer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
 
 impl SystemClock {
-    /// A clock whose epoch is the moment of construction.
     pub fn new() -> Self {
-        Self {
-            origin: Instant::now(),
-        }
-    }
-}
-
-impl Default for SystemClock {
-    fn default() -> Self {
-        Self::new()
+        SystemClock
     }
 }
 
 impl Clock for SystemClock {
     fn now(&self) -> Duration {
-        self.origin.elapsed()
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or(Duration::ZERO)
     }
 }
 
@@ -206,7 +200,7 @@ impl Lease {
     }
 
     /// The session id as the table holds it: a second handle, not a copy (no allocation).
-    pub(crate) fn shared_session_id(&self) -> Arc<str> {
+    pub fn shared_session_id(&self) -> Arc<str> {
         Arc::clone(&self.session_id)
     }
 
@@ -300,6 +294,49 @@ impl fmt::Display for ShowTarget<'_> {
             Some(rank) => write!(f, "worker {} rank {}", self.0.worker_id, rank),
             None => write!(f, "worker {} (any rank)", self.0.worker_id),
         }
+    }
+}
+
+/// Where session bindings live. The in-memory [`SessionTable`] is one implementation; a store
+/// shared by several router processes is another. Every method is called from many routing
+/// threads at once.
+///
+/// The contract (a lease per request, a versioned compare-and-swap at dispatch, one
+/// `completed` per successful `dispatched`) is [`SessionTable`]'s, documented on its methods and
+/// in `docs/routing-contract.md`, "Sessions".
+pub trait SessionStore: Send + Sync + fmt::Debug {
+    /// See [`SessionTable::lookup`].
+    fn lookup(&self, session_id: &str) -> Result<Lease, SessionError>;
+    /// See [`SessionTable::dispatched`].
+    fn dispatched(&self, lease: &Lease, row: RowId) -> Result<DispatchOutcome, SessionError>;
+    /// See [`SessionTable::completed`].
+    fn completed(&self, session_id: &str);
+    /// See [`SessionTable::invalidate`].
+    fn invalidate(&self, session_id: &str) -> bool;
+    /// See [`SessionTable::binding`].
+    fn binding(&self, session_id: &str) -> Option<Binding>;
+    /// See [`SessionTable::stats`].
+    fn stats(&self) -> SessionStats;
+}
+
+impl SessionStore for SessionTable {
+    fn lookup(&self, session_id: &str) -> Result<Lease, SessionError> {
+        SessionTable::lookup(self, session_id)
+    }
+    fn dispatched(&self, lease: &Lease, row: RowId) -> Result<DispatchOutcome, SessionError> {
+        SessionTable::dispatched(self, lease, row)
+    }
+    fn completed(&self, session_id: &str) {
+        SessionTable::completed(self, session_id);
+    }
+    fn invalidate(&self, session_id: &str) -> bool {
+        SessionTable::invalidate(self, session_id)
+    }
+    fn binding(&self, session_id: &str) -> Option<Binding> {
+        SessionTable::binding(self, session_id)
+    }
+    fn stats(&self) -> SessionStats {
+        SessionTable::stats(self)
     }
 }
 

@@ -49,7 +49,7 @@ pub fn eligible_rows(
     }
     let mut excluded_for_overload = false;
     let mut admit = |worker: &crate::model::Worker, out: &mut Vec<RowId>| {
-        if !worker.available {
+        if !worker.available || worker.draining {
             return;
         }
         if worker.overloaded {
@@ -94,7 +94,7 @@ pub fn check_pin(cluster: &Cluster, request: &Request, pin: RowId) -> Result<(),
         return Err(EligibilityError::PinnedNotAllowed(pin));
     }
     match cluster.worker(pin.worker_id) {
-        Some(w) if w.available && w.has_rank(pin.dp_rank) => {
+        Some(w) if w.available && !w.draining && w.has_rank(pin.dp_rank) => {
             if w.overloaded {
                 Err(EligibilityError::PinnedOverloaded(pin))
             } else {

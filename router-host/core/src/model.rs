@@ -1,5 +1,7 @@
 //! The host's vocabulary: workers, rows, requests and the per-row signals policies see.
 
+use std::collections::HashMap;
+
 pub use plugin_api::{AffinityTarget, Role, RowId};
 
 /// One engine process and its data-parallel ranks `dp_start .. dp_start + dp_size`.
@@ -12,6 +14,9 @@ pub struct Worker {
     pub available: bool,
     /// Overloaded workers are excluded from selection.
     pub overloaded: bool,
+    /// Draining: takes no new requests (not even pinned or session-bound ones); requests in
+    /// flight finish. Set before a worker is removed.
+    pub draining: bool,
     /// Prefill token budget per step, for queue admission; `None` = unknown (never busy).
     pub max_num_batched_tokens: Option<u64>,
     /// KV capacity in blocks, when known.
@@ -27,6 +32,7 @@ impl Worker {
             dp_size: 1,
             available: true,
             overloaded: false,
+            draining: false,
             max_num_batched_tokens: None,
             total_kv_blocks: None,
         }
@@ -147,6 +153,12 @@ impl Cluster {
 /// One request to route.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Request {
+    /// The caller's id for the request (unique among requests in flight); `None` = the core
+    /// draws one from its own counter (single-process tools only: two processes would draw the
+    /// same ids).
+    pub id: Option<u64>,
+    /// The prompt's block ids (`crate::blocks`), for overlap from the core's KV index.
+    pub blocks: Vec<u64>,
     /// Prompt length in tokens.
     pub isl_tokens: u64,
     pub role: RequestRole,
@@ -260,7 +272,7 @@ pub trait Signals {
 }
 
 /// Fill load columns one row at a time (the default of [`Signals::load_columns`]).
-pub(crate) fn load_columns_by_row(
+pub fn load_columns_by_row(
     rows: &[RowId],
     available: &mut [bool],
     active: &mut [u64],
@@ -281,7 +293,7 @@ pub(crate) fn load_columns_by_row(
 }
 
 /// Fill overlap columns one row at a time (the default of the `overlap_columns` methods).
-pub(crate) fn overlap_columns_by_row(
+pub fn overlap_columns_by_row(
     rows: &[RowId],
     device: &mut [f64],
     host: &mut [f64],
@@ -305,5 +317,61 @@ impl Signals for NoSignals {
     }
     fn load(&self, _: RowId) -> RowLoad {
         RowLoad::default()
+    }
+}
+
+/// Per-row signals for the request being routed that the host does not own itself: prompt
+/// overlap (from a KV index, or injected) and, for scripted scenarios, injected load.
+pub trait OverlapSource {
+    fn overlap(&self, row: RowId) -> TierOverlap;
+
+    /// Load to use for `row` instead of the host's booked load (scenarios); `None` = booked.
+    fn load_override(&self, row: RowId) -> Option<RowLoad> {
+        let _ = row;
+        None
+    }
+
+    /// Whether [`OverlapSource::load_override`] may return `Some` for any row (if not, load
+    /// columns are read straight from the booked table).
+    fn overrides_load(&self) -> bool {
+        false
+    }
+
+    /// See [`Signals::overlap_columns`]: the overlap of every row at once.
+    fn overlap_columns(
+        &self,
+        rows: &[RowId],
+        device: &mut [f64],
+        host: &mut [f64],
+        disk: &mut [f64],
+    ) {
+        overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
+    }
+}
+
+/// No cached prefix anywhere.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoOverlap;
+
+impl OverlapSource for NoOverlap {
+    fn overlap(&self, _: RowId) -> TierOverlap {
+        TierOverlap::default()
+    }
+}
+
+/// Rows injected by a caller (e.g. a `select` scenario): they override overlap and load.
+pub type InjectedRows = HashMap<RowId, (TierOverlap, RowLoad)>;
+
+impl OverlapSource for InjectedRows {
+    fn overlap(&self, row: RowId) -> TierOverlap {
+        self.get(&row).map(|(o, _)| *o).unwrap_or_default()
+    }
+
+    fn load_override(&self, row: RowId) -> Option<RowLoad> {
+        self.get(&row).map(|(_, l)| *l)
+    }
+
+    fn overrides_load(&self) -> bool {
+        !self.is_empty()
     }
 }

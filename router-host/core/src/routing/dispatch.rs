@@ -1,0 +1,451 @@
+//! The request path: plan (sessions), admission, decision, dispatch (booking), completion.
+
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use abi_stable::std_types::RSlice;
+use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
+
+use super::signals::{CoreSignals, IndexOverlap, OverlapBuffers};
+use super::{lock, read, Booking, RequestId, RouteError, Routed, RoutingCore, SessionOutcome};
+use crate::admission::{AdmissionMode, Ticket};
+use crate::eligibility::{check_pin, eligible_rows};
+use crate::ledger::Charge;
+use crate::model::{OverlapSource, Request, RowId};
+use crate::select::{Decision, Scratch, Selection};
+use crate::sessions::{BindingMode, Lease};
+use crate::topology::Topology;
+
+/// What `submit` did with a request.
+// Returned by value and consumed at once; boxing would add an allocation per dispatch.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Submitted {
+    Dispatched(Routed),
+    /// Waiting for capacity in its class lane: wait on the ticket, or read it from `drain`.
+    Queued(Ticket),
+}
+
+/// Session lookup and selection inputs of one request, before dispatch.
+pub(super) struct Plan<'r> {
+    pub selection: Selection<'r>,
+    pub lease: Option<Lease>,
+    pub hard_binding_gone: bool,
+}
+
+thread_local! {
+    // Per routing thread: selection and index walks reuse these, so steady-state routing
+    // allocates nothing and threads never share buffers.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    static OVERLAP: RefCell<OverlapBuffers> = RefCell::new(OverlapBuffers::default());
+}
+
+/// Run `f` with this thread's buffer (a fresh one if it is already in use further up the stack).
+fn with_buffer<T: Default, R>(
+    key: &'static std::thread::LocalKey<RefCell<T>>,
+    f: impl FnOnce(&mut T) -> R,
+) -> R {
+    let mut f = Some(f);
+    let done = key
+        .try_with(|cell| {
+            cell.try_borrow_mut()
+                .ok()
+                .map(|mut buffer| (f.take().expect("called once"))(&mut buffer))
+        })
+        .ok()
+        .flatten();
+    match done {
+        Some(result) => result,
+        None => match f.take() {
+            Some(f) => f(&mut T::default()),
+            None => unreachable!("the closure ran but returned no result"),
+        },
+    }
+}
+
+/// Run `f` with this thread's KV-walk buffers.
+pub(super) fn with_overlap_buffers<R>(f: impl FnOnce(&mut OverlapBuffers) -> R) -> R {
+    with_buffer(&OVERLAP, f)
+}
+
+impl RoutingCore {
+    /// Route and dispatch one request now, bypassing admission; overlap from `source`.
+    pub fn route<O: OverlapSource + ?Sized>(
+        &self,
+        request: &Request,
+        source: &O,
+        explain: bool,
+    ) -> Result<Routed, RouteError> {
+        let topology = self.topology.load();
+        let plan = self.plan(&topology, request, explain)?;
+        let decision = self.decide(&topology, &plan, source)?;
+        self.dispatch(request, decision, plan, Duration::ZERO)
+    }
+
+    /// [`RoutingCore::route`] with overlap from the request's blocks in the core's KV index.
+    pub fn route_indexed(&self, request: &Request, explain: bool) -> Result<Routed, RouteError> {
+        let topology = self.topology.load();
+        with_buffer(&OVERLAP, |buffers| {
+            self.walk_index(&request.blocks, buffers);
+            let source = IndexOverlap {
+                topology: &topology,
+                held: &buffers.held,
+            };
+            self.route(request, &source, explain)
+        })
+    }
+
+    /// Admit one request: dispatch it, or queue it in its class lane (design §10).
+    pub fn submit<O: OverlapSource + ?Sized>(
+        &self,
+        request: Request,
+        source: &O,
+        explain: bool,
+    ) -> Result<Submitted, RouteError> {
+        let Some(class) = self.class_of(&request)? else {
+            return self
+                .route(&request, source, explain)
+                .map(Submitted::Dispatched);
+        };
+        let topology = self.topology.load();
+        let plan = self.plan(&topology, &request, explain)?;
+        // A pin (explicit, or a hard session binding) waits in its own lane, so a busy pinned
+        // row never holds up the class's other requests.
+        let lane = (class, plan.selection.pin);
+        // A lane with a backlog keeps its order: later arrivals wait behind it.
+        let admitted = if lock(&self.queues).has_backlog(lane) {
+            None
+        } else {
+            self.try_admit(&topology, &request, plan, class, source, Duration::ZERO)?
+        };
+        match admitted {
+            Some(routed) => Ok(Submitted::Dispatched(routed)),
+            None => {
+                let since = self.clock.now();
+                Ok(Submitted::Queued(
+                    lock(&self.queues).enqueue(lane, request, since),
+                ))
+            }
+        }
+    }
+
+    /// [`RoutingCore::submit`] with overlap from the request's blocks in the core's KV index.
+    pub fn submit_indexed(&self, request: Request, explain: bool) -> Result<Submitted, RouteError> {
+        let topology = self.topology.load();
+        with_buffer(&OVERLAP, |buffers| {
+            self.walk_index(&request.blocks, buffers);
+            let source = IndexOverlap {
+                topology: &topology,
+                held: &buffers.held,
+            };
+            self.submit(request, &source, explain)
+        })
+    }
+
+    /// `buffers.held[slot]` = leading blocks of `blocks` the row in `slot` holds.
+    pub(super) fn walk_index(&self, blocks: &[u64], buffers: &mut OverlapBuffers) {
+        if blocks.is_empty() {
+            buffers.held.clear();
+        } else {
+            read(&self.kv).overlaps(blocks, &mut buffers.held, &mut buffers.alive);
+        }
+    }
+
+    pub(super) fn class_of(&self, request: &Request) -> Result<Option<usize>, RouteError> {
+        match &request.policy_class {
+            Some(name) => self
+                .classes
+                .iter()
+                .position(|c| &c.name == name)
+                .map(Some)
+                .ok_or_else(|| RouteError::UnknownClass {
+                    name: name.clone(),
+                    defined: self.classes.iter().map(|c| c.name.clone()).collect(),
+                }),
+            None => Ok(self.classes.iter().position(|c| c.name == "default")),
+        }
+    }
+
+    /// Dispatch `request` if its class admits it now; `Ok(None)` = keep it queued.
+    pub(super) fn try_admit<O: OverlapSource + ?Sized>(
+        &self,
+        topology: &Topology,
+        request: &Request,
+        plan: Plan<'_>,
+        class: usize,
+        source: &O,
+        waited: Duration,
+    ) -> Result<Option<Routed>, RouteError> {
+        let decision = match self.classes[class].mode {
+            // A deferral signal, not a reservation: while any eligible row has room, the
+            // request goes, even if the policy then keeps a busy soft target.
+            AdmissionMode::AnyEligible => {
+                let all_busy = with_buffer(&SCRATCH, |scratch| {
+                    let rows = &mut scratch.rows;
+                    let eligible =
+                        eligible_rows(topology.cluster(), request, plan.selection.pin, rows);
+                    eligible.is_ok()
+                        && rows
+                            .iter()
+                            .all(|&r| self.is_busy(topology, class, source, r))
+                });
+                if all_busy {
+                    return Ok(None);
+                }
+                self.decide(topology, &plan, source)?
+            }
+            // Never books onto a row over the class threshold, whatever the policy picks.
+            AdmissionMode::ChosenRow => {
+                let decision = self.decide(topology, &plan, source)?;
+                if self.is_busy(topology, class, source, decision.row) {
+                    return Ok(None);
+                }
+                decision
+            }
+        };
+        self.dispatch(request, decision, plan, waited).map(Some)
+    }
+
+    /// Whether `row` is over `class`'s prefill threshold, on the same snapshot selection reads.
+    fn is_busy<O: OverlapSource + ?Sized>(
+        &self,
+        topology: &Topology,
+        class: usize,
+        source: &O,
+        row: RowId,
+    ) -> bool {
+        use crate::model::Signals;
+        let signals = CoreSignals {
+            source,
+            topology,
+            ledger: &self.ledger,
+        };
+        let batch = topology
+            .cluster()
+            .worker(row.worker_id)
+            .and_then(|w| w.max_num_batched_tokens);
+        self.classes[class].is_busy(signals.load(row), batch)
+    }
+
+    /// Session lookup: the pin and advisory target this request routes with.
+    pub(super) fn plan<'r>(
+        &self,
+        topology: &Topology,
+        request: &'r Request,
+        explain: bool,
+    ) -> Result<Plan<'r>, RouteError> {
+        let lease = match (&self.sessions, &request.session_id) {
+            (Some(store), Some(id)) => Some(store.lookup(id)?),
+            _ => None,
+        };
+        let mut selection = Selection::of(request);
+        selection.explain = explain;
+        let mut hard_binding_gone = false;
+        if let Some(binding) = lease.as_ref().and_then(Lease::binding) {
+            match binding.mode {
+                BindingMode::Soft => {
+                    if request.affinity_target.is_none() {
+                        selection.target = Some(binding.target);
+                    }
+                }
+                // An explicit pin beats the binding.
+                BindingMode::Hard if request.pinned_worker.is_none() => {
+                    let row = RowId {
+                        worker_id: binding.target.worker_id,
+                        dp_rank: binding.target.dp_rank.unwrap_or(0),
+                    };
+                    if check_pin(topology.cluster(), request, row).is_ok() {
+                        selection.pin = Some(row);
+                    } else if let (Some(store), Some(lease)) = (&self.sessions, &lease) {
+                        // The bound row is gone: invalidate, and run normal selection once.
+                        store.invalidate(lease.session_id());
+                        hard_binding_gone = true;
+                    }
+                }
+                BindingMode::Hard => {}
+            }
+        }
+        Ok(Plan {
+            selection,
+            lease,
+            hard_binding_gone,
+        })
+    }
+
+    pub(super) fn decide<O: OverlapSource + ?Sized>(
+        &self,
+        topology: &Topology,
+        plan: &Plan<'_>,
+        source: &O,
+    ) -> Result<Decision, RouteError> {
+        let signals = CoreSignals {
+            source,
+            topology,
+            ledger: &self.ledger,
+        };
+        with_buffer(&SCRATCH, |scratch| {
+            self.selector
+                .select(topology.cluster(), plan.selection, &signals, scratch)
+                .map_err(RouteError::from)
+        })
+    }
+
+    /// Book the decision and record it; then the session binding and the instance's hook.
+    pub(super) fn dispatch(
+        &self,
+        request: &Request,
+        decision: Decision,
+        plan: Plan<'_>,
+        queued_for: Duration,
+    ) -> Result<Routed, RouteError> {
+        let id = request
+            .id
+            .unwrap_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed));
+        let charge = Charge {
+            prefill_tokens: request.isl_tokens,
+            decode_blocks: self.selector.request_blocks(request.isl_tokens),
+        };
+        // With session affinity the lease already holds the id: share it rather than copy it.
+        let session = match &plan.lease {
+            Some(lease) => Some(lease.shared_session_id()),
+            None => request.session_id.as_deref().map(Arc::from),
+        };
+        {
+            // Under `membership`, the slot read here cannot be freed and reused before the
+            // booking lands: a worker removed since the decision's snapshot is seen here.
+            let _m = read(&self.membership);
+            let slot =
+                self.topology
+                    .load()
+                    .slot(decision.row)
+                    .ok_or(RouteError::WorkerRemoved {
+                        worker_id: decision.row.worker_id,
+                    })?;
+            let mut shard = lock(self.shard(id));
+            if shard.contains_key(&id) {
+                return Err(RouteError::DuplicateRequestId(id));
+            }
+            self.ledger.book(slot, charge);
+            shard.insert(
+                id,
+                Booking {
+                    row: decision.row,
+                    slot,
+                    instance: decision.instance,
+                    charge,
+                    session: session.clone(),
+                    holds_lease: false,
+                },
+            );
+        }
+        let session_outcome = match (&self.sessions, plan.lease) {
+            (Some(store), Some(lease)) => {
+                let outcome = match store.dispatched(&lease, decision.row) {
+                    Ok(outcome) => {
+                        self.hold_lease(id, &lease);
+                        SessionOutcome::Dispatched(outcome)
+                    }
+                    Err(err) => {
+                        tracing::warn!(session = lease.session_id(), "{err}");
+                        SessionOutcome::NotRecorded(err)
+                    }
+                };
+                Some(match outcome {
+                    // The binding could not be recorded: that is the news, whatever happened
+                    // to the old one.
+                    SessionOutcome::NotRecorded(_) => outcome,
+                    _ if plan.hard_binding_gone => SessionOutcome::HardBindingGone,
+                    _ => outcome,
+                })
+            }
+            _ => None,
+        };
+        self.selector.notify_dispatch(
+            decision.instance,
+            &DispatchEvent {
+                request_id: id,
+                row: decision.row,
+                session_id: opt_str(request.session_id.as_deref()),
+                prompt_tokens: request.isl_tokens,
+                fallback: decision.fallback.is_some(),
+                extensions: RSlice::EMPTY,
+            },
+        );
+        Ok(Routed {
+            id,
+            decision,
+            session: session_outcome,
+            queued_for,
+        })
+    }
+
+    /// The session store now counts request `id` in flight: mark its booking so completion ends
+    /// the lease. If the request already completed (a caller-supplied id completed from another
+    /// thread), end the lease now.
+    fn hold_lease(&self, id: RequestId, lease: &Lease) {
+        let marked = match lock(self.shard(id)).get_mut(&id) {
+            Some(booking) => {
+                booking.holds_lease = true;
+                true
+            }
+            None => false,
+        };
+        if !marked {
+            if let Some(store) = &self.sessions {
+                store.completed(lease.session_id());
+            }
+        }
+    }
+
+    /// The request's prefill finished: its prompt tokens no longer count as pending prefill.
+    pub fn prefill_complete(&self, id: RequestId) {
+        let _m = read(&self.membership);
+        if let Some(booking) = lock(self.shard(id)).get_mut(&id) {
+            self.ledger
+                .release_prefill(booking.slot, booking.charge.prefill_tokens);
+            booking.charge.prefill_tokens = 0;
+        }
+    }
+
+    /// The request finished: release its load and its session lease. Unknown ids are ignored
+    /// (completing twice is harmless) and return `false`.
+    pub fn complete(&self, id: RequestId) -> bool {
+        self.finish(id, CompletionCode::COMPLETED)
+    }
+
+    /// The request ended with `outcome` (completed, failed, cancelled): release it as
+    /// [`RoutingCore::complete`] does and tell its policy how it ended.
+    pub fn finish(&self, id: RequestId, outcome: CompletionCode) -> bool {
+        let booking = {
+            let _m = read(&self.membership);
+            let Some(booking) = lock(self.shard(id)).remove(&id) else {
+                return false;
+            };
+            self.ledger.release(booking.slot, booking.charge);
+            booking
+        };
+        self.end(id, &booking, outcome);
+        true
+    }
+
+    /// Everything after the release: the session lease and the instance's hook (no lock held).
+    pub(super) fn end(&self, id: RequestId, booking: &Booking, outcome: CompletionCode) {
+        if let (Some(store), Some(session), true) =
+            (&self.sessions, &booking.session, booking.holds_lease)
+        {
+            store.completed(session);
+        }
+        self.selector.notify_complete(
+            booking.instance,
+            &CompleteEvent {
+                request_id: id,
+                row: booking.row,
+                session_id: opt_str(booking.session.as_deref()),
+                outcome,
+                extensions: RSlice::EMPTY,
+            },
+        );
+    }
+}

@@ -1,0 +1,132 @@
+//! Membership and health: workers joining, draining, leaving; their flags; their KV events.
+
+use plugin_api::abi::CompletionCode;
+
+use super::{lock, read, write, Booking, RequestId, RoutingCore};
+use crate::kv_index::{KvEvent, KvEventKind};
+use crate::model::{RowId, Worker};
+use crate::topology::MembershipError;
+
+/// What removing a worker took with it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RemovedWorker {
+    /// Requests that were in flight on it: their bookings are gone, and completing them later
+    /// is a no-op. The caller fails them (the engine that held them is gone).
+    pub in_flight: Vec<RequestId>,
+    /// (row, block) holdings dropped from the KV index.
+    pub cached_blocks: u64,
+}
+
+impl RoutingCore {
+    /// Register a worker; its rows get slots and start idle and cold.
+    pub fn add_worker(&self, worker: Worker) -> Result<(), MembershipError> {
+        let mut alloc = lock(&self.writer);
+        let next = alloc.add(&self.topology.load(), worker)?;
+        write(&self.kv).ensure_rows(next.slot_bound());
+        self.topology.store(std::sync::Arc::new(next));
+        Ok(())
+    }
+
+    /// Change a worker's flags (`None` = leave as is). Draining takes no new requests, not even
+    /// pinned or session-bound ones; requests in flight finish.
+    pub fn set_worker_state(
+        &self,
+        worker_id: u64,
+        available: Option<bool>,
+        overloaded: Option<bool>,
+        draining: Option<bool>,
+    ) -> Result<(), MembershipError> {
+        let alloc = lock(&self.writer);
+        let next = alloc.edit(&self.topology.load(), worker_id, |w| {
+            if let Some(available) = available {
+                w.available = available;
+            }
+            if let Some(overloaded) = overloaded {
+                w.overloaded = overloaded;
+            }
+            if let Some(draining) = draining {
+                w.draining = draining;
+            }
+        })?;
+        self.topology.store(std::sync::Arc::new(next));
+        Ok(())
+    }
+
+    /// Remove a worker: no new request can pick it from the moment this returns (or from the
+    /// snapshot after it, for decisions already under way: they fail with `WorkerRemoved`), its
+    /// bookings are released and forgotten, its KV-index entries dropped, its slots freed.
+    pub fn remove_worker(&self, worker_id: u64) -> Result<RemovedWorker, MembershipError> {
+        let mut alloc = lock(&self.writer);
+        let (next, freed) = alloc.remove(&self.topology.load(), worker_id)?;
+        let mut gone: Vec<(RequestId, Booking)> = Vec::new();
+        let mut cached_blocks = 0;
+        {
+            // No booking or release runs while the freed slots are cleared, and the writer lock
+            // keeps them from being handed out again until that is done.
+            let _m = write(&self.membership);
+            self.topology.store(std::sync::Arc::new(next));
+            for shard in &self.inflight {
+                let mut shard = lock(shard);
+                let ids: Vec<RequestId> = shard
+                    .iter()
+                    .filter(|(_, b)| b.row.worker_id == worker_id)
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in ids {
+                    if let Some(booking) = shard.remove(&id) {
+                        gone.push((id, booking));
+                    }
+                }
+            }
+            let mut kv = write(&self.kv);
+            for &slot in &freed {
+                self.ledger.reset(slot);
+                cached_blocks += kv.clear_row(slot);
+            }
+        }
+        drop(alloc);
+        for (id, booking) in &gone {
+            self.end(*id, booking, CompletionCode::FAILED);
+        }
+        tracing::info!(
+            worker_id,
+            in_flight = gone.len(),
+            cached_blocks,
+            "worker removed"
+        );
+        Ok(RemovedWorker {
+            in_flight: gone.into_iter().map(|(id, _)| id).collect(),
+            cached_blocks,
+        })
+    }
+
+    /// Apply cache events reported for `row` (ignored, and `false`, for a row not registered).
+    pub fn apply_kv_events(
+        &self,
+        row: RowId,
+        events: impl IntoIterator<Item = (KvEventKind, u64)>,
+    ) -> bool {
+        let _m = read(&self.membership);
+        let Some(slot) = self.topology.load().slot(row) else {
+            return false;
+        };
+        let mut kv = write(&self.kv);
+        for (kind, block) in events {
+            kv.apply(&KvEvent {
+                row: slot,
+                kind,
+                block,
+            });
+        }
+        true
+    }
+
+    /// Forget every block `row` holds (its engine cleared its cache or restarted).
+    pub fn clear_kv_row(&self, row: RowId) -> u64 {
+        let _m = read(&self.membership);
+        match self.topology.load().slot(row) {
+            Some(slot) => write(&self.kv).clear_row(slot),
+            None => 0,
+        }
+    }
+}
