@@ -9,6 +9,7 @@
 //! Architecture, invariants and the crate map are in `docs/architecture.md`.
 
 pub mod admission;
+pub mod blocks;
 pub mod eligibility;
 pub mod fast_hash;
 pub mod kv_index;
