@@ -27,7 +27,7 @@ use abi_stable::StableAbi;
 use plugin_api::abi::{PolicyLibraryRef, RawPolicyTypeInfo};
 use plugin_api::ParamDoc;
 
-use crate::config::{PluginSource, PluginSpec};
+use crate::config::{self, PluginSource, PluginSpec};
 
 /// Why a plugin could not be loaded. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -110,14 +110,7 @@ impl SearchPath {
         SearchPath {
             plugin_dirs,
             config_dir: config_file
-                .and_then(Path::parent)
-                .map(|d| {
-                    if d.as_os_str().is_empty() {
-                        Path::new(".")
-                    } else {
-                        d
-                    }
-                })
+                .and_then(config::config_dir)
                 .map(Path::to_path_buf),
             exe_dir: std::env::current_exe()
                 .ok()

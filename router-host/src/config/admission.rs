@@ -1,0 +1,81 @@
+//! `policy_classes:`: the queue admission classes (design doc §10).
+
+use serde::Deserialize;
+
+use super::error::{ConfigError, ConfigErrorKind};
+use super::locate::{key, Seg};
+use super::numbers::{de_busy_frac, de_busy_threshold};
+use super::strings::{de_admission, de_class_name};
+use super::{Builder, Names};
+
+/// One entry of `policy_classes:` (design doc §10). At least one threshold is set.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyClassConfig {
+    /// Unique class name, `[A-Za-z0-9_.-]{1,128}`.
+    pub name: String,
+    /// A row is busy when its active prefill tokens exceed this.
+    pub prefill_busy_threshold: Option<u64>,
+    /// A row is busy when its active prefill tokens exceed this times the worker's
+    /// `max_num_batched_tokens` (finite, > 0).
+    pub prefill_busy_threshold_frac: Option<f64>,
+    /// How admission consults the busy check.
+    pub admission: AdmissionMode,
+}
+
+/// Queue admission mode (design doc §10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmissionMode {
+    /// Queue only while every eligible row is busy (the original contract).
+    #[default]
+    AnyEligible,
+    /// Select first; queue while the chosen row is busy.
+    ChosenRow,
+}
+
+spelled!(AdmissionMode { AnyEligible => "any_eligible", ChosenRow => "chosen_row" });
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a policy class mapping with `name`")]
+pub(super) struct RawPolicyClass {
+    #[serde(deserialize_with = "de_class_name")]
+    name: String,
+    #[serde(default, deserialize_with = "de_busy_threshold")]
+    prefill_busy_threshold: Option<u64>,
+    #[serde(default, deserialize_with = "de_busy_frac")]
+    prefill_busy_threshold_frac: Option<f64>,
+    #[serde(default, deserialize_with = "de_admission")]
+    admission: Option<AdmissionMode>,
+}
+
+impl Builder<'_> {
+    pub(super) fn policy_classes(
+        &self,
+        raw: Vec<RawPolicyClass>,
+    ) -> Result<Vec<PolicyClassConfig>, ConfigError> {
+        let mut names = Names::new(vec![key("policy_classes")], |name, first_line| {
+            ConfigErrorKind::DuplicatePolicyClass { name, first_line }
+        });
+        for (index, class) in raw.iter().enumerate() {
+            names.add(self, index, &class.name)?;
+            if class.prefill_busy_threshold.is_none() && class.prefill_busy_threshold_frac.is_none()
+            {
+                return Err(self.error(
+                    &[key("policy_classes"), Seg::Index(index)],
+                    ConfigErrorKind::PolicyClassWithoutThreshold {
+                        name: class.name.clone(),
+                    },
+                ));
+            }
+        }
+        Ok(raw
+            .into_iter()
+            .map(|class| PolicyClassConfig {
+                name: class.name,
+                prefill_busy_threshold: class.prefill_busy_threshold,
+                prefill_busy_threshold_frac: class.prefill_busy_threshold_frac,
+                admission: class.admission.unwrap_or_default(),
+            })
+            .collect())
+    }
+}

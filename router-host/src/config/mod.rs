@@ -1,0 +1,363 @@
+//! Router configuration: parses the router YAML into typed, validated settings.
+//!
+//! This is the only module of the crate that knows about `serde_yaml`. Everything it returns is
+//! plain Rust data ([`RouterConfig`]) or a [`ConfigError`] whose message names the file, the line
+//! and column when known, the key path (`worker_selection.instances[0].name`) and what is wrong.
+//!
+//! Rules, in brief (the configuration reference in `docs/` has the long form):
+//! - every mapping rejects unknown keys;
+//! - an optional key whose value is null (`block_size:` or `block_size: ~`) takes its default, and an
+//!   empty file (or one with only comments) is a valid configuration with every default;
+//! - numbers are range-checked while parsing, so the error points at the offending value;
+//! - cross-entry rules (duplicate names, roles naming undefined instances, plugin entries with both
+//!   or neither of `path`/`name`, policy classes without a threshold) are checked afterwards and the
+//!   error still carries the line of the entry, found by re-reading the text;
+//! - instance `parameters` and `engine` are carried as JSON, so values JSON cannot represent (NaN,
+//!   infinities, non-string mapping keys, YAML tags) are rejected with their key path.
+//!
+//! Layout: this file holds the top-level settings, the entry points and the assembly of the
+//! sections. Each section has its own file: `plugins.rs`, `instances.rs` (`worker_selection`),
+//! `sessions.rs` (`session_affinity`), `admission.rs` (`policy_classes`) and `json.rs` (values
+//! carried as JSON: instance `parameters` and `engine`). The scalar validators are in
+//! `numbers.rs` and `strings.rs`, the limits checked before parsing in `limits.rs`, the error
+//! types and messages in `error.rs`, and the re-reading of the text for locations in
+//! `locate.rs`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+#[macro_use]
+mod macros;
+
+mod admission;
+mod error;
+mod instances;
+mod json;
+mod limits;
+mod locate;
+mod numbers;
+mod plugins;
+mod sessions;
+mod strings;
+#[cfg(test)]
+mod tests;
+
+pub use admission::{AdmissionMode, PolicyClassConfig};
+pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
+pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
+pub use limits::{MAX_CONFIG_BYTES, MAX_FLOW_DEPTH};
+pub use plugins::{PluginSource, PluginSpec};
+// One default for the number of session bindings: the session table's own.
+pub use router_core::sessions::DEFAULT_MAX_BINDINGS;
+pub use sessions::{AffinityMode, SessionAffinityConfig};
+
+use admission::RawPolicyClass;
+use error::{line_column, yaml_error};
+use instances::RawWorkerSelection;
+use limits::{flow_too_deep, read_capped};
+use locate::{key, locate, render_path, Seg};
+use numbers::{de_block_size, de_weight};
+use plugins::RawPlugin;
+use sessions::RawSessionAffinity;
+
+/// The instance name reserved for the built-in selector (design doc §7).
+pub const DEFAULT_INSTANCE: &str = "default";
+/// Default tokens per KV block.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+/// Default weight of a host-tier (CPU offload) cache hit in the built-in selector.
+pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
+/// Default weight of a disk-tier cache hit in the built-in selector.
+pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
+/// Default `default_selector.prefill_load_scale`.
+pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 1.0;
+/// Default `default_selector.decode_active_request_weight`.
+pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
+/// Default per-pick time budget of a policy instance (`pick_budget_us: 1000`).
+pub const DEFAULT_PICK_BUDGET: Duration = Duration::from_micros(1000);
+/// Default number of consecutive over-budget picks after which an instance is quarantined.
+pub const DEFAULT_QUARANTINE_AFTER: u32 = 3;
+/// Default idle timeout of a session binding (`ttl_secs: 600`).
+pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(600);
+/// Largest accepted `session_affinity.ttl_secs` (ten years), so that `now + ttl` cannot overflow
+/// a clock.
+pub const MAX_SESSION_TTL_SECS: u64 = 10 * 365 * 24 * 3600;
+/// Maximum length of an instance or policy class name, in bytes.
+pub const MAX_NAME_LEN: usize = 128;
+
+/// Re-parsing budget (bytes of YAML) for finding the line of every plugin and instance entry on
+/// the success path. Large generated files simply get `line: None`.
+const LINE_LOOKUP_BUDGET: usize = 1024 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Top-level configuration types (each section's types are in its own file)
+// ---------------------------------------------------------------------------------------------
+
+/// The whole router configuration, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    /// The file this was read from; `None` when parsed from a string.
+    pub source: Option<PathBuf>,
+    /// Tokens per KV block (> 0).
+    pub block_size: u32,
+    /// Weight of a host-tier cache hit in the built-in selector (finite, >= 0).
+    pub host_cache_hit_weight: f64,
+    /// Weight of a disk-tier cache hit in the built-in selector (finite, >= 0).
+    pub disk_cache_hit_weight: f64,
+    /// Weights of the built-in `default` selector.
+    pub default_selector: DefaultSelectorConfig,
+    /// Plugins to load, in file order.
+    pub plugins: Vec<PluginSpec>,
+    /// Which policy instance serves which role, and the instances.
+    pub worker_selection: WorkerSelectionConfig,
+    /// Session affinity; `None` = off.
+    pub session_affinity: Option<SessionAffinityConfig>,
+    /// Queue admission classes (design doc §10), in file order.
+    pub policy_classes: Vec<PolicyClassConfig>,
+    /// Opaque settings for the replay simulator (a JSON object), not validated here.
+    pub engine: Option<serde_json::Value>,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            source: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            host_cache_hit_weight: DEFAULT_HOST_CACHE_HIT_WEIGHT,
+            disk_cache_hit_weight: DEFAULT_DISK_CACHE_HIT_WEIGHT,
+            default_selector: DefaultSelectorConfig::default(),
+            plugins: Vec::new(),
+            worker_selection: WorkerSelectionConfig::default(),
+            session_affinity: None,
+            policy_classes: Vec::new(),
+            engine: None,
+        }
+    }
+}
+
+/// Weights of the built-in `default` selector (design doc §7).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DefaultSelectorConfig {
+    /// Multiplier of the prefill term of the cost.
+    pub prefill_load_scale: f64,
+    /// Weight of `active_requests` in the cost.
+    pub decode_active_request_weight: f64,
+}
+
+impl Default for DefaultSelectorConfig {
+    fn default() -> Self {
+        DefaultSelectorConfig {
+            prefill_load_scale: DEFAULT_PREFILL_LOAD_SCALE,
+            decode_active_request_weight: DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points
+// ---------------------------------------------------------------------------------------------
+
+impl RouterConfig {
+    /// Reads and validates the configuration file at `path`.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let bytes = read_capped(path)?;
+        let text = std::str::from_utf8(&bytes).map_err(|err| {
+            let (line, column) = line_column(&bytes, err.valid_up_to());
+            ConfigError::new(Some(path), ConfigErrorKind::NotUtf8(err)).at(Some((line, column)))
+        })?;
+        Self::from_yaml_str(text, Some(path))
+    }
+
+    /// Parses and validates configuration text. `source` names the file in errors and is the base
+    /// for relative plugin paths; without it, errors say `<string>` and relative plugin paths
+    /// resolve against the current directory.
+    pub fn from_yaml_str(text: &str, source: Option<&Path>) -> Result<Self, ConfigError> {
+        // libyaml reads a byte-order mark only at the start of a byte stream, not in a `&str`.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        if let Some(location) = flow_too_deep(text) {
+            return Err(ConfigError::new(
+                source,
+                ConfigErrorKind::Yaml {
+                    message: format!(
+                        "recursion limit exceeded: `[` and `{{` nested more than \
+                         {MAX_FLOW_DEPTH} levels deep"
+                    ),
+                },
+            )
+            .at(Some(location)));
+        }
+        let raw: Option<RawConfig> =
+            serde_yaml::from_str(text).map_err(|err| yaml_error(&err, source))?;
+        let raw = raw.unwrap_or_default();
+        Builder {
+            text,
+            source,
+            budget: LINE_LOOKUP_BUDGET,
+        }
+        .build(raw)
+    }
+
+    /// The policy class called `name`.
+    pub fn policy_class(&self, name: &str) -> Option<&PolicyClassConfig> {
+        self.policy_classes.iter().find(|class| class.name == name)
+    }
+}
+
+/// The directory relative paths in the configuration file `file` are written against: the file's
+/// own directory, or `.` for a bare file name (`router.yaml`); `None` when `file` has no parent
+/// (`/`, or an empty path).
+pub fn config_dir(file: &Path) -> Option<&Path> {
+    file.parent().map(|dir| {
+        if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw (as written) configuration
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of router settings")]
+struct RawConfig {
+    #[serde(default, deserialize_with = "de_block_size")]
+    block_size: Option<u32>,
+    #[serde(default, deserialize_with = "de_weight")]
+    host_cache_hit_weight: Option<f64>,
+    #[serde(default, deserialize_with = "de_weight")]
+    disk_cache_hit_weight: Option<f64>,
+    #[serde(default)]
+    default_selector: Option<RawDefaultSelector>,
+    #[serde(default)]
+    plugins: Option<Vec<RawPlugin>>,
+    #[serde(default)]
+    worker_selection: Option<RawWorkerSelection>,
+    #[serde(default)]
+    session_affinity: Option<RawSessionAffinity>,
+    #[serde(default)]
+    policy_classes: Option<Vec<RawPolicyClass>>,
+    #[serde(default)]
+    engine: Option<serde_yaml::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a `default_selector` mapping")]
+struct RawDefaultSelector {
+    #[serde(default, deserialize_with = "de_weight")]
+    prefill_load_scale: Option<f64>,
+    #[serde(default, deserialize_with = "de_weight")]
+    decode_active_request_weight: Option<f64>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation and assembly
+// ---------------------------------------------------------------------------------------------
+
+struct Builder<'t> {
+    text: &'t str,
+    source: Option<&'t Path>,
+    /// Remaining bytes of re-parsing allowed for entry lines on the success path.
+    budget: usize,
+}
+
+impl Builder<'_> {
+    /// Line of an entry for the success path, within the re-parsing budget.
+    fn entry_line(&mut self, path: &[Seg]) -> Option<usize> {
+        let cost = self.text.len().max(1);
+        if cost > self.budget {
+            return None;
+        }
+        self.budget -= cost;
+        locate(self.text, path).map(|(line, _)| line)
+    }
+
+    /// An error about the node at `path`, with its location.
+    fn error(&self, path: &[Seg], kind: ConfigErrorKind) -> ConfigError {
+        ConfigError::new(self.source, kind)
+            .at(locate(self.text, path))
+            .key(render_path(path))
+    }
+
+    fn build(mut self, raw: RawConfig) -> Result<RouterConfig, ConfigError> {
+        let default_selector = raw
+            .default_selector
+            .map(|ds| DefaultSelectorConfig {
+                prefill_load_scale: ds.prefill_load_scale.unwrap_or(DEFAULT_PREFILL_LOAD_SCALE),
+                decode_active_request_weight: ds
+                    .decode_active_request_weight
+                    .unwrap_or(DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT),
+            })
+            .unwrap_or_default();
+        let plugins = self.plugins(raw.plugins.unwrap_or_default())?;
+        let worker_selection = self.worker_selection(raw.worker_selection)?;
+        let session_affinity = raw.session_affinity.map(RawSessionAffinity::into_config);
+        let policy_classes = self.policy_classes(raw.policy_classes.unwrap_or_default())?;
+        let engine = self.engine(raw.engine)?;
+        Ok(RouterConfig {
+            source: self.source.map(Path::to_path_buf),
+            block_size: raw.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+            host_cache_hit_weight: raw
+                .host_cache_hit_weight
+                .unwrap_or(DEFAULT_HOST_CACHE_HIT_WEIGHT),
+            disk_cache_hit_weight: raw
+                .disk_cache_hit_weight
+                .unwrap_or(DEFAULT_DISK_CACHE_HIT_WEIGHT),
+            default_selector,
+            plugins,
+            worker_selection,
+            session_affinity,
+            policy_classes,
+            engine,
+        })
+    }
+}
+
+/// The names of a list's entries, each with the index of its first entry: the duplicate check of
+/// `worker_selection.instances` and `policy_classes`.
+struct Names<'n> {
+    /// Key path of the list.
+    list: Vec<Seg>,
+    /// The error for a repeated name, given the name and the line of its first entry.
+    duplicate: fn(String, Option<usize>) -> ConfigErrorKind,
+    first_index: HashMap<&'n str, usize>,
+}
+
+impl<'n> Names<'n> {
+    fn new(list: Vec<Seg>, duplicate: fn(String, Option<usize>) -> ConfigErrorKind) -> Self {
+        Names {
+            list,
+            duplicate,
+            first_index: HashMap::new(),
+        }
+    }
+
+    /// Records `name`, the name of entry `index`; fails when an earlier entry has it (the error
+    /// is at the repeated name and names the line of the first one).
+    fn add(
+        &mut self,
+        builder: &Builder<'_>,
+        index: usize,
+        name: &'n str,
+    ) -> Result<(), ConfigError> {
+        let name_path = |index| [&self.list[..], &[Seg::Index(index), key("name")]].concat();
+        if let Some(&first) = self.first_index.get(name) {
+            let first_line = locate(builder.text, &name_path(first)).map(|(line, _)| line);
+            return Err(builder.error(
+                &name_path(index),
+                (self.duplicate)(name.to_owned(), first_line),
+            ));
+        }
+        self.first_index.insert(name, index);
+        Ok(())
+    }
+
+    /// Whether an entry is called `name`.
+    fn contains(&self, name: &str) -> bool {
+        self.first_index.contains_key(name)
+    }
+}

@@ -1,0 +1,520 @@
+//! Unit tests of the configuration parser.
+
+use plugin_api::Role;
+
+use super::limits::flow_too_deep;
+use super::locate::PROBE_HIT;
+use super::*;
+
+fn parse(text: &str) -> RouterConfig {
+    parse_from(text, None)
+}
+
+/// Parses `text` as if read from the file `source`.
+fn parse_from(text: &str, source: Option<&str>) -> RouterConfig {
+    match RouterConfig::from_yaml_str(text, source.map(Path::new)) {
+        Ok(config) => config,
+        Err(err) => panic!("unexpected error: {err}"),
+    }
+}
+
+fn parse_err(text: &str) -> String {
+    match RouterConfig::from_yaml_str(text, None) {
+        Ok(config) => panic!("expected an error, got {config:?}"),
+        Err(err) => err.to_string(),
+    }
+}
+
+#[test]
+fn empty_text_is_all_defaults() {
+    for text in [
+        "",
+        "\n\n",
+        "# only a comment\n# and another\n",
+        "---\n",
+        "~\n",
+        "null",
+    ] {
+        assert_eq!(parse(text), RouterConfig::default(), "text {text:?}");
+    }
+}
+
+#[test]
+fn defaults_match_the_design() {
+    let config = RouterConfig::default();
+    assert_eq!(config.block_size, 16);
+    assert_eq!(config.host_cache_hit_weight, 0.75);
+    assert_eq!(config.disk_cache_hit_weight, 0.25);
+    assert_eq!(config.default_selector.prefill_load_scale, 1.0);
+    assert_eq!(config.default_selector.decode_active_request_weight, 0.0);
+    assert!(config.plugins.is_empty());
+    assert!(config.session_affinity.is_none());
+    assert!(config.policy_classes.is_empty());
+    assert!(config.engine.is_none());
+    for role in [
+        Role::Aggregated,
+        Role::Prefill,
+        Role::Decode,
+        Role::Other(9),
+    ] {
+        assert_eq!(config.worker_selection.instance_for(role), DEFAULT_INSTANCE);
+    }
+}
+
+#[test]
+fn null_values_take_defaults() {
+    let config = parse(
+        "block_size:\nhost_cache_hit_weight: ~\ndefault_selector:\nplugins:\n\
+         worker_selection:\npolicy_classes:\nengine:\nsession_affinity:\n",
+    );
+    assert_eq!(config, RouterConfig::default());
+}
+
+const FULL: &str = r#"# router settings
+block_size: 32
+host_cache_hit_weight: 0.5
+disk_cache_hit_weight: 0
+default_selector:
+  prefill_load_scale: 2
+  decode_active_request_weight: 0.125
+plugins:
+  - path: ./lib/libfoo.so
+  - name: two_tier_cost_fn
+    sha256: "ABCDEF0123456789abcdef0123456789ABCDEF0123456789abcdef0123456789"
+    allow_insecure_permissions: true
+  - path: /opt/plugins/libbar.so
+worker_selection:
+  aggregated: two-tier
+  prefill: default
+  decode: repin.v2
+  instances:
+    - name: two-tier
+      type: dynamo-two-tier-cost-fn
+      parameters: {cache_threshold: 0.5, tiers: [1, -2, "x"], nested: {ok: true, none: ~}}
+      on_error: fail
+      pick_budget_us: 250
+    - name: repin.v2
+      type: soft-pin-repin
+session_affinity:
+  mode: hard
+  ttl_secs: 30
+  max_bindings: 10
+policy_classes:
+  - name: interactive
+    prefill_busy_threshold: 8192
+    admission: chosen_row
+  - name: batch
+    prefill_busy_threshold_frac: 1.5
+  - name: default
+    prefill_busy_threshold: 0
+    prefill_busy_threshold_frac: 0.5
+engine:
+  workers: [{id: 1}]
+  speed: 1.5
+"#;
+
+#[test]
+fn full_config_parses() {
+    let config = parse_from(FULL, Some("/etc/router/r.yaml"));
+    assert_eq!(
+        config.source.as_deref(),
+        Some(Path::new("/etc/router/r.yaml"))
+    );
+    assert_eq!(config.block_size, 32);
+    assert_eq!(config.host_cache_hit_weight, 0.5);
+    assert_eq!(config.disk_cache_hit_weight, 0.0);
+    assert_eq!(
+        config.default_selector,
+        DefaultSelectorConfig {
+            prefill_load_scale: 2.0,
+            decode_active_request_weight: 0.125
+        }
+    );
+
+    assert_eq!(
+        config.plugins,
+        vec![
+            PluginSpec {
+                source: PluginSource::Path(PathBuf::from("/etc/router/./lib/libfoo.so")),
+                sha256: None,
+                allow_insecure_permissions: false,
+                line: Some(9),
+            },
+            PluginSpec {
+                source: PluginSource::Name("two_tier_cost_fn".to_owned()),
+                sha256: Some(
+                    "abcdef0123456789abcdef0123456789abcdef0123456789abcdef0123456789".to_owned()
+                ),
+                allow_insecure_permissions: true,
+                line: Some(10),
+            },
+            PluginSpec {
+                source: PluginSource::Path(PathBuf::from("/opt/plugins/libbar.so")),
+                sha256: None,
+                allow_insecure_permissions: false,
+                line: Some(13),
+            },
+        ]
+    );
+
+    let ws = &config.worker_selection;
+    assert_eq!(ws.instance_for(Role::Aggregated), "two-tier");
+    assert_eq!(ws.instance_for(Role::Prefill), "default");
+    assert_eq!(ws.instance_for(Role::Decode), "repin.v2");
+    assert_eq!(ws.instances.len(), 2);
+    let two_tier = &ws.instances[0];
+    assert_eq!(two_tier.name, "two-tier");
+    assert_eq!(two_tier.type_name, "dynamo-two-tier-cost-fn");
+    assert_eq!(
+        two_tier.parameters_json,
+        // Keys keep their YAML order.
+        r#"{"cache_threshold":0.5,"tiers":[1,-2,"x"],"nested":{"ok":true,"none":null}}"#
+    );
+    assert_eq!(two_tier.on_error, OnError::Fail);
+    assert_eq!(two_tier.pick_budget, Duration::from_micros(250));
+    assert_eq!(two_tier.line, Some(19));
+    let repin = match ws.instance("repin.v2") {
+        Some(instance) => instance,
+        None => panic!("repin.v2 missing"),
+    };
+    assert_eq!(repin.parameters_json, "{}");
+    assert_eq!(repin.on_error, OnError::Fallback);
+    assert_eq!(repin.pick_budget, DEFAULT_PICK_BUDGET);
+    assert_eq!(repin.line, Some(24));
+    assert!(ws.instance("default").is_none());
+
+    assert_eq!(
+        config.session_affinity,
+        Some(SessionAffinityConfig {
+            mode: AffinityMode::Hard,
+            ttl: Duration::from_secs(30),
+            max_bindings: 10,
+        })
+    );
+    assert_eq!(
+        config.policy_classes,
+        vec![
+            PolicyClassConfig {
+                name: "interactive".to_owned(),
+                prefill_busy_threshold: Some(8192),
+                prefill_busy_threshold_frac: None,
+                admission: AdmissionMode::ChosenRow,
+            },
+            PolicyClassConfig {
+                name: "batch".to_owned(),
+                prefill_busy_threshold: None,
+                prefill_busy_threshold_frac: Some(1.5),
+                admission: AdmissionMode::AnyEligible,
+            },
+            PolicyClassConfig {
+                name: "default".to_owned(),
+                prefill_busy_threshold: Some(0),
+                prefill_busy_threshold_frac: Some(0.5),
+                admission: AdmissionMode::AnyEligible,
+            },
+        ]
+    );
+    assert_eq!(
+        config.policy_class("batch").map(|c| c.admission),
+        Some(AdmissionMode::AnyEligible)
+    );
+    assert_eq!(
+        config.engine,
+        Some(serde_json::json!({"workers": [{"id": 1}], "speed": 1.5}))
+    );
+}
+
+#[test]
+fn session_affinity_defaults() {
+    let config = parse("session_affinity: {mode: soft}");
+    assert_eq!(
+        config.session_affinity,
+        Some(SessionAffinityConfig {
+            mode: AffinityMode::Soft,
+            ttl: DEFAULT_SESSION_TTL,
+            max_bindings: DEFAULT_MAX_BINDINGS,
+        })
+    );
+}
+
+#[test]
+fn worker_selection_without_roles_uses_default_everywhere() {
+    let config =
+        parse("worker_selection:\n  instances:\n    - {name: a, type: t, parameters: null}\n");
+    let ws = &config.worker_selection;
+    assert_eq!(ws.aggregated, "default");
+    assert_eq!(ws.prefill, "default");
+    assert_eq!(ws.decode, "default");
+    assert_eq!(ws.instances[0].parameters_json, "{}");
+    assert_eq!(ws.instances[0].line, Some(3));
+}
+
+#[test]
+fn explicit_default_role_is_accepted() {
+    let config = parse("worker_selection: {aggregated: default, decode: ~}");
+    assert_eq!(config.worker_selection, WorkerSelectionConfig::default());
+}
+
+#[test]
+fn relative_plugin_paths_resolve_against_the_yaml_directory() {
+    let config = parse_from(
+        "plugins: [{path: libx.so}, {path: ../y/liby.so}]",
+        Some("/srv/conf/router.yaml"),
+    );
+    assert_eq!(
+        config.plugins[0].source,
+        PluginSource::Path(PathBuf::from("/srv/conf/libx.so"))
+    );
+    assert_eq!(
+        config.plugins[1].source,
+        PluginSource::Path(PathBuf::from("/srv/conf/../y/liby.so"))
+    );
+    // Flow style still finds the entry's line.
+    assert_eq!(config.plugins[1].line, Some(1));
+}
+
+#[test]
+fn relative_plugin_paths_without_source_resolve_against_the_current_directory() {
+    let cwd = match std::env::current_dir() {
+        Ok(cwd) => cwd,
+        Err(err) => panic!("{err}"),
+    };
+    let config = parse("plugins:\n  - path: lib/libx.so\n");
+    assert_eq!(
+        config.plugins[0].source,
+        PluginSource::Path(cwd.join("lib/libx.so"))
+    );
+    // A source file given by a bare relative name also means the current directory.
+    let config = parse_from("plugins:\n  - path: libx.so\n", Some("router.yaml"));
+    assert_eq!(
+        config.plugins[0].source,
+        PluginSource::Path(cwd.join("libx.so"))
+    );
+}
+
+#[test]
+fn config_dir_is_the_file_directory_or_dot() {
+    assert_eq!(
+        config_dir(Path::new("/srv/conf/router.yaml")),
+        Some(Path::new("/srv/conf"))
+    );
+    assert_eq!(
+        config_dir(Path::new("conf/router.yaml")),
+        Some(Path::new("conf"))
+    );
+    assert_eq!(config_dir(Path::new("router.yaml")), Some(Path::new(".")));
+    assert_eq!(config_dir(Path::new("/")), None);
+    assert_eq!(config_dir(Path::new("")), None);
+}
+
+#[test]
+fn parameters_json_handles_anchors_and_big_and_negative_numbers() {
+    let config = parse(
+        "worker_selection:\n  instances:\n\
+         \x20   - {name: a, type: t, parameters: &p {x: 18446744073709551615, y: -3, z: 1e3}}\n\
+         \x20   - {name: b, type: t, parameters: *p}\n",
+    );
+    let ws = &config.worker_selection;
+    assert_eq!(
+        ws.instances[0].parameters_json,
+        r#"{"x":18446744073709551615,"y":-3,"z":1000.0}"#
+    );
+    assert_eq!(
+        ws.instances[1].parameters_json,
+        ws.instances[0].parameters_json
+    );
+}
+
+#[test]
+fn crlf_and_bom_are_accepted() {
+    let config = parse("\u{feff}block_size: 8\r\nworker_selection:\r\n  instances:\r\n    - name: a\r\n      type: t\r\n");
+    assert_eq!(config.block_size, 8);
+    assert_eq!(config.worker_selection.instances[0].line, Some(4));
+}
+
+#[test]
+fn sha256_is_stored_lowercase() {
+    let upper = "F".repeat(64);
+    let config = parse(&format!("plugins: [{{name: foo, sha256: {upper}}}]"));
+    assert_eq!(config.plugins[0].sha256, Some("f".repeat(64)));
+}
+
+#[test]
+fn error_display_names_string_source_line_and_key() {
+    let message = parse_err("block_size: 16\nworker_selection:\n  decode: nope\n");
+    assert!(
+        message.starts_with("config <string>: line 3 column 11: worker_selection.decode: "),
+        "{message}"
+    );
+    assert!(message.contains("`nope`"), "{message}");
+}
+
+#[test]
+fn error_accessors() {
+    let err = match RouterConfig::from_yaml_str("block_size: 0\n", Some(Path::new("a.yaml"))) {
+        Ok(config) => panic!("expected an error, got {config:?}"),
+        Err(err) => err,
+    };
+    assert_eq!(err.file(), Some(Path::new("a.yaml")));
+    assert_eq!(err.line(), Some(1));
+    assert_eq!(err.column(), Some(13));
+    assert_eq!(err.key_path(), Some("block_size"));
+    assert!(matches!(err.kind(), ConfigErrorKind::Yaml { .. }));
+}
+
+#[test]
+fn hostile_inputs_are_errors_not_panics() {
+    let deep = format!("engine: {}{}", "[".repeat(1_000), "]".repeat(1_000));
+    let laughs = "engine:\n\
+                  \x20 a: &a [x, x, x, x, x, x, x, x, x, x]\n\
+                  \x20 b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n\
+                  \x20 c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n\
+                  \x20 d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n\
+                  \x20 e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n\
+                  \x20 f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n\
+                  \x20 g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]\n\
+                  \x20 h: [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g, .nan]\n";
+    for text in [
+        "block_size: 99999999999999999999",
+        "block_size: 999999999999999999999999999999999999999999999999",
+        "block_size: -1",
+        "block_size: 1.5",
+        "block_size: \"16\"",
+        "block_size: [16]",
+        "host_cache_hit_weight: .nan",
+        "host_cache_hit_weight: -.inf",
+        "host_cache_hit_weight: 1e999",
+        "block_size: 1\nblock_size: 2",
+        "worker_selection: {instances: [{name: a, type: t, parameters: {k: 1, k: 2}}]}",
+        "worker_selection: {instances: [~]}",
+        "plugins: [{path: \"a\\0b\"}]",
+        "worker_selection: {instances: [{name: a, type: t, parameters: {k: .nan}}]}",
+        "worker_selection: {instances: [{name: a, type: t, parameters: {1: x}}]}",
+        "worker_selection: {instances: [{name: a, type: t, parameters: !foo {k: 1}}]}",
+        "worker_selection:\n  instances:\n    - name: \"two",
+        "plugins: [",
+        "{",
+        "- a\n- b",
+        "--- 1\n--- 2\n",
+        "a: *missing",
+        deep.as_str(),
+        laughs,
+    ] {
+        let message = parse_err(text);
+        assert!(message.starts_with("config <string>: "), "{message}");
+        assert!(!message.contains(PROBE_HIT), "{message}");
+    }
+}
+
+#[test]
+fn enum_values_of_the_wrong_shape_name_the_accepted_values() {
+    // Found by the hostile-input tests (issue 6): a sequence or mapping given for an enum
+    // used to read "expected a YAML tag starting with '!'".
+    for (text, expected) in [
+        (
+            "session_affinity: {mode: [soft]}",
+            "line 1 column 26: session_affinity.mode: invalid type: sequence, expected `soft` or `hard`",
+        ),
+        (
+            "session_affinity: {mode: ~}",
+            "line 1 column 26: session_affinity.mode: invalid type: null, expected `soft` or `hard`",
+        ),
+        (
+            "session_affinity: {mode: sticky}",
+            "session_affinity.mode: unknown variant `sticky`, expected `soft` or `hard`",
+        ),
+        (
+            "worker_selection: {instances: [{name: a, type: t, on_error: {fail: 1}}]}",
+            "worker_selection.instances[0].on_error: invalid type: map, expected `fallback` or `fail`",
+        ),
+        (
+            "policy_classes: [{name: a, prefill_busy_threshold: 1, admission: [chosen_row]}]",
+            "policy_classes[0].admission: invalid type: sequence, expected `any_eligible` or `chosen_row`",
+        ),
+    ] {
+        let message = parse_err(text);
+        assert!(message.contains(expected), "{text}: {message}");
+    }
+    // Null still means "absent" for the optional ones.
+    let config = parse(
+        "worker_selection: {instances: [{name: a, type: t, on_error: ~}]}\n\
+         policy_classes: [{name: c, prefill_busy_threshold: 1, admission: ~}]\n",
+    );
+    assert_eq!(
+        config.worker_selection.instances[0].on_error,
+        OnError::Fallback
+    );
+    assert_eq!(
+        config.policy_classes[0].admission,
+        AdmissionMode::AnyEligible
+    );
+}
+
+#[test]
+fn integers_written_as_overflowing_floats_say_so() {
+    // Found by the hostile-input tests (issue 6): `1e400` used to read as `string "1e400"`.
+    let message =
+        parse_err("worker_selection: {instances: [{name: a, type: t, pick_budget_us: 1e400}]}");
+    assert!(
+        message.contains(
+            "pick_budget_us: invalid type: floating point `1e400` (overflows to infinity), \
+             expected an integer >= 1"
+        ),
+        "{message}"
+    );
+    let message = parse_err("block_size: 1e30");
+    assert!(
+        message.contains("block_size: invalid type: floating point"),
+        "{message}"
+    );
+    // A spelled-out infinity is still just a wrong type.
+    let message = parse_err("block_size: inf");
+    assert!(
+        message.contains("invalid type: string \"inf\""),
+        "{message}"
+    );
+}
+
+#[test]
+fn deep_flow_nesting_is_refused_before_the_yaml_scanner_runs() {
+    // Found by the hostile-input tests (issue 6): the scanner's time grows with tokens times
+    // flow depth, so 100,000 nested `[` took minutes before the recursion limit refused them.
+    let deep = format!(
+        "engine:\n  x: {}{}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let started = std::time::Instant::now();
+    let message = parse_err(&deep);
+    assert_eq!(
+        message,
+        "config <string>: line 2 column 134: recursion limit exceeded: `[` and `{` nested \
+         more than 128 levels deep"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // 128 levels are left to the parser (which refuses them: its limit counts the
+    // enclosing block mappings too); brackets in comments and quoted scalars do not count.
+    let at_limit = format!("engine: {}{}\n", "[".repeat(128), "]".repeat(128));
+    assert!(parse_err(&at_limit).contains("line 1 column"));
+    let open = "[".repeat(300);
+    let config = parse(&format!(
+        "# {open}\nengine: {{a: \"{open}\", b: '{open}''{open}', c: \"\\\"{open}\"}} # {open}\n"
+    ));
+    assert_eq!(
+        config
+            .engine
+            .as_ref()
+            .and_then(|e| e["a"].as_str())
+            .map(str::len),
+        Some(300)
+    );
+    assert_eq!(flow_too_deep("a: \"x\\\n[\"\nb: 1"), None);
+    assert_eq!(
+        flow_too_deep(&format!("a: 1\nb: \"q\\\n\"\nc: {}", "{".repeat(129))),
+        Some((4, 132))
+    );
+}
