@@ -8,6 +8,7 @@ use std::time::Duration;
 use abi_stable::std_types::{RResult, RSlice, RStr};
 use plugin_api::abi::{HostLog, LogLevel, LogRecord, PolicyBox, RawCreateContext};
 use plugin_api::Inputs;
+use router_core::striped::StripedCounter;
 
 use crate::builtin::{Builtin, BuiltinSettings};
 use crate::config::{InstanceConfig, OnError};
@@ -203,7 +204,7 @@ impl Catalog {
             quarantine_after: config.quarantine_after.max(1),
             inputs,
             policy,
-            stats: InstanceStats::default(),
+            stats: Default::default(),
             poisoned: AtomicBool::new(false),
             quarantined: AtomicBool::new(false),
             consecutive_slow: AtomicU32::new(0),
@@ -221,7 +222,8 @@ pub struct HostSettings {
 /// Counters per instance, readable while the host runs.
 #[derive(Debug, Default)]
 pub struct InstanceStats {
-    pub picks: AtomicU64,
+    /// Bumped by every pick from every routing thread: striped, so it does not bounce a line.
+    pub picks: StripedCounter,
     pub errors: AtomicU64,
     pub panics: AtomicU64,
     pub out_of_range: AtomicU64,
@@ -244,7 +246,7 @@ impl InstanceStats {
     pub fn snapshot(&self) -> InstanceCounters {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         InstanceCounters {
-            picks: get(&self.picks),
+            picks: self.picks.get(),
             errors: get(&self.errors),
             panics: get(&self.panics),
             out_of_range: get(&self.out_of_range),
@@ -270,7 +272,9 @@ pub struct PolicyInstance {
     pub quarantine_after: u32,
     pub inputs: Inputs,
     pub(crate) policy: PolicyBox,
-    pub stats: InstanceStats,
+    /// On cache lines of its own: counters written per pick must not evict the fields every
+    /// pick reads (the policy box, flags, inputs) from other cores' caches.
+    pub stats: crossbeam_utils::CachePadded<InstanceStats>,
     /// Set after the policy panicked: it is no longer called.
     pub(crate) poisoned: AtomicBool,
     /// Set after `quarantine_after` consecutive slow picks: it is no longer called.
@@ -297,7 +301,10 @@ impl PolicyInstance {
     pub(crate) fn record_pick_time(&self, pick_ns: u64) -> bool {
         let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
         if pick_ns <= budget {
-            self.consecutive_slow.store(0, Ordering::Relaxed);
+            // Load first: an unconditional store would bounce this line between routing threads.
+            if self.consecutive_slow.load(Ordering::Relaxed) != 0 {
+                self.consecutive_slow.store(0, Ordering::Relaxed);
+            }
             return false;
         }
         self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);

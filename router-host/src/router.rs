@@ -16,7 +16,7 @@ use plugin_api::abi::{
 };
 use plugin_api::Explanation;
 pub use router_core::select::{
-    Decision, InstanceId, PolicyFailure, Scratch, SelectError, Selection, Selector,
+    Decision, InstanceId, Pick, PolicyFailure, Scratch, SelectError, Selection, Selector,
 };
 
 use crate::builtin::{Builtin, BuiltinSettings};
@@ -156,14 +156,7 @@ impl Router {
         let result = eligible.map_err(SelectError::from).and_then(|()| {
             let configured = self.instance_for(request.role);
             match self.call(configured, &rows, selection, signals, scratch) {
-                Ok((row, explanation, candidates, pick_ns)) => Ok(Decision {
-                    row,
-                    instance: configured,
-                    fallback: None,
-                    explanation,
-                    candidates,
-                    pick_ns,
-                }),
+                Ok(pick) => Ok(Decision::new(configured, configured, pick, None)),
                 Err(failure) => {
                     self.fall_back(configured, failure, &rows, selection, signals, scratch)
                 }
@@ -201,17 +194,15 @@ impl Router {
             return Err(error);
         }
         instance.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
-        let (row, explanation, candidates, pick_ns) = self
+        let pick = self
             .call(self.default_instance, rows, selection, signals, scratch)
             .map_err(|_| error)?;
-        Ok(Decision {
-            row,
-            instance: configured,
-            fallback: Some(failure),
-            explanation,
-            candidates,
-            pick_ns,
-        })
+        Ok(Decision::new(
+            configured,
+            self.default_instance,
+            pick,
+            Some(failure),
+        ))
     }
 
     /// Call one instance over `rows`; the returned row is bounds-checked.
@@ -222,7 +213,7 @@ impl Router {
         selection: Selection<'_>,
         signals: &S,
         scratch: &mut Scratch,
-    ) -> Result<(RowId, Option<Explanation>, usize, u64), PolicyFailure> {
+    ) -> Result<Pick, PolicyFailure> {
         let instance = &self.instances[id];
         if instance.is_poisoned() {
             instance.stats.errors.fetch_add(1, Ordering::Relaxed);
@@ -258,7 +249,7 @@ impl Router {
             extensions: RSlice::EMPTY,
         };
         let view = scratch.columns.view(instance.inputs);
-        instance.stats.picks.fetch_add(1, Ordering::Relaxed);
+        instance.stats.picks.add(1);
         let started = Instant::now();
         let picked = instance.policy.pick(&ctx, &view);
         let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -300,7 +291,12 @@ impl Router {
         };
         let candidates = narrowed.len();
         scratch.narrowed = narrowed;
-        outcome.map(|row| (row, explanation, candidates, pick_ns))
+        outcome.map(|row| Pick {
+            row,
+            explanation,
+            candidates,
+            pick_ns,
+        })
     }
 }
 

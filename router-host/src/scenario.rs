@@ -466,12 +466,10 @@ pub fn outcome_json(host: &Host, index: usize, outcome: &Outcome) -> serde_json:
             admitted_at,
         } => {
             let d = &routed.decision;
+            // `instance` is the configured one; `policy` the type of the one that decided
+            // (the built-in default, on fallback).
             let instance = host.router().instance(d.instance);
-            let policy = if d.fallback.is_some() {
-                crate::builtin::Builtin::Default.type_name()
-            } else {
-                instance.type_name.as_str()
-            };
+            let policy = host.router().instance(d.decided_by).type_name.as_str();
             let mut line = Map::new();
             line.insert("request".into(), json!(index));
             line.insert("worker_id".into(), json!(d.row.worker_id));

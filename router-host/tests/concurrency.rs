@@ -84,7 +84,8 @@ fn many_threads_route_complete_cancel_and_change_workers_without_losing_anything
                 for i in 0..OPS {
                     // Thread 0 changes membership midway: a worker joins, one drains, one leaves.
                     if t == 0 && i == OPS / 3 {
-                        core.add_worker(Worker::new(100).with_ranks(0, 2)).unwrap();
+                        // 50 ranks: past the ledger's first 64 slots, so it grows while others book.
+                        core.add_worker(Worker::new(100).with_ranks(0, 50)).unwrap();
                         core.set_worker_state(5, None, None, Some(true)).unwrap();
                         draining.store(true, Ordering::SeqCst);
                     }

@@ -19,4 +19,5 @@ pub mod rng;
 pub mod routing;
 pub mod select;
 pub mod sessions;
+pub mod striped;
 pub mod topology;

@@ -86,8 +86,10 @@ pub type InstanceId = usize;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     pub row: RowId,
-    /// The instance configured for the request's role.
+    /// The instance configured for the request's role (told about dispatch and completion).
     pub instance: InstanceId,
+    /// The instance whose pick this is: `instance`, or the built-in default on fallback.
+    pub decided_by: InstanceId,
     /// Set when the configured instance failed and the built-in default decided instead.
     pub fallback: Option<PolicyFailure>,
     /// The deciding policy's explanation, when asked for.
@@ -96,6 +98,38 @@ pub struct Decision {
     pub candidates: usize,
     /// Wall-clock time of the policy call.
     pub pick_ns: u64,
+}
+
+/// What one successful, bounds-checked policy call returned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pick {
+    pub row: RowId,
+    pub explanation: Option<Explanation>,
+    /// Rows handed to the policy.
+    pub candidates: usize,
+    /// Wall-clock time of the policy call.
+    pub pick_ns: u64,
+}
+
+impl Decision {
+    /// The one way a decision is assembled: `decided_by`'s pick for a request configured to
+    /// `instance` (they differ only on fallback, which `fallback` then explains).
+    pub fn new(
+        instance: InstanceId,
+        decided_by: InstanceId,
+        pick: Pick,
+        fallback: Option<PolicyFailure>,
+    ) -> Decision {
+        Decision {
+            row: pick.row,
+            instance,
+            decided_by,
+            fallback,
+            explanation: pick.explanation,
+            candidates: pick.candidates,
+            pick_ns: pick.pick_ns,
+        }
+    }
 }
 
 /// One request's routing inputs after the host applied session bindings.

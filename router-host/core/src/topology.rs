@@ -1,71 +1,128 @@
 //! Which workers exist, and the one numbering of their rows: slots.
 //!
 //! A [`Topology`] is an immutable snapshot: the [`Cluster`] (workers sorted by id, with their
-//! availability, overload and draining flags) plus the *slot* of every row. A slot is a small
-//! integer that names one `(worker, rank)` row for as long as the worker is registered; the load
-//! ledger, the KV index and the admission busy checks all address rows by slot, so there is one
-//! numbering. Slots of a removed worker are freed and reused (lowest first) by later workers.
+//! availability, overload and draining flags), the *slots* of every row, and the [`Ledger`]
+//! holding their booked load. A slot is a small integer that names one `(worker, rank)` row for
+//! as long as the worker is registered; the ledger and the KV index address rows by slot, so
+//! there is one numbering. A worker's ranks get consecutive slots (a decision then reads a
+//! worker's load from consecutive cells); a removed worker's slots are freed and reused, lowest
+//! first, by later workers.
 //!
-//! Readers take the current snapshot without locking (`arc_swap`); writers (worker added,
-//! removed, flags changed) build a new snapshot and publish it. Writes are rare (membership and
-//! health changes), reads happen on every decision.
+//! Readers take the current snapshot without locking (`arc_swap`, in the core); writers (worker
+//! added, removed, flags changed) build a new snapshot and publish it. Writes are rare
+//! (membership and health changes), reads happen on every decision.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
+use crate::ledger::Ledger;
 use crate::model::{Cluster, ClusterError, RowId, Worker, MAX_ROWS};
 
 /// The number of one row in the ledger and the KV index.
 pub type Slot = u32;
 
-/// A cluster snapshot and the slot of each of its rows.
-#[derive(Debug, Clone, Default)]
+/// Where one worker's ranks live: rank `dp_start + i` is slot `base + i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotRun {
+    pub dp_start: u32,
+    pub dp_size: u32,
+    pub base: Slot,
+}
+
+impl SlotRun {
+    /// No worker: every rank misses.
+    pub const EMPTY: SlotRun = SlotRun {
+        dp_start: 0,
+        dp_size: 0,
+        base: 0,
+    };
+
+    /// The slot of `rank`, if the worker has it.
+    #[inline]
+    pub fn slot(&self, rank: u32) -> Option<Slot> {
+        let i = rank.wrapping_sub(self.dp_start);
+        (i < self.dp_size).then(|| self.base + i)
+    }
+}
+
+/// A cluster snapshot, the slots of its rows and their ledger.
+#[derive(Debug, Clone)]
 pub struct Topology {
     cluster: Cluster,
-    /// Index into `slots` of each worker's first row; one more entry than workers.
-    offset: Vec<usize>,
-    /// The slot of every row, in cluster order (workers by id, then ranks).
-    slots: Vec<Slot>,
+    /// Worker ids in cluster order, dense for the per-row lookups of a decision.
+    ids: Vec<u64>,
+    runs: Vec<SlotRun>,
+    ledger: Arc<Ledger>,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Topology {
+            cluster: Cluster::default(),
+            ids: Vec::new(),
+            runs: Vec::new(),
+            ledger: Arc::new(Ledger::default()),
+        }
+    }
 }
 
 impl Topology {
+    /// The snapshot of `cluster` whose worker `w` starts at slot `base(worker_id)`.
+    fn build(cluster: Cluster, base: impl Fn(u64) -> Slot, ledger: Arc<Ledger>) -> Topology {
+        let runs = cluster
+            .workers()
+            .iter()
+            .map(|w| SlotRun {
+                dp_start: w.dp_start,
+                dp_size: w.dp_size,
+                base: base(w.worker_id),
+            })
+            .collect();
+        Topology {
+            ids: cluster.workers().iter().map(|w| w.worker_id).collect(),
+            runs,
+            cluster,
+            ledger,
+        }
+    }
+
     pub fn cluster(&self) -> &Cluster {
         &self.cluster
+    }
+
+    /// The booked load of this snapshot's slots.
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        &self.ledger
+    }
+
+    /// Where worker `worker_id`'s ranks live ([`SlotRun::EMPTY`] if it is not registered).
+    #[inline]
+    pub fn run_of(&self, worker_id: u64) -> SlotRun {
+        match self.ids.binary_search(&worker_id) {
+            Ok(w) => self.runs[w],
+            Err(_) => SlotRun::EMPTY,
+        }
     }
 
     /// The slot of `row`, if its worker is registered and has that rank.
     #[inline]
     pub fn slot(&self, row: RowId) -> Option<Slot> {
-        let w = self
-            .cluster
-            .workers()
-            .binary_search_by_key(&row.worker_id, |w| w.worker_id)
-            .ok()?;
-        self.slot_in(w, row)
+        self.run_of(row.worker_id).slot(row.dp_rank)
     }
 
-    /// The slot of `row` given its worker's position `w` in the cluster.
+    /// The slot of every row of `rows` (`None` for rows not registered), in order; one worker
+    /// lookup per change of worker.
     #[inline]
-    pub fn slot_in(&self, w: usize, row: RowId) -> Option<Slot> {
-        let worker = self.cluster.workers().get(w)?;
-        let rank = row.dp_rank.checked_sub(worker.dp_start)? as usize;
-        let i = self.offset[w] + rank;
-        (i < self.offset[w + 1]).then(|| self.slots[i])
-    }
-
-    /// The slots of every row of `rows` into `out` (`None` for rows not registered); one worker
-    /// lookup per change of worker, so rows in cluster order cost one lookup per worker.
-    #[inline]
-    pub fn slots_of(&self, rows: &[RowId], mut each: impl FnMut(usize, Option<Slot>)) {
-        let workers = self.cluster.workers();
-        let mut w = usize::MAX;
-        for (i, &row) in rows.iter().enumerate() {
-            if workers.get(w).map(|x| x.worker_id) != Some(row.worker_id) {
-                w = workers
-                    .binary_search_by_key(&row.worker_id, |x| x.worker_id)
-                    .unwrap_or(usize::MAX);
+    pub fn slots<'a>(&'a self, rows: &'a [RowId]) -> impl Iterator<Item = Option<Slot>> + 'a {
+        let mut worker = None;
+        let mut run = SlotRun::EMPTY;
+        rows.iter().map(move |row| {
+            if worker != Some(row.worker_id) {
+                worker = Some(row.worker_id);
+                run = self.run_of(row.worker_id);
             }
-            each(i, (w != usize::MAX).then(|| self.slot_in(w, row)).flatten());
-        }
+            run.slot(row.dp_rank)
+        })
     }
 
     /// Every registered row with its slot, in cluster order.
@@ -73,27 +130,24 @@ impl Topology {
         self.cluster
             .workers()
             .iter()
-            .flat_map(Worker::rows)
-            .zip(self.slots.iter().copied())
+            .zip(&self.runs)
+            .flat_map(|(w, run)| w.rows().zip(run.base..))
     }
 
     /// One more than the highest slot in use (the size a slot-indexed table needs).
     pub fn slot_bound(&self) -> usize {
-        self.slots.iter().max().map_or(0, |&s| s as usize + 1)
+        self.runs
+            .iter()
+            .map(|r| r.base as usize + r.dp_size as usize)
+            .max()
+            .unwrap_or(0)
     }
 
-    fn from_parts(cluster: Cluster, slot_of: impl Fn(RowId) -> Slot) -> Topology {
-        let mut offset = Vec::with_capacity(cluster.workers().len() + 1);
-        let mut slots = Vec::with_capacity(cluster.row_count());
-        for w in cluster.workers() {
-            offset.push(slots.len());
-            slots.extend(w.rows().map(&slot_of));
-        }
-        offset.push(slots.len());
+    /// This snapshot with its ledger replaced (after growing it).
+    pub fn with_ledger(&self, ledger: Arc<Ledger>) -> Topology {
         Topology {
-            cluster,
-            offset,
-            slots,
+            ledger,
+            ..self.clone()
         }
     }
 }
@@ -116,63 +170,95 @@ pub struct SlotAllocator {
     next: Slot,
 }
 
+/// Cells a new ledger starts with, so the first workers added need no growth.
+const MIN_LEDGER_SLOTS: usize = 64;
+
 impl SlotAllocator {
     /// The first snapshot: slots 0.. in cluster order.
     pub fn initial(&mut self, cluster: Cluster) -> Topology {
-        let mut next = 0;
-        let mut assigned = Vec::with_capacity(cluster.row_count());
-        for _ in 0..cluster.row_count() {
-            assigned.push(next);
-            next += 1;
+        let mut bases = Vec::with_capacity(cluster.workers().len());
+        for w in cluster.workers() {
+            bases.push((w.worker_id, self.next));
+            self.next += w.dp_size;
         }
-        self.next = next;
-        let rows: Vec<RowId> = cluster.workers().iter().flat_map(Worker::rows).collect();
-        Topology::from_parts(cluster, |row| {
-            let i = rows.binary_search(&row).unwrap_or(0);
-            assigned[i]
-        })
+        let ledger = Arc::new(Ledger::with_slots(
+            (self.next as usize).max(MIN_LEDGER_SLOTS),
+        ));
+        Topology::build(
+            cluster,
+            |id| bases.iter().find(|(w, _)| *w == id).map_or(0, |(_, b)| *b),
+            ledger,
+        )
     }
 
-    fn take(&mut self) -> Slot {
-        match self.free.pop_first() {
-            Some(slot) => slot,
-            None => {
-                self.next += 1;
-                self.next - 1
+    /// The lowest run of `n` free slots (reused first, then fresh ones).
+    fn take_run(&mut self, n: u32) -> Slot {
+        let mut start = None;
+        let mut len = 0;
+        let mut prev = None;
+        for &s in &self.free {
+            if prev.is_some_and(|p: Slot| p + 1 == s) {
+                len += 1;
+            } else {
+                start = Some(s);
+                len = 1;
+            }
+            prev = Some(s);
+            if len == n {
+                break;
+            }
+        }
+        match start {
+            Some(base) if len == n => {
+                for s in base..base + n {
+                    self.free.remove(&s);
+                }
+                base
+            }
+            _ => {
+                self.next += n;
+                self.next - n
             }
         }
     }
 
-    /// `current` with `worker` added (its rows get the lowest free slots).
-    pub fn add(&mut self, current: &Topology, worker: Worker) -> Result<Topology, MembershipError> {
+    /// `current` with `worker` added (its ranks get the lowest free run of slots), and how many
+    /// slots its ledger must have for it: more than `current.ledger().slots()` means the caller
+    /// grows the ledger ([`Topology::with_ledger`]) before publishing.
+    pub fn add(
+        &mut self,
+        current: &Topology,
+        worker: Worker,
+    ) -> Result<(Topology, usize), MembershipError> {
         if current.cluster.worker(worker.worker_id).is_some() {
             return Err(MembershipError::Duplicate(worker.worker_id));
         }
+        let (id, dp_size) = (worker.worker_id, worker.dp_size);
         let mut workers = current.cluster.workers().to_vec();
-        let id = worker.worker_id;
         workers.push(worker);
         // Validates dp ranges and the total row cap before any slot is taken.
         let cluster = Cluster::new(workers)?;
-        if cluster.row_count() > MAX_ROWS {
+        let base = self.take_run(dp_size);
+        let needed = base as usize + dp_size as usize;
+        if needed > MAX_ROWS {
             return Err(ClusterError::TooManyRows {
-                rows: cluster.row_count() as u64,
+                rows: needed as u64,
                 max: MAX_ROWS,
             }
             .into());
         }
-        let new_rows: Vec<RowId> = cluster
-            .worker(id)
-            .map(|w| w.rows().collect())
-            .unwrap_or_default();
-        let new_slots: Vec<Slot> = new_rows.iter().map(|_| self.take()).collect();
-        Ok(Topology::from_parts(cluster, |row| {
-            if row.worker_id == id {
-                let i = new_rows.binary_search(&row).unwrap_or(0);
-                new_slots[i]
-            } else {
-                current.slot(row).unwrap_or(Slot::MAX)
-            }
-        }))
+        let next = Topology::build(
+            cluster,
+            |w| {
+                if w == id {
+                    base
+                } else {
+                    current.run_of(w).base
+                }
+            },
+            current.ledger.clone(),
+        );
+        Ok((next, needed))
     }
 
     /// `current` without `worker_id`, and the slots it freed (to be cleared by the caller
@@ -182,11 +268,11 @@ impl SlotAllocator {
         current: &Topology,
         worker_id: u64,
     ) -> Result<(Topology, Vec<Slot>), MembershipError> {
-        let removed = current
-            .cluster
-            .worker(worker_id)
-            .ok_or(MembershipError::Unknown(worker_id))?;
-        let freed: Vec<Slot> = removed.rows().filter_map(|r| current.slot(r)).collect();
+        if current.cluster.worker(worker_id).is_none() {
+            return Err(MembershipError::Unknown(worker_id));
+        }
+        let run = current.run_of(worker_id);
+        let freed: Vec<Slot> = (run.base..run.base + run.dp_size).collect();
         let workers = current
             .cluster
             .workers()
@@ -195,7 +281,7 @@ impl SlotAllocator {
             .cloned()
             .collect();
         let cluster = Cluster::new(workers)?;
-        let next = Topology::from_parts(cluster, |row| current.slot(row).unwrap_or(Slot::MAX));
+        let next = Topology::build(cluster, |w| current.run_of(w).base, current.ledger.clone());
         self.free.extend(freed.iter().copied());
         Ok((next, freed))
     }
@@ -239,8 +325,10 @@ mod tests {
         assert_eq!(t0.slot(row(9, 5)), Some(2));
         assert_eq!(t0.slot(row(9, 3)), None);
         assert_eq!(t0.slot(row(7, 0)), None);
+        assert_eq!(t0.ledger().slots(), MIN_LEDGER_SLOTS);
 
-        let t1 = alloc.add(&t0, Worker::new(5).with_ranks(0, 2)).unwrap();
+        let (t1, needed) = alloc.add(&t0, Worker::new(5).with_ranks(0, 2)).unwrap();
+        assert_eq!(needed, 5);
         assert_eq!(t1.slot(row(5, 1)), Some(4));
         assert_eq!(
             t1.slot(row(9, 5)),
@@ -253,28 +341,30 @@ mod tests {
         assert_eq!(t2.slot(row(9, 4)), None);
         assert_eq!(t2.slot(row(5, 0)), Some(3));
 
-        let t3 = alloc.add(&t2, Worker::new(1).with_ranks(0, 3)).unwrap();
+        // Three ranks do not fit the freed run of two: fresh slots; one rank does.
+        let (t3, _) = alloc.add(&t2, Worker::new(1).with_ranks(0, 3)).unwrap();
         assert_eq!(
             (0..3).map(|r| t3.slot(row(1, r))).collect::<Vec<_>>(),
-            vec![Some(1), Some(2), Some(5)]
+            vec![Some(5), Some(6), Some(7)]
         );
-        assert_eq!(t3.slot_bound(), 6);
+        let (t4, _) = alloc.add(&t3, Worker::new(2)).unwrap();
+        assert_eq!(t4.slot(row(2, 0)), Some(1));
+        assert_eq!(t4.slot_bound(), 8);
         assert_eq!(
-            alloc.add(&t3, Worker::new(3)).unwrap_err(),
+            alloc.add(&t4, Worker::new(3)).unwrap_err(),
             MembershipError::Duplicate(3)
         );
         assert_eq!(
-            alloc.remove(&t3, 42).unwrap_err(),
+            alloc.remove(&t4, 42).unwrap_err(),
             MembershipError::Unknown(42)
         );
-        let mut seen = Vec::new();
-        t3.slots_of(&[row(3, 0), row(1, 2), row(8, 0), row(1, 0)], |i, s| {
-            seen.push((i, s))
-        });
-        assert_eq!(
-            seen,
-            vec![(0, Some(0)), (1, Some(5)), (2, None), (3, Some(1))]
-        );
+        let seen: Vec<_> = t4
+            .slots(&[row(3, 0), row(1, 2), row(8, 0), row(1, 0)])
+            .collect();
+        assert_eq!(seen, vec![Some(0), Some(7), None, Some(5)]);
+        let listed: Vec<_> = t4.rows().collect();
+        assert_eq!(listed[0], (row(1, 0), 5));
+        assert_eq!(listed.len(), 7);
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! The request path: plan (sessions), admission, decision, dispatch (booking), completion.
 
 use std::cell::RefCell;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -217,11 +216,7 @@ impl RoutingCore {
         row: RowId,
     ) -> bool {
         use crate::model::Signals;
-        let signals = CoreSignals {
-            source,
-            topology,
-            ledger: &self.ledger,
-        };
+        let signals = CoreSignals { source, topology };
         let batch = topology
             .cluster()
             .worker(row.worker_id)
@@ -280,11 +275,7 @@ impl RoutingCore {
         plan: &Plan<'_>,
         source: &O,
     ) -> Result<Decision, RouteError> {
-        let signals = CoreSignals {
-            source,
-            topology,
-            ledger: &self.ledger,
-        };
+        let signals = CoreSignals { source, topology };
         with_buffer(&SCRATCH, |scratch| {
             self.selector
                 .select(topology.cluster(), plan.selection, &signals, scratch)
@@ -300,9 +291,7 @@ impl RoutingCore {
         plan: Plan<'_>,
         queued_for: Duration,
     ) -> Result<Routed, RouteError> {
-        let id = request
-            .id
-            .unwrap_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed));
+        let mut id = request.id.unwrap_or_else(|| self.draw_id());
         let charge = Charge {
             prefill_tokens: request.isl_tokens,
             decode_blocks: self.selector.request_blocks(request.isl_tokens),
@@ -313,21 +302,28 @@ impl RoutingCore {
             None => request.session_id.as_deref().map(Arc::from),
         };
         {
-            // Under `membership`, the slot read here cannot be freed and reused before the
-            // booking lands: a worker removed since the decision's snapshot is seen here.
-            let _m = read(&self.membership);
-            let slot =
-                self.topology
-                    .load()
-                    .slot(decision.row)
-                    .ok_or(RouteError::WorkerRemoved {
-                        worker_id: decision.row.worker_id,
-                    })?;
+            // The slot is read under the shard lock, which `remove_worker` also holds (all
+            // shards at once) while it clears a removed worker's slots: either this booking
+            // lands first and is taken away with the worker, or this sees the worker gone.
             let mut shard = lock(self.shard(id));
+            let topology = self.topology.load();
+            let slot = topology
+                .slot(decision.row)
+                .ok_or(RouteError::WorkerRemoved {
+                    worker_id: decision.row.worker_id,
+                })?;
             if shard.contains_key(&id) {
-                return Err(RouteError::DuplicateRequestId(id));
+                if request.id.is_some() {
+                    return Err(RouteError::DuplicateRequestId(id));
+                }
+                // A drawn id that a caller already used: draw until free (same shard).
+                drop(shard);
+                while lock(self.shard(id)).contains_key(&id) {
+                    id = self.draw_id();
+                }
+                shard = lock(self.shard(id));
             }
-            self.ledger.book(slot, charge);
+            topology.ledger().book(slot, charge);
             shard.insert(
                 id,
                 Booking {
@@ -401,9 +397,10 @@ impl RoutingCore {
 
     /// The request's prefill finished: its prompt tokens no longer count as pending prefill.
     pub fn prefill_complete(&self, id: RequestId) {
-        let _m = read(&self.membership);
         if let Some(booking) = lock(self.shard(id)).get_mut(&id) {
-            self.ledger
+            self.topology
+                .load()
+                .ledger()
                 .release_prefill(booking.slot, booking.charge.prefill_tokens);
             booking.charge.prefill_tokens = 0;
         }
@@ -419,11 +416,16 @@ impl RoutingCore {
     /// [`RoutingCore::complete`] does and tell its policy how it ended.
     pub fn finish(&self, id: RequestId, outcome: CompletionCode) -> bool {
         let booking = {
-            let _m = read(&self.membership);
-            let Some(booking) = lock(self.shard(id)).remove(&id) else {
+            // Released under the shard lock, so `remove_worker` never resets a slot between
+            // this removal and this release.
+            let mut shard = lock(self.shard(id));
+            let Some(booking) = shard.remove(&id) else {
                 return false;
             };
-            self.ledger.release(booking.slot, booking.charge);
+            self.topology
+                .load()
+                .ledger()
+                .release(booking.slot, booking.charge);
             booking
         };
         self.end(id, &booking, outcome);

@@ -16,9 +16,11 @@
 //! The contract each step implements is `docs/routing-contract.md`.
 //!
 //! Locks, all short and never held across a policy call: the topology writer (membership
-//! changes), `membership` (read by every book and release, written while a removed worker's
-//! slots are cleared, so a slot is never reused under a booking), one mutex per in-flight shard,
-//! the queue mutex, and the KV index's `RwLock` (read per decision, written per event batch).
+//! changes and observations), one mutex per in-flight shard (every book and release happens
+//! under its request's shard; `remove_worker` holds all of them while it clears a removed
+//! worker's slots, so a slot is never reset or reused under a booking), the queue mutex, and the
+//! KV index's sharded read-write lock (read per decision, written per event batch; events resolve their slot
+//! under it, so none lands on a slot being cleared).
 
 mod dispatch;
 mod queue;
@@ -26,7 +28,10 @@ mod signals;
 mod workers;
 
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
+use crossbeam_utils::CachePadded;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -35,7 +40,7 @@ use crate::admission::{AdmissionStats, ClassSpec, Lanes};
 use crate::eligibility::EligibilityError;
 use crate::fast_hash::FastMap;
 use crate::kv_index::KvIndex;
-use crate::ledger::{Charge, Ledger};
+use crate::ledger::Charge;
 use crate::model::{Cluster, RowId, RowLoad};
 use crate::select::{Decision, InstanceId, SelectError, Selector};
 use crate::sessions::{Clock, DispatchOutcome, SessionError, SessionStore, SystemClock};
@@ -134,9 +139,9 @@ pub struct RoutingCore {
     selector: Arc<dyn Selector>,
     topology: ArcSwap<Topology>,
     writer: Mutex<SlotAllocator>,
-    membership: RwLock<()>,
-    ledger: Ledger,
-    kv: RwLock<KvIndex>,
+    /// Sharded: a read lock touches only the reading thread's shard, so concurrent decisions do
+    /// not bounce one lock word between cores (writes, per event batch, take every shard).
+    kv: ShardedLock<KvIndex>,
     sessions: Option<Arc<dyn SessionStore>>,
     classes: Vec<ClassSpec>,
     queues: Mutex<Lanes>,
@@ -144,8 +149,10 @@ pub struct RoutingCore {
     drain_requested: std::sync::atomic::AtomicBool,
     /// Keyed by request id with the fixed multiplicative hash: ids are the caller's, but a
     /// collision only costs a probe (the table is per shard and bounded by requests in flight).
-    inflight: [Mutex<FastMap<RequestId, Booking>>; SHARDS],
-    next_id: AtomicU64,
+    /// Each shard on its own cache lines, so threads working on different shards never share one.
+    inflight: [CachePadded<Mutex<FastMap<RequestId, Booking>>>; SHARDS],
+    /// Per shard: the next id the core draws for requests without one (see `draw_id`).
+    next_ids: [CachePadded<AtomicU64>; SHARDS],
     clock: Arc<dyn Clock>,
 }
 
@@ -154,10 +161,10 @@ pub struct RoutingCore {
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+fn read<T>(m: &ShardedLock<T>) -> ShardedLockReadGuard<'_, T> {
     m.read().unwrap_or_else(PoisonError::into_inner)
 }
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+fn write<T>(m: &ShardedLock<T>) -> ShardedLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -170,16 +177,14 @@ impl RoutingCore {
             selector,
             topology: ArcSwap::from_pointee(topology),
             writer: Mutex::new(alloc),
-            membership: RwLock::new(()),
-            ledger: Ledger::default(),
-            kv: RwLock::new(kv),
+            kv: ShardedLock::new(kv),
             sessions: settings.sessions,
             classes: settings.classes,
             queues: Mutex::new(Lanes::default()),
             drainer: Mutex::new(()),
             drain_requested: std::sync::atomic::AtomicBool::new(false),
-            inflight: std::array::from_fn(|_| Mutex::new(FastMap::default())),
-            next_id: AtomicU64::new(0),
+            inflight: std::array::from_fn(|_| CachePadded::new(Mutex::new(FastMap::default()))),
+            next_ids: std::array::from_fn(|_| CachePadded::new(AtomicU64::new(0))),
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
         }
     }
@@ -207,27 +212,29 @@ impl RoutingCore {
 
     /// The load of `row` as policies see it (idle for a row that is not registered).
     pub fn load(&self, row: RowId) -> RowLoad {
-        self.topology
-            .load()
+        let topology = self.topology.load();
+        topology
             .slot(row)
-            .map_or_else(RowLoad::default, |s| self.ledger.load(s))
+            .map_or_else(RowLoad::default, |s| topology.ledger().load(s))
     }
 
     /// The booked load of `row`, without observed corrections.
     pub fn booked(&self, row: RowId) -> RowLoad {
-        self.topology
-            .load()
+        let topology = self.topology.load();
+        topology
             .slot(row)
-            .map_or_else(RowLoad::default, |s| self.ledger.booked(s))
+            .map_or_else(RowLoad::default, |s| topology.ledger().booked(s))
     }
 
     /// Report the active requests observed on `row` (engine metrics), or `None` to forget them.
     /// Returns whether the row is registered. See [`Ledger::observe`] for the rule.
     pub fn observe_load(&self, row: RowId, active_requests: Option<u64>) -> bool {
-        let _m = read(&self.membership);
-        match self.topology.load().slot(row) {
+        // Under the writer lock: a removed worker's slot is never observed after its reset.
+        let _w = lock(&self.writer);
+        let topology = self.topology.load();
+        match topology.slot(row) {
             Some(slot) => {
-                self.ledger.observe(slot, active_requests);
+                topology.ledger().observe(slot, active_requests);
                 true
             }
             None => false,
@@ -244,14 +251,23 @@ impl RoutingCore {
     }
 
     /// Read access to the KV-overlap index (rows are slots).
-    pub fn kv_index(&self) -> RwLockReadGuard<'_, KvIndex> {
+    pub fn kv_index(&self) -> ShardedLockReadGuard<'_, KvIndex> {
         read(&self.kv)
     }
 
+    /// The in-flight shard of request `id`: `id % SHARDS` (caller ids spread over the shards
+    /// as they come; drawn ids land in the drawing thread's own shard).
     fn shard(&self, id: RequestId) -> &Mutex<FastMap<RequestId, Booking>> {
-        // Fibonacci hashing spreads sequential ids over the shards.
-        let h = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 60;
-        &self.inflight[h as usize % SHARDS]
+        &self.inflight[(id % SHARDS as u64) as usize]
+    }
+
+    /// An id for a request that brought none: `n * SHARDS + s`, from the counter of this
+    /// thread's shard `s`, so a thread's bookings stay in memory its own core last touched and
+    /// the counters are not shared between threads.
+    fn draw_id(&self) -> RequestId {
+        let s = crate::striped::thread_stripe() % SHARDS;
+        let n = self.next_ids[s].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        n.wrapping_mul(SHARDS as u64).wrapping_add(s as u64)
     }
 }
 

@@ -1,17 +1,13 @@
 //! The one snapshot of per-row signals that admission and selection both read.
 
-use crate::ledger::Ledger;
-use crate::model::{
-    load_columns_by_row, overlap_columns_by_row, OverlapSource, RowId, RowLoad, Signals,
-    TierOverlap,
-};
+use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
 
-/// Load from the ledger (by slot) unless the source overrides it; overlap from the source.
+/// Load from the snapshot's ledger (by slot) unless the source overrides it; overlap from the
+/// source.
 pub(super) struct CoreSignals<'a, O: ?Sized> {
     pub source: &'a O,
     pub topology: &'a Topology,
-    pub ledger: &'a Ledger,
 }
 
 impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
@@ -23,7 +19,7 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
         self.source.load_override(row).unwrap_or_else(|| {
             self.topology
                 .slot(row)
-                .map_or_else(RowLoad::default, |s| self.ledger.load(s))
+                .map_or_else(RowLoad::default, |s| self.topology.ledger().load(s))
         })
     }
 
@@ -45,22 +41,15 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
         prefill: &mut [u64],
         decode: &mut [u64],
     ) {
-        let short = [available.len(), active.len(), prefill.len(), decode.len()]
-            .iter()
-            .any(|&n| n < rows.len());
-        if self.source.overrides_load() || short {
+        if self.source.overrides_load() {
             load_columns_by_row(rows, available, active, prefill, decode, |row| {
                 self.load(row)
             });
             return;
         }
-        self.topology.slots_of(rows, |i, slot| {
-            let load = slot.map_or_else(RowLoad::default, |s| self.ledger.load(s));
-            available[i] = load.available;
-            active[i] = load.active_requests;
-            prefill[i] = load.active_prefill_tokens;
-            decode[i] = load.decode_blocks;
-        });
+        self.topology
+            .ledger()
+            .fill(self.topology, rows, available, active, prefill, decode);
     }
 }
 
@@ -104,13 +93,9 @@ impl OverlapSource for IndexOverlap<'_> {
         host: &mut [f64],
         disk: &mut [f64],
     ) {
-        if device.len() < rows.len() || host.len() < rows.len() || disk.len() < rows.len() {
-            overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
-            return;
+        for (slot, device) in self.topology.slots(rows).zip(device.iter_mut()) {
+            *device = self.blocks(slot);
         }
-        self.topology.slots_of(rows, |i, slot| {
-            device[i] = self.blocks(slot);
-        });
         host.fill(0.0);
         disk.fill(0.0);
     }

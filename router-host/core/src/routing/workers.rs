@@ -1,8 +1,10 @@
 //! Membership and health: workers joining, draining, leaving; their flags; their KV events.
 
+use std::sync::Arc;
+
 use plugin_api::abi::CompletionCode;
 
-use super::{lock, read, write, Booking, RequestId, RoutingCore};
+use super::{lock, write, Booking, RequestId, RoutingCore};
 use crate::kv_index::{KvEvent, KvEventKind};
 use crate::model::{RowId, Worker};
 use crate::topology::MembershipError;
@@ -21,9 +23,19 @@ impl RoutingCore {
     /// Register a worker; its rows get slots and start idle and cold.
     pub fn add_worker(&self, worker: Worker) -> Result<(), MembershipError> {
         let mut alloc = lock(&self.writer);
-        let next = alloc.add(&self.topology.load(), worker)?;
+        let (next, needed) = alloc.add(&self.topology.load(), worker)?;
         write(&self.kv).ensure_rows(next.slot_bound());
-        self.topology.store(std::sync::Arc::new(next));
+        let slots = next.ledger().slots();
+        if needed <= slots {
+            self.topology.store(Arc::new(next));
+            return Ok(());
+        }
+        // Outgrown: copy the ledger while every in-flight shard is held (no booking or release
+        // can run, so none is lost from the copy), and publish the copy with the snapshot.
+        let shards: Vec<_> = self.inflight.iter().map(|s| lock(s)).collect();
+        let grown = Arc::new(next.ledger().grown(needed.max(slots * 2)));
+        self.topology.store(Arc::new(next.with_ledger(grown)));
+        drop(shards);
         Ok(())
     }
 
@@ -48,7 +60,7 @@ impl RoutingCore {
                 w.draining = draining;
             }
         })?;
-        self.topology.store(std::sync::Arc::new(next));
+        self.topology.store(Arc::new(next));
         Ok(())
     }
 
@@ -61,12 +73,13 @@ impl RoutingCore {
         let mut gone: Vec<(RequestId, Booking)> = Vec::new();
         let mut cached_blocks = 0;
         {
-            // No booking or release runs while the freed slots are cleared, and the writer lock
-            // keeps them from being handed out again until that is done.
-            let _m = write(&self.membership);
-            self.topology.store(std::sync::Arc::new(next));
-            for shard in &self.inflight {
-                let mut shard = lock(shard);
+            // The new snapshot first: bookings after this see the worker gone. Then every
+            // in-flight shard at once (in order), so no booking or release runs while the freed
+            // slots are cleared; the writer lock keeps them from being handed out again until
+            // that is done, and the KV write lock from taking events for them.
+            self.topology.store(Arc::new(next));
+            let mut shards: Vec<_> = self.inflight.iter().map(|s| lock(s)).collect();
+            for shard in shards.iter_mut() {
                 let ids: Vec<RequestId> = shard
                     .iter()
                     .filter(|(_, b)| b.row.worker_id == worker_id)
@@ -79,10 +92,13 @@ impl RoutingCore {
                 }
             }
             let mut kv = write(&self.kv);
+            let ledger = self.topology.load().ledger().clone();
             for &slot in &freed {
-                self.ledger.reset(slot);
+                ledger.reset(slot);
                 cached_blocks += kv.clear_row(slot);
             }
+            drop(kv);
+            drop(shards);
         }
         drop(alloc);
         for (id, booking) in &gone {
@@ -106,11 +122,10 @@ impl RoutingCore {
         row: RowId,
         events: impl IntoIterator<Item = (KvEventKind, u64)>,
     ) -> bool {
-        let _m = read(&self.membership);
+        let mut kv = write(&self.kv);
         let Some(slot) = self.topology.load().slot(row) else {
             return false;
         };
-        let mut kv = write(&self.kv);
         for (kind, block) in events {
             kv.apply(&KvEvent {
                 row: slot,
@@ -123,9 +138,9 @@ impl RoutingCore {
 
     /// Forget every block `row` holds (its engine cleared its cache or restarted).
     pub fn clear_kv_row(&self, row: RowId) -> u64 {
-        let _m = read(&self.membership);
+        let mut kv = write(&self.kv);
         match self.topology.load().slot(row) {
-            Some(slot) => write(&self.kv).clear_row(slot),
+            Some(slot) => kv.clear_row(slot),
             None => 0,
         }
     }
