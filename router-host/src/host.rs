@@ -7,7 +7,6 @@
 //! table for tools that print it. Every method takes `&self`: one `Host` serves many threads.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use plugin_api::abi::CompletionCode;
 use router_core::admission::{AdmissionMode as CoreAdmission, ClassSpec};
@@ -184,7 +183,7 @@ pub fn class_spec(config: &PolicyClassConfig) -> ClassSpec {
             AdmissionMode::AnyEligible => CoreAdmission::AnyEligible,
             AdmissionMode::ChosenRow => CoreAdmission::ChosenRow,
         },
-        max_wait: None::<Duration>,
+        max_wait: config.max_queue_wait,
     }
 }
 

@@ -4,7 +4,7 @@ use serde::Deserialize;
 
 use super::error::{ConfigError, ConfigErrorKind};
 use super::locate::{key, Seg};
-use super::numbers::{de_busy_frac, de_busy_threshold};
+use super::numbers::{de_busy_frac, de_busy_threshold, de_queue_wait_ms};
 use super::strings::{de_admission, de_class_name};
 use super::{Builder, Names};
 
@@ -20,6 +20,8 @@ pub struct PolicyClassConfig {
     pub prefill_busy_threshold_frac: Option<f64>,
     /// How admission consults the busy check.
     pub admission: AdmissionMode,
+    /// A request queued longer than this fails (`max_queue_wait_ms`); `None` = no limit.
+    pub max_queue_wait: Option<std::time::Duration>,
 }
 
 /// Queue admission mode (design doc §10).
@@ -46,6 +48,8 @@ pub(super) struct RawPolicyClass {
     prefill_busy_threshold_frac: Option<f64>,
     #[serde(default, deserialize_with = "de_admission")]
     admission: Option<AdmissionMode>,
+    #[serde(default, deserialize_with = "de_queue_wait_ms")]
+    max_queue_wait_ms: Option<u64>,
 }
 
 impl Builder<'_> {
@@ -75,6 +79,9 @@ impl Builder<'_> {
                 prefill_busy_threshold: class.prefill_busy_threshold,
                 prefill_busy_threshold_frac: class.prefill_busy_threshold_frac,
                 admission: class.admission.unwrap_or_default(),
+                max_queue_wait: class
+                    .max_queue_wait_ms
+                    .map(std::time::Duration::from_millis),
             })
             .collect())
     }

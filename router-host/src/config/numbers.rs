@@ -142,6 +142,13 @@ pub(super) fn de_max_bindings<'de, D: Deserializer<'de>>(d: D) -> Result<Option<
     de_uint(d, 1, u64::try_from(usize::MAX).unwrap_or(u64::MAX))
 }
 
+/// Longest a queued request may wait: one day.
+pub const MAX_QUEUE_WAIT_MS: u64 = 86_400_000;
+
+pub(super) fn de_queue_wait_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, MAX_QUEUE_WAIT_MS)
+}
+
 pub(super) fn de_busy_threshold<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 0, u64::MAX)
 }

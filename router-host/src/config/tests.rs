@@ -199,18 +199,21 @@ fn full_config_parses() {
                 prefill_busy_threshold: Some(8192),
                 prefill_busy_threshold_frac: None,
                 admission: AdmissionMode::ChosenRow,
+                max_queue_wait: None,
             },
             PolicyClassConfig {
                 name: "batch".to_owned(),
                 prefill_busy_threshold: None,
                 prefill_busy_threshold_frac: Some(1.5),
                 admission: AdmissionMode::AnyEligible,
+                max_queue_wait: None,
             },
             PolicyClassConfig {
                 name: "default".to_owned(),
                 prefill_busy_threshold: Some(0),
                 prefill_busy_threshold_frac: Some(0.5),
                 admission: AdmissionMode::AnyEligible,
+                max_queue_wait: None,
             },
         ]
     );
