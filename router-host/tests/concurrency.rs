@@ -162,11 +162,14 @@ fn many_threads_route_complete_cancel_and_change_workers_without_losing_anything
                     // Waiting tickets resolve through anyone's drain; collect those done.
                     let mut still = Vec::new();
                     for ticket in std::mem::take(&mut seen.tickets) {
+                        // Read before taking: a ticket done before the take must yield its
+                        // outcome (one that finishes in between is simply taken next round).
+                        let was_done = ticket.is_done();
                         match ticket.try_take() {
                             Some(Ok(routed)) => record(&mut seen, &routed, None),
                             Some(Err(RouteError::WorkerRemoved { .. })) => {}
                             Some(Err(err)) => panic!("queued request failed: {err}"),
-                            None if ticket.is_done() => panic!("outcome taken twice"),
+                            None if was_done => panic!("outcome taken twice"),
                             None => still.push(ticket),
                         }
                     }

@@ -4,7 +4,6 @@
 //! Event order at equal times: engine step ends (lowest row first) before arrivals, so
 //! completions free load and their cache events reach the index before the next decision.
 
-use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::Arc;
@@ -21,7 +20,7 @@ use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
 use super::trace::Workload;
 use super::ReplayError;
 use crate::fast_hash::FastMap;
-use crate::kv_index::{KvIndex, OverlapScratch, RequestOverlap, RowMap};
+use crate::kv_index::RowMap;
 
 /// Load samples kept per run before the interval doubles.
 const MAX_SAMPLES: usize = 2048;
@@ -107,8 +106,6 @@ struct Sim<'w> {
     host: Host,
     clock: Arc<ManualClock>,
     engines: Vec<Engine>,
-    index: KvIndex,
-    scratch: RefCell<OverlapScratch>,
     jobs: Vec<Job>,
     reached: Vec<bool>,
     out: Outbox,
@@ -171,8 +168,6 @@ pub fn run(
         engines: (0..n)
             .map(|r| Engine::new(r as u32, config.engine, workload.block_size))
             .collect(),
-        index: KvIndex::new(n),
-        scratch: RefCell::new(OverlapScratch::default()),
         jobs: Vec::with_capacity(workload.requests.len()),
         reached: vec![false; workload.requests.len()],
         out: Outbox::default(),
@@ -240,7 +235,9 @@ pub fn run(
             .entry("still queued when the replay ended".to_string())
             .or_default() += waiting;
     }
+    let kv_events = sim.host.core().kv_index().events();
     Ok(RunOutput {
+        kv_events,
         jobs: sim.jobs,
         reached_engine: sim.reached,
         decision_ns: sim.decision_ns,
@@ -252,7 +249,6 @@ pub fn run(
         engine_stats: sim.engines.iter().map(Engine::stats).collect(),
         timeline: sim.timeline,
         end_ns: sim.now,
-        kv_events: sim.index.events(),
         policy,
     })
 }
@@ -261,19 +257,36 @@ impl Sim<'_> {
     /// The host's index holds exactly the engines' cached blocks, every engine is idle and the
     /// host has nothing in flight.
     fn consistent(&self) -> bool {
+        let core = self.host.core();
+        let topology = core.topology();
+        let index = core.kv_index();
         let mut total = 0u64;
-        for (row, engine) in self.engines.iter().enumerate() {
+        for (e, engine) in self.engines.iter().enumerate() {
             if !engine.is_idle() {
                 return false;
             }
+            let Some(slot) = topology.slot(self.rows.row(e)) else {
+                return false;
+            };
             for block in engine.cached() {
                 total += 1;
-                if !self.index.holds(row as u32, block) {
+                if !index.holds(slot, block) {
                     return false;
                 }
             }
         }
-        total == self.index.holdings() && self.host.in_flight() == 0
+        total == index.holdings() && self.host.in_flight() == 0
+    }
+
+    /// The engines' cache events, to the core's KV index (engine `e` is row `rows.row(e)`).
+    fn apply_events(&mut self) {
+        let rows = self.rows;
+        self.host.core().apply_kv_batch(
+            self.out
+                .events
+                .iter()
+                .map(|ev| (rows.row(ev.row as usize), ev.kind, ev.block)),
+        );
     }
 
     /// Move simulated time to `t`, taking load samples on the way.
@@ -323,9 +336,7 @@ impl Sim<'_> {
     /// request completions to the host; then let queued requests in.
     fn deliver(&mut self) {
         loop {
-            for event in &self.out.events {
-                self.index.apply(event);
-            }
+            self.apply_events();
             let freed = !self.out.first_tokens.is_empty() || !self.out.finished.is_empty();
             for &j in &self.out.first_tokens {
                 self.host.prefill_complete(self.jobs[j as usize].host_id);
@@ -346,24 +357,8 @@ impl Sim<'_> {
 
     fn drain(&mut self) {
         let started = Instant::now();
-        let drained = {
-            let (index, scratch, rows, tickets, requests) = (
-                &self.index,
-                &self.scratch,
-                self.rows,
-                &self.tickets,
-                &self.workload.requests,
-            );
-            self.host.drain(
-                |ticket, _| {
-                    let blocks = tickets
-                        .get(&ticket)
-                        .map_or(&[][..], |&j| &requests[j as usize].hash_ids[..]);
-                    RequestOverlap::new(index, blocks, rows, scratch)
-                },
-                false,
-            )
-        };
+        // Queued requests carry their blocks: the core walks its own index for them.
+        let drained = self.host.core().drain(false);
         if drained.is_empty() {
             return;
         }
@@ -385,11 +380,11 @@ impl Sim<'_> {
         let request = Request {
             isl_tokens: w.input_length,
             session_id: w.session_id.clone(),
+            blocks: w.hash_ids.clone(),
             ..Request::default()
         };
-        let overlap = RequestOverlap::new(&self.index, &w.hash_ids, self.rows, &self.scratch);
         let started = Instant::now();
-        let outcome = self.host.submit(request, &overlap, false);
+        let outcome = self.host.core().submit_indexed(request, false);
         self.decision_ns.push(elapsed_ns(started));
         match outcome {
             Ok(Submitted::Dispatched(routed)) => self.dispatched(i as u32, routed),
@@ -403,9 +398,7 @@ impl Sim<'_> {
 
     /// Cache events from admissions (evictions) reach the index before the next decision.
     fn deliver_events(&mut self) {
-        for event in &self.out.events {
-            self.index.apply(event);
-        }
+        self.apply_events();
         self.out.events.clear();
     }
 

@@ -8,8 +8,8 @@ use abi_stable::std_types::RSlice;
 use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
 
 use super::signals::{CoreSignals, IndexOverlap, OverlapBuffers};
-use super::{lock, read, Booking, RequestId, RouteError, Routed, RoutingCore, SessionOutcome};
-use crate::admission::{AdmissionMode, Ticket};
+use super::{lock, Booking, RequestId, RouteError, Routed, RoutingCore, SessionOutcome};
+use crate::admission::{AdmissionMode, LaneKey, Ticket};
 use crate::eligibility::{check_pin, eligible_rows};
 use crate::ledger::Charge;
 use crate::model::{OverlapSource, Request, RowId};
@@ -25,6 +25,14 @@ pub enum Submitted {
     Dispatched(Routed),
     /// Waiting for capacity in its class lane: wait on the ticket, or read it from `drain`.
     Queued(Ticket),
+}
+
+/// What admission decided for a request with a class.
+// Consumed at once, like `Submitted`.
+#[allow(clippy::large_enum_variant)]
+enum Admitted {
+    Now(Routed),
+    Queue(LaneKey),
 }
 
 /// Session lookup and selection inputs of one request, before dispatch.
@@ -77,9 +85,18 @@ impl RoutingCore {
         source: &O,
         explain: bool,
     ) -> Result<Routed, RouteError> {
-        let topology = self.topology.load();
-        let plan = self.plan(&topology, request, explain)?;
-        let decision = self.decide(&topology, &plan, source)?;
+        self.route_on(&self.topology.load(), request, source, explain)
+    }
+
+    fn route_on<O: OverlapSource + ?Sized>(
+        &self,
+        topology: &Topology,
+        request: &Request,
+        source: &O,
+        explain: bool,
+    ) -> Result<Routed, RouteError> {
+        let plan = self.plan(topology, request, explain)?;
+        let decision = self.decide(topology, &plan, source)?;
         self.dispatch(request, decision, plan, Duration::ZERO)
     }
 
@@ -87,69 +104,69 @@ impl RoutingCore {
     pub fn route_indexed(&self, request: &Request, explain: bool) -> Result<Routed, RouteError> {
         let topology = self.topology.load();
         with_buffer(&OVERLAP, |buffers| {
-            self.walk_index(&request.blocks, buffers);
-            let source = IndexOverlap {
-                topology: &topology,
-                held: &buffers.held,
-            };
-            self.route(request, &source, explain)
+            let source = IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers);
+            self.route_on(&topology, request, &source, explain)
         })
     }
 
-    /// Admit one request: dispatch it, or queue it in its class lane (design §10).
+    /// Admit one request: dispatch it, or queue it in its class lane (docs/routing-contract.md §8).
     pub fn submit<O: OverlapSource + ?Sized>(
         &self,
         request: Request,
         source: &O,
         explain: bool,
     ) -> Result<Submitted, RouteError> {
-        let Some(class) = self.class_of(&request)? else {
-            return self
-                .route(&request, source, explain)
-                .map(Submitted::Dispatched);
-        };
         let topology = self.topology.load();
-        let plan = self.plan(&topology, &request, explain)?;
-        // A pin (explicit, or a hard session binding) waits in its own lane, so a busy pinned
-        // row never holds up the class's other requests.
-        let lane = (class, plan.selection.pin);
-        // A lane with a backlog keeps its order: later arrivals wait behind it.
-        let admitted = if lock(&self.queues).has_backlog(lane) {
-            None
-        } else {
-            self.try_admit(&topology, &request, plan, class, source, Duration::ZERO)?
-        };
-        match admitted {
-            Some(routed) => Ok(Submitted::Dispatched(routed)),
-            None => {
-                let since = self.clock.now();
-                Ok(Submitted::Queued(
-                    lock(&self.queues).enqueue(lane, request, since),
-                ))
-            }
+        match self.admit(&topology, &request, source, explain)? {
+            Admitted::Now(routed) => Ok(Submitted::Dispatched(routed)),
+            Admitted::Queue(lane) => Ok(self.enqueue(lane, request)),
         }
     }
 
     /// [`RoutingCore::submit`] with overlap from the request's blocks in the core's KV index.
     pub fn submit_indexed(&self, request: Request, explain: bool) -> Result<Submitted, RouteError> {
         let topology = self.topology.load();
-        with_buffer(&OVERLAP, |buffers| {
-            self.walk_index(&request.blocks, buffers);
-            let source = IndexOverlap {
-                topology: &topology,
-                held: &buffers.held,
-            };
-            self.submit(request, &source, explain)
-        })
+        let admitted = with_buffer(&OVERLAP, |buffers| {
+            let source = IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers);
+            self.admit(&topology, &request, &source, explain)
+        })?;
+        match admitted {
+            Admitted::Now(routed) => Ok(Submitted::Dispatched(routed)),
+            Admitted::Queue(lane) => Ok(self.enqueue(lane, request)),
+        }
     }
 
-    /// `buffers.held[slot]` = leading blocks of `blocks` the row in `slot` holds.
-    pub(super) fn walk_index(&self, blocks: &[u64], buffers: &mut OverlapBuffers) {
-        if blocks.is_empty() {
-            buffers.held.clear();
-        } else {
-            read(&self.kv).overlaps(blocks, &mut buffers.held, &mut buffers.alive);
+    /// Dispatch `request` now if admission lets it (no class, or its class admits it and its
+    /// lane has no backlog), else say which lane it waits in.
+    fn admit<O: OverlapSource + ?Sized>(
+        &self,
+        topology: &Topology,
+        request: &Request,
+        source: &O,
+        explain: bool,
+    ) -> Result<Admitted, RouteError> {
+        let Some(class) = self.class_of(request)? else {
+            return self.route_on(topology, request, source, explain).map(Admitted::Now);
+        };
+        let plan = self.plan(topology, request, explain)?;
+        // A pin (explicit, or a hard session binding) waits in its own lane, so a busy pinned
+        // row never holds up the class's other requests.
+        let lane = (class, plan.selection.pin);
+        // A lane with a backlog keeps its order: later arrivals wait behind it.
+        if lock(&self.queues).has_backlog(lane) {
+            return Ok(Admitted::Queue(lane));
         }
+        Ok(
+            match self.try_admit(topology, request, plan, class, source, Duration::ZERO)? {
+                Some(routed) => Admitted::Now(routed),
+                None => Admitted::Queue(lane),
+            },
+        )
+    }
+
+    fn enqueue(&self, lane: LaneKey, request: Request) -> Submitted {
+        let since = self.clock.now();
+        Submitted::Queued(lock(&self.queues).enqueue(lane, request, since))
     }
 
     pub(super) fn class_of(&self, request: &Request) -> Result<Option<usize>, RouteError> {

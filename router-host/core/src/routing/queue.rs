@@ -32,12 +32,8 @@ impl RoutingCore {
     pub fn drain(&self, explain: bool) -> Vec<Drained> {
         self.drain_inner(explain, &mut |_, request, f| {
             with_overlap_buffers(|buffers| {
-                self.walk_index(&request.blocks, buffers);
                 let topology = self.topology.load();
-                f(&IndexOverlap {
-                    topology: &topology,
-                    held: &buffers.held,
-                })
+                f(&IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers))
             })
         })
     }

@@ -1,5 +1,11 @@
 //! The one snapshot of per-row signals that admission and selection both read.
 
+use std::cell::{Cell, RefCell};
+use std::sync::PoisonError;
+
+use crossbeam_utils::sync::ShardedLock;
+
+use crate::kv_index::KvIndex;
 use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
 
@@ -60,27 +66,58 @@ pub struct OverlapBuffers {
     pub alive: Vec<u64>,
 }
 
-/// A request's overlap from the core's KV index: `held[slot]` leading blocks of its prompt are
-/// on the row in `slot` (device tier; engines report only what they hold on the device today).
+/// A request's overlap from the core's KV index, walked on first use (a policy that does not
+/// read the CACHE columns never pays for it): `held[slot]` leading blocks of the prompt are on
+/// the row in `slot` (device tier; engines report only what they hold on the device today).
 pub struct IndexOverlap<'a> {
-    pub topology: &'a Topology,
-    pub held: &'a [u32],
+    topology: &'a Topology,
+    kv: &'a ShardedLock<KvIndex>,
+    blocks: &'a [u64],
+    buffers: RefCell<&'a mut OverlapBuffers>,
+    walked: Cell<bool>,
 }
 
-impl IndexOverlap<'_> {
-    fn blocks(&self, slot: Option<u32>) -> f64 {
-        f64::from(
-            slot.and_then(|s| self.held.get(s as usize))
-                .copied()
-                .unwrap_or(0),
-        )
+impl<'a> IndexOverlap<'a> {
+    pub fn new(
+        topology: &'a Topology,
+        kv: &'a ShardedLock<KvIndex>,
+        blocks: &'a [u64],
+        buffers: &'a mut OverlapBuffers,
+    ) -> Self {
+        IndexOverlap {
+            topology,
+            kv,
+            blocks,
+            buffers: RefCell::new(buffers),
+            walked: Cell::new(false),
+        }
     }
+
+    /// Run `f` over the walked counts, walking the index first if nobody did yet.
+    fn with_held<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
+        let mut buffers = self.buffers.borrow_mut();
+        let OverlapBuffers { held, alive } = &mut **buffers;
+        if !self.walked.replace(true) {
+            if self.blocks.is_empty() {
+                held.clear();
+            } else {
+                let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
+                kv.overlaps(self.blocks, held, alive);
+            }
+        }
+        f(held)
+    }
+}
+
+fn blocks_in(held: &[u32], slot: Option<u32>) -> f64 {
+    f64::from(slot.and_then(|s| held.get(s as usize)).copied().unwrap_or(0))
 }
 
 impl OverlapSource for IndexOverlap<'_> {
     fn overlap(&self, row: RowId) -> TierOverlap {
+        let slot = self.topology.slot(row);
         TierOverlap {
-            device: self.blocks(self.topology.slot(row)),
+            device: self.with_held(|held| blocks_in(held, slot)),
             host: 0.0,
             disk: 0.0,
         }
@@ -93,9 +130,11 @@ impl OverlapSource for IndexOverlap<'_> {
         host: &mut [f64],
         disk: &mut [f64],
     ) {
-        for (slot, device) in self.topology.slots(rows).zip(device.iter_mut()) {
-            *device = self.blocks(slot);
-        }
+        self.with_held(|held| {
+            for (slot, device) in self.topology.slots(rows).zip(device.iter_mut()) {
+                *device = blocks_in(held, slot);
+            }
+        });
         host.fill(0.0);
         disk.fill(0.0);
     }

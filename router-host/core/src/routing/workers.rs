@@ -136,6 +136,28 @@ impl RoutingCore {
         true
     }
 
+    /// Apply cache events for many rows under one lock; events for rows not registered are
+    /// skipped. Returns how many were applied.
+    pub fn apply_kv_batch(
+        &self,
+        events: impl IntoIterator<Item = (RowId, KvEventKind, u64)>,
+    ) -> u64 {
+        let mut kv = write(&self.kv);
+        let topology = self.topology.load();
+        let mut applied = 0;
+        for (row, kind, block) in events {
+            if let Some(slot) = topology.slot(row) {
+                kv.apply(&KvEvent {
+                    row: slot,
+                    kind,
+                    block,
+                });
+                applied += 1;
+            }
+        }
+        applied
+    }
+
     /// Forget every block `row` holds (its engine cleared its cache or restarted).
     pub fn clear_kv_row(&self, row: RowId) -> u64 {
         let mut kv = write(&self.kv);
