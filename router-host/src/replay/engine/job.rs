@@ -1,0 +1,79 @@
+//! A request's life on an engine ([`Job`]) and what an engine reports back after a step
+//! ([`Outbox`]).
+
+use crate::host::RequestId;
+use crate::kv_index::KvEvent;
+
+use crate::replay::trace::WorkloadRequest;
+
+/// One request's life on an engine.
+#[derive(Debug, Clone, Default)]
+pub struct Job {
+    /// Index in the workload.
+    pub request: u32,
+    pub host_id: RequestId,
+    pub arrival_ns: u64,
+    /// When it reached the engine (after any host admission queue).
+    pub dispatched_ns: u64,
+    pub admitted_ns: Option<u64>,
+    pub first_token_ns: Option<u64>,
+    pub finish_ns: Option<u64>,
+    /// Prompt blocks found in the engine's cache at admission.
+    pub hit_blocks: u32,
+    pub(super) prompt_blocks: u32,
+    pub(super) output_blocks: u32,
+    pub(super) input_tokens: u64,
+    pub(super) output_tokens: u64,
+    pub(super) computed_tokens: u64,
+    /// Leading prompt blocks this job references in the cache.
+    pub(super) stored_blocks: u32,
+    /// Reserved blocks that are not cache entries (uncomputed prompt blocks, output blocks).
+    pub(super) private_blocks: u64,
+}
+
+impl Job {
+    pub fn new(
+        request: u32,
+        w: &WorkloadRequest,
+        block_size: u32,
+        arrival_ns: u64,
+        dispatched_ns: u64,
+    ) -> Job {
+        let output_tokens = w.output_length.max(1);
+        Job {
+            request,
+            arrival_ns,
+            dispatched_ns,
+            prompt_blocks: w.hash_ids.len() as u32,
+            output_blocks: output_tokens.div_ceil(u64::from(block_size.max(1))) as u32,
+            input_tokens: w.input_length,
+            output_tokens,
+            ..Job::default()
+        }
+    }
+
+    pub fn prompt_blocks(&self) -> u32 {
+        self.prompt_blocks
+    }
+
+    pub fn output_tokens(&self) -> u64 {
+        self.output_tokens
+    }
+}
+
+/// What an engine reports to the host side after a step.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    pub events: Vec<KvEvent>,
+    /// Jobs whose prefill finished (first token out).
+    pub first_tokens: Vec<u32>,
+    pub finished: Vec<u32>,
+}
+
+impl Outbox {
+    pub fn clear(&mut self) {
+        self.events.clear();
+        self.first_tokens.clear();
+        self.finished.clear();
+    }
+}
