@@ -9,14 +9,14 @@
 use std::sync::Arc;
 
 use plugin_api::abi::CompletionCode;
-use router_core::admission::{AdmissionMode as CoreAdmission, ClassSpec};
+use router_core::admission::ClassSpec;
 use router_core::routing::{CoreSettings, RoutingCore};
 use router_core::sessions::{
     BindingGranularity, BindingMode, Clock, SessionStore, SessionTable, SystemClock,
 };
 use router_core::topology::Topology;
 
-use crate::config::{AdmissionMode, AffinityMode, PolicyClassConfig, RouterConfig};
+use crate::config::{PolicyClassConfig, RouterConfig};
 use crate::model::{Cluster, Request, RowId, RowLoad};
 use crate::router::Router;
 
@@ -58,13 +58,13 @@ impl Host {
         clock: Arc<dyn Clock>,
     ) -> Self {
         let sessions = config.session_affinity.as_ref().map(|a| {
-            let (mode, granularity) = match a.mode {
-                AffinityMode::Soft => (BindingMode::Soft, BindingGranularity::Worker),
+            let granularity = match a.mode {
+                BindingMode::Soft => BindingGranularity::Worker,
                 // A hard binding acts as a pin, and a pin is one exact row.
-                AffinityMode::Hard => (BindingMode::Hard, BindingGranularity::Rank),
+                BindingMode::Hard => BindingGranularity::Rank,
             };
             Arc::new(
-                SessionTable::new(mode, a.ttl, a.max_bindings, clock.clone())
+                SessionTable::new(a.mode, a.ttl, a.max_bindings, clock.clone())
                     .with_granularity(granularity),
             )
         });
@@ -179,10 +179,7 @@ pub fn class_spec(config: &PolicyClassConfig) -> ClassSpec {
         name: config.name.clone(),
         prefill_busy_threshold: config.prefill_busy_threshold,
         prefill_busy_threshold_frac: config.prefill_busy_threshold_frac,
-        mode: match config.admission {
-            AdmissionMode::AnyEligible => CoreAdmission::AnyEligible,
-            AdmissionMode::ChosenRow => CoreAdmission::ChosenRow,
-        },
+        mode: config.admission,
         max_wait: config.max_queue_wait,
     }
 }

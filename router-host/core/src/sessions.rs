@@ -133,12 +133,20 @@ pub enum BindingMode {
 }
 
 impl BindingMode {
+    /// Every mode, in declaration order.
+    pub const ALL: [BindingMode; 2] = [BindingMode::Soft, BindingMode::Hard];
+
     /// The YAML / metrics spelling.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             BindingMode::Soft => "soft",
             BindingMode::Hard => "hard",
         }
+    }
+
+    /// The mode spelled `name` (as [`Self::as_str`] writes it), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
     }
 }
 

@@ -6,7 +6,7 @@ use super::error::{ConfigError, ConfigErrorKind};
 use super::locate::{key, Seg};
 use super::numbers::{de_busy_frac, de_busy_threshold, de_queue_wait_ms};
 use super::strings::{de_admission, de_class_name};
-use super::{Builder, Names};
+use super::{AdmissionMode, Builder, Names};
 
 /// One entry of `policy_classes:` (design doc §10). At least one threshold is set.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,19 +23,6 @@ pub struct PolicyClassConfig {
     /// A request queued longer than this fails (`max_queue_wait_ms`); `None` = no limit.
     pub max_queue_wait: Option<std::time::Duration>,
 }
-
-/// Queue admission mode (design doc §10).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdmissionMode {
-    /// Queue only while every eligible row is busy (the original contract).
-    #[default]
-    AnyEligible,
-    /// Select first; queue while the chosen row is busy.
-    ChosenRow,
-}
-
-spelled!(AdmissionMode { AnyEligible => "any_eligible", ChosenRow => "chosen_row" });
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a policy class mapping with `name`")]

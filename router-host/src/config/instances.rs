@@ -74,8 +74,7 @@ pub struct InstanceConfig {
 }
 
 /// What the host does when a policy instance errors, panics or is quarantined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum OnError {
     /// Route the request with the built-in `default` selector.
     #[default]

@@ -1,7 +1,7 @@
 //! Macros shared by the configuration files (declared first in `mod.rs`, so every file sees them).
 
-/// `as_str` (the YAML spelling) and `Display` (the same text) of a settings enum, from its
-/// variants and their spellings.
+/// `as_str` (the YAML spelling), `Display` (the same text) and the parsing of that spelling
+/// (`strings::Spelled`) of a settings enum, from its variants and their spellings.
 macro_rules! spelled {
     ($name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
         impl $name {
@@ -16,6 +16,17 @@ macro_rules! spelled {
         impl ::std::fmt::Display for $name {
             fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
                 f.write_str(self.as_str())
+            }
+        }
+
+        impl $crate::config::strings::Spelled for $name {
+            const NAMES: &'static [&'static str] = &[$($text),+];
+
+            fn from_name(name: &str) -> Option<Self> {
+                match name {
+                    $($text => Some($name::$variant),)+
+                    _ => None,
+                }
             }
         }
     };

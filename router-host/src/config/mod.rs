@@ -45,14 +45,17 @@ mod strings;
 #[cfg(test)]
 mod tests;
 
-pub use admission::{AdmissionMode, PolicyClassConfig};
+pub use admission::PolicyClassConfig;
 pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
 pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
 pub use limits::{MAX_CONFIG_BYTES, MAX_FLOW_DEPTH};
 pub use plugins::{PluginSource, PluginSpec};
+// The modes are the core's own types; `strings.rs` reads their spellings.
+pub use router_core::admission::AdmissionMode;
+pub use router_core::sessions::BindingMode as AffinityMode;
 // One default for the number of session bindings: the session table's own.
 pub use router_core::sessions::DEFAULT_MAX_BINDINGS;
-pub use sessions::{AffinityMode, SessionAffinityConfig};
+pub use sessions::SessionAffinityConfig;
 
 use admission::RawPolicyClass;
 use error::{line_column, yaml_error};

@@ -1,13 +1,12 @@
 //! `session_affinity:`: whether requests of a session stick to a worker, and for how long.
 
-use std::fmt;
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use super::numbers::{de_max_bindings, de_ttl_secs, narrow_or};
 use super::strings::de_affinity_mode;
-use super::{DEFAULT_MAX_BINDINGS, DEFAULT_SESSION_TTL};
+use super::{AffinityMode, DEFAULT_MAX_BINDINGS, DEFAULT_SESSION_TTL};
 
 /// `session_affinity:` settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,32 +17,6 @@ pub struct SessionAffinityConfig {
     pub ttl: Duration,
     /// Maximum number of bindings held at once.
     pub max_bindings: usize,
-}
-
-/// Session affinity mode (design doc §5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AffinityMode {
-    /// The binding is an advisory target and follows the dispatched row.
-    Soft,
-    /// The binding behaves like a pin.
-    Hard,
-}
-
-impl AffinityMode {
-    /// The YAML spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AffinityMode::Soft => "soft",
-            AffinityMode::Hard => "hard",
-        }
-    }
-}
-
-impl fmt::Display for AffinityMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 #[derive(Deserialize)]

@@ -4,10 +4,44 @@
 use std::fmt;
 
 use serde::de::{self, Unexpected, Visitor};
-use serde::{Deserialize, Deserializer};
+use serde::Deserializer;
 
 use super::error::excerpt;
 use super::{AdmissionMode, AffinityMode, OnError, DEFAULT_INSTANCE, MAX_NAME_LEN};
+
+/// A settings enum written as a plain string: its spellings and the value of each. The
+/// config's own enums get it from `spelled!`; the core's modes from their `ALL`, `as_str` and
+/// `from_name`.
+pub(super) trait Spelled: Sized {
+    /// Every spelling, in the order the error for an unknown one lists them.
+    const NAMES: &'static [&'static str];
+
+    /// The value spelled `name`, if any.
+    fn from_name(name: &str) -> Option<Self>;
+}
+
+/// [`Spelled`] for an enum of the core, whose `as_str` is a `const fn`.
+macro_rules! spelled_in_core {
+    ($($name:ident),+) => {$(
+        impl Spelled for $name {
+            const NAMES: &'static [&'static str] = &{
+                let mut names = [""; $name::ALL.len()];
+                let mut i = 0;
+                while i < names.len() {
+                    names[i] = $name::ALL[i].as_str();
+                    i += 1;
+                }
+                names
+            };
+
+            fn from_name(name: &str) -> Option<Self> {
+                $name::from_name(name)
+            }
+        }
+    )+};
+}
+
+spelled_in_core!(AdmissionMode, AffinityMode);
 
 /// Accepts a unit variant of `T` written as a plain string; null means "absent" unless
 /// `required`. Without it, `serde_yaml` reports a sequence or mapping given for an enum as
@@ -19,7 +53,7 @@ struct VariantVisitor<T> {
     variant: std::marker::PhantomData<T>,
 }
 
-impl<'de, T: Deserialize<'de>> Visitor<'de> for VariantVisitor<T> {
+impl<'de, T: Spelled> Visitor<'de> for VariantVisitor<T> {
     type Value = Option<T>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -27,7 +61,10 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for VariantVisitor<T> {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        T::deserialize(de::value::StrDeserializer::<E>::new(v)).map(Some)
+        // The same error, to the byte, as a serde-derived enum gives for an unknown variant.
+        T::from_name(v)
+            .map(Some)
+            .ok_or_else(|| E::unknown_variant(v, T::NAMES))
     }
 
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
@@ -43,7 +80,7 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for VariantVisitor<T> {
     }
 }
 
-fn de_variant<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+fn de_variant<'de, D: Deserializer<'de>, T: Spelled>(
     d: D,
     expecting: &'static str,
     required: bool,
