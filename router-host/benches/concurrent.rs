@@ -16,75 +16,35 @@ use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use router_host::host::{Host, NoOverlap};
+use router_host::host::Host;
 use router_host::kv_index::KvEventKind;
 use router_host::model::{Request, RowId};
 
-use common::{CacheFixture, Rng, PROMPT_BLOCKS, PROMPT_TOKENS, RANKS, WORKERS};
-
-const PROMPTS: usize = 256;
-
-fn row(r: usize) -> RowId {
-    RowId {
-        worker_id: (r / RANKS as usize) as u64,
-        dp_rank: (r % RANKS as usize) as u32,
-    }
-}
+use common::{row, PROMPTS, PROMPT_TOKENS};
 
 fn setup() -> (Host, Vec<Request>) {
     let config = common::two_tier_config("{}", "");
     let host = Host::new(common::two_tier_router(&config), common::cluster(), &config);
     let core = host.core();
-    let n = (WORKERS * RANKS) as usize;
-    let fixture = CacheFixture::new(n, 4_000, 125, 7);
+    let fixture = common::decision_fixture();
     for (r, held) in fixture.held.iter().enumerate() {
         for &p in held {
             let blocks = fixture.prompts[p].iter().map(|&b| (KvEventKind::Stored, b));
             assert!(core.apply_kv_events(row(r), blocks));
         }
     }
-    let mut rng = Rng::new(11);
-    let mut requests = Vec::with_capacity(PROMPTS);
-    for p in 0..PROMPTS {
-        let tenant = p as u64 % common::TENANTS;
-        let blocks: Vec<u64> = (0..PROMPT_BLOCKS)
-            .map(|i| {
-                if i < common::PREFIX_BLOCKS {
-                    tenant * 1_000 + i as u64
-                } else {
-                    common::fresh_block(&mut rng)
-                }
-            })
-            .collect();
-        let full = [rng.below(n as u64) as usize, rng.below(n as u64) as usize];
-        for r in 0..n {
-            let run = if full.contains(&r) {
-                PROMPT_BLOCKS
-            } else if rng.below(4) == 0 {
-                common::PREFIX_BLOCKS + rng.below(160) as usize
-            } else {
-                0
-            };
-            let stored = blocks[..run].iter().map(|&b| (KvEventKind::Stored, b));
-            core.apply_kv_events(row(r), stored);
-        }
-        requests.push(Request {
-            isl_tokens: PROMPT_TOKENS,
-            blocks,
-            ..Request::default()
-        });
-    }
-    for r in 0..n {
-        for _ in 0..(r * 7) % 13 {
-            let pinned = Request {
-                isl_tokens: 1024,
-                pinned_worker: Some(row(r)),
-                ..Request::default()
-            };
-            host.route(&pinned, &NoOverlap, false)
-                .expect("background load");
-        }
-    }
+    let requests = common::bench_prompts(|r, run| {
+        let stored = run.iter().map(|&b| (KvEventKind::Stored, b));
+        core.apply_kv_events(row(r), stored);
+    })
+    .into_iter()
+    .map(|p| Request {
+        isl_tokens: PROMPT_TOKENS,
+        blocks: p.blocks,
+        ..Request::default()
+    })
+    .collect();
+    common::background_load(&host);
     (host, requests)
 }
 

@@ -32,11 +32,7 @@ use router_host::host::{Host, NoOverlap, OverlapSource};
 use router_host::kv_index::{OverlapScratch, RequestOverlap, RowMap};
 use router_host::model::{Request, RowId};
 
-use common::{CacheFixture, Rng, PROMPT_BLOCKS, PROMPT_TOKENS, RANKS, WORKERS};
-
-/// Distinct benchmark prompts the decisions rotate through, so the index lookups are not all
-/// served from a cache warmed by the previous iteration.
-const PROMPTS: usize = 256;
+use common::{CacheFixture, PROMPTS, PROMPT_TOKENS};
 
 struct Setup {
     host: Host,
@@ -54,58 +50,17 @@ impl Setup {
     fn new(config: &RouterConfig, request: Request) -> Setup {
         let router = common::two_tier_router(config);
         let host = Host::new(router, common::cluster(), config);
-        let rows = RowMap {
-            workers: WORKERS,
-            dp_size: RANKS,
-        };
-        let n = rows.rows();
-        let mut fixture = CacheFixture::new(n, 4_000, 125, 7);
-        let mut rng = Rng::new(11);
-        let mut prompts = Vec::with_capacity(PROMPTS);
-        let mut full_rows = Vec::with_capacity(PROMPTS);
-        for p in 0..PROMPTS {
-            // A tenant's system prompt (every rank caches all 8), then blocks of its own.
-            let tenant = p as u64 % common::TENANTS;
-            let blocks: Vec<u64> = (0..PROMPT_BLOCKS)
-                .map(|i| {
-                    if i < common::PREFIX_BLOCKS {
-                        tenant * 1_000 + i as u64
-                    } else {
-                        common::fresh_block(&mut rng)
-                    }
-                })
-                .collect();
-            // A quarter of the rows hold a varied part of the rest (earlier turns of the
-            // conversation went there); two rows hold all of it (the previous turn).
-            let full = [rng.below(n as u64) as usize, rng.below(n as u64) as usize];
-            for r in 0..n {
-                let run = if full.contains(&r) {
-                    PROMPT_BLOCKS
-                } else if rng.below(4) == 0 {
-                    common::PREFIX_BLOCKS + rng.below(160) as usize
-                } else {
-                    0
-                };
-                for &block in &blocks[..run] {
-                    fixture.index.apply(&common::stored(r as u32, block));
-                }
+        let rows = common::ROWS;
+        let mut fixture = common::decision_fixture();
+        let (prompts, full_rows) = common::bench_prompts(|r, run| {
+            for &block in run {
+                fixture.index.apply(&common::stored(r as u32, block));
             }
-            prompts.push(blocks);
-            full_rows.push(full);
-        }
-        // Steady background load: 0..=12 requests on each row, never completed.
-        for r in 0..n {
-            let row = rows.row(r);
-            for _ in 0..(r * 7) % 13 {
-                let pinned = Request {
-                    isl_tokens: 1024,
-                    pinned_worker: Some(row),
-                    ..Request::default()
-                };
-                host.route(&pinned, &NoOverlap, false)
-                    .expect("background load");
-            }
-        }
+        })
+        .into_iter()
+        .map(|p| (p.blocks, p.full_rows))
+        .unzip();
+        common::background_load(&host);
         Setup {
             host,
             fixture,

@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 
 use router_host::config::RouterConfig;
-use router_host::kv_index::{KvEvent, KvEventKind, KvIndex};
+use router_host::host::{Host, NoOverlap};
+use router_host::kv_index::{KvEvent, KvEventKind, KvIndex, RowMap};
 use router_host::loader::SearchPath;
-use router_host::model::{Cluster, Worker};
+use router_host::model::{Cluster, Request, RowId, Worker};
 use router_host::router::Router;
 
 /// Workers and ranks of the benchmark cluster (issue 7: 16 workers x 8 ranks).
@@ -156,6 +157,89 @@ impl CacheFixture {
     /// Row-block pairs held.
     pub fn holdings(&self) -> u64 {
         self.index.holdings()
+    }
+}
+
+/// Distinct benchmark prompts the decisions rotate through (`benches/decision.rs`,
+/// `benches/concurrent.rs`), so the index lookups are not all served from a cache warmed by the
+/// previous iteration.
+pub const PROMPTS: usize = 256;
+
+/// The benchmark cluster's rows, in row-index order.
+pub const ROWS: RowMap = RowMap {
+    workers: WORKERS,
+    dp_size: RANKS,
+};
+
+/// The row of row index `index` of the benchmark cluster.
+pub fn row(index: usize) -> RowId {
+    ROWS.row(index)
+}
+
+/// The cache contents of the decision benchmarks: every row caches 125 prompts of a 4,000-prompt
+/// pool (1,000 prompts' worth per worker), so every row holds all 8 tenants' system prompts.
+pub fn decision_fixture() -> CacheFixture {
+    CacheFixture::new(ROWS.rows(), 4_000, 125, 7)
+}
+
+/// One of the [`PROMPTS`] benchmark prompts.
+pub struct BenchPrompt {
+    /// `PROMPT_BLOCKS` blocks: a tenant's system prompt, then blocks of its own.
+    pub blocks: Vec<u64>,
+    /// The two rows holding all of it.
+    pub full_rows: [usize; 2],
+}
+
+/// The benchmark prompts, storing what the rows cache of each with `store(row index, blocks)`:
+/// a quarter of the rows hold a varied leading run of the prompt (system prompt plus 0 to 159
+/// blocks) and two rows hold all of it, so the cache tier fires. `store` is called for every row
+/// of every prompt, with an empty run for a row that holds none of it.
+pub fn bench_prompts(mut store: impl FnMut(usize, &[u64])) -> Vec<BenchPrompt> {
+    let n = ROWS.rows();
+    let mut rng = Rng::new(11);
+    (0..PROMPTS)
+        .map(|p| {
+            // A tenant's system prompt (every rank caches all 8), then blocks of its own.
+            let tenant = p as u64 % TENANTS;
+            let blocks: Vec<u64> = (0..PROMPT_BLOCKS)
+                .map(|i| {
+                    if i < PREFIX_BLOCKS {
+                        tenant * 1_000 + i as u64
+                    } else {
+                        fresh_block(&mut rng)
+                    }
+                })
+                .collect();
+            // A quarter of the rows hold a varied part of the rest (earlier turns of the
+            // conversation went there); two rows hold all of it (the previous turn).
+            let full_rows = [rng.below(n as u64) as usize, rng.below(n as u64) as usize];
+            for r in 0..n {
+                let run = if full_rows.contains(&r) {
+                    PROMPT_BLOCKS
+                } else if rng.below(4) == 0 {
+                    PREFIX_BLOCKS + rng.below(160) as usize
+                } else {
+                    0
+                };
+                store(r, &blocks[..run]);
+            }
+            BenchPrompt { blocks, full_rows }
+        })
+        .collect()
+}
+
+/// Steady background load: 0..=12 pinned requests booked on each row, never completed.
+pub fn background_load(host: &Host) {
+    for r in 0..ROWS.rows() {
+        for _ in 0..(r * 7) % 13 {
+            let pinned = Request {
+                isl_tokens: 1024,
+                pinned_worker: Some(row(r)),
+                ..Request::default()
+            };
+            host.route(&pinned, &NoOverlap, false)
+                .expect("background load");
+        }
     }
 }
 
