@@ -518,8 +518,9 @@ pub fn outcome_json(host: &Host, index: usize, outcome: &Outcome) -> serde_json:
     }
 }
 
-/// serde_json appends " at line L column C"; the error already carries them as fields.
-fn strip_position(message: &str) -> String {
+/// serde_json appends " at line L column C"; the error already carries them as fields (the
+/// scenario's errors, and the replay trace's, which name the column themselves).
+pub(crate) fn strip_position(message: &str) -> String {
     match message.rfind(" at line ") {
         Some(at) => message[..at].to_string(),
         None => message.to_string(),

@@ -13,6 +13,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::fast_hash::FastSet;
+use crate::scenario::strip_position;
 
 /// Tokens per `hash_ids` entry in the Mooncake traces (and the default `--trace-block-size`).
 pub const DEFAULT_TRACE_BLOCK_SIZE: u32 = 512;
@@ -320,7 +321,7 @@ fn diagnose(text: &str) -> LineError {
                 format!(
                     "invalid JSON at column {}: {}",
                     e.column(),
-                    strip_position(&e)
+                    strip_position(&e.to_string())
                 ),
             )
         }
@@ -408,14 +409,6 @@ fn describe(v: &serde_json::Value) -> String {
         kind.to_string()
     } else {
         format!("{kind} {shown}")
-    }
-}
-
-fn strip_position(e: &serde_json::Error) -> String {
-    let message = e.to_string();
-    match message.rfind(" at line ") {
-        Some(at) => message[..at].to_string(),
-        None => message,
     }
 }
 
