@@ -1,4 +1,4 @@
-//! Policies built into the host: the `default` selector (design §7) and the cache-blind
+//! Policies built into the host: the `default` selector (docs/configuration.md) and the cache-blind
 //! baselines `round-robin` and `random`.
 //!
 //! They implement the same `plugin_api::Policy` trait as plugins and are boxed through the same

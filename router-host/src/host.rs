@@ -136,7 +136,7 @@ impl Host {
         self.core.route(request, source, explain)
     }
 
-    /// Admit one request: dispatch it, or queue it in its class lane (design §10).
+    /// Admit one request: dispatch it, or queue it in its class lane (docs/routing-contract.md §8).
     pub fn submit<O: OverlapSource + ?Sized>(
         &self,
         request: Request,

@@ -222,7 +222,7 @@ impl Router {
         if instance.is_quarantined() {
             return Err(PolicyFailure::Quarantined);
         }
-        // Only the built-in default narrows to an eligible soft target (design §4).
+        // Only the built-in default narrows to an eligible soft target (docs/routing-contract.md §4).
         let mut narrowed = std::mem::take(&mut scratch.narrowed);
         narrowed.clear();
         match selection.target {

@@ -1,4 +1,4 @@
-//! `soft-pin-repin`: keep a session on its soft target until the target gets busy (design §9).
+//! `soft-pin-repin`: keep a session on its soft target until the target gets busy (docs/policies/soft-pin-repin.md).
 //!
 //! With a soft-affinity target that has eligible rows, the policy keeps the request on the
 //! target's least-loaded row while that row has at most `max_active_requests` active requests.
@@ -72,7 +72,7 @@ impl SoftPinRepin {
         self.max_active_requests
     }
 
-    /// Apply the rules of design §9.
+    /// Apply the rules of docs/policies/soft-pin-repin.md.
     pub fn decide(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<Decision, PickError> {
         let active = rows
             .load()

@@ -1,4 +1,4 @@
-//! The two-tier decision (design §8), shared by `pick` and `explain`.
+//! The two-tier decision (docs/policies/two-tier-cost-fn.md), shared by `pick` and `explain`.
 //!
 //! Allocation-free: a row set is a predicate over row indices, and each tier run is one pass.
 

@@ -1,4 +1,4 @@
-//! `dynamo-two-tier-cost-fn`: a load tier, then a cache tier, then least-loaded (design §8).
+//! `dynamo-two-tier-cost-fn`: a load tier, then a cache tier, then least-loaded (docs/policies/two-tier-cost-fn.md).
 //!
 //! 1. Load tier: if active requests are too uneven (absolute gap and ratio, both strict), pick the
 //!    least-loaded row.

@@ -45,7 +45,7 @@ fn at(worker_id: u64, dp_rank: u32) -> RowId {
     RowId { worker_id, dp_rank }
 }
 
-// ---- conformance table of design §8 ------------------------------------------------------------
+// ---- conformance table of docs/policies/two-tier-cost-fn.md ------------------------------------------------------------
 
 struct Case {
     params: &'static str,

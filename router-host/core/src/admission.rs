@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::model::{Request, RowId, RowLoad};
 use crate::routing::{RouteError, Routed};
 
-/// How a policy class decides that a queued request may go (design §10).
+/// How a policy class decides that a queued request may go (docs/routing-contract.md §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum AdmissionMode {
     /// Dispatch while any eligible row is under the threshold (a deferral signal, not a

@@ -1,4 +1,4 @@
-//! The one eligibility view (design §3): which rows a request may be routed to.
+//! The one eligibility view (docs/routing-contract.md §3): which rows a request may be routed to.
 //!
 //! Every caller that needs "the rows this request could go to" (selection, queue-admission busy
 //! checks, queue readiness) goes through [`eligible_rows`], computed from one cluster snapshot,

@@ -1,4 +1,4 @@
-//! `policy_classes:`: the queue admission classes (design doc §10).
+//! `policy_classes:`: the queue admission classes (docs/routing-contract.md §8).
 
 use serde::Deserialize;
 
@@ -8,7 +8,7 @@ use super::numbers::{de_busy_frac, de_busy_threshold, de_queue_wait_ms};
 use super::strings::{de_admission, de_class_name};
 use super::{AdmissionMode, Builder, Names};
 
-/// One entry of `policy_classes:` (design doc §10). At least one threshold is set.
+/// One entry of `policy_classes:` (docs/routing-contract.md §8). At least one threshold is set.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyClassConfig {
     /// Unique class name, `[A-Za-z0-9_.-]{1,128}`.

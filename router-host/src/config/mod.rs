@@ -66,7 +66,7 @@ use numbers::{de_block_size, de_weight};
 use plugins::RawPlugin;
 use sessions::RawSessionAffinity;
 
-/// The instance name reserved for the built-in selector (design doc §7).
+/// The instance name reserved for the built-in selector (docs/configuration.md, `default`).
 pub const DEFAULT_INSTANCE: &str = "default";
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -117,7 +117,7 @@ pub struct RouterConfig {
     pub worker_selection: WorkerSelectionConfig,
     /// Session affinity; `None` = off.
     pub session_affinity: Option<SessionAffinityConfig>,
-    /// Queue admission classes (design doc §10), in file order.
+    /// Queue admission classes (docs/routing-contract.md §8), in file order.
     pub policy_classes: Vec<PolicyClassConfig>,
     /// Opaque settings for the replay simulator (a JSON object), not validated here.
     pub engine: Option<serde_json::Value>,
@@ -140,7 +140,7 @@ impl Default for RouterConfig {
     }
 }
 
-/// Weights of the built-in `default` selector (design doc §7).
+/// Weights of the built-in `default` selector (docs/configuration.md, `default`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DefaultSelectorConfig {
     /// Multiplier of the prefill term of the cost.

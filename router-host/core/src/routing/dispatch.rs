@@ -146,7 +146,9 @@ impl RoutingCore {
         explain: bool,
     ) -> Result<Admitted, RouteError> {
         let Some(class) = self.class_of(request)? else {
-            return self.route_on(topology, request, source, explain).map(Admitted::Now);
+            return self
+                .route_on(topology, request, source, explain)
+                .map(Admitted::Now);
         };
         let plan = self.plan(topology, request, explain)?;
         // A pin (explicit, or a hard session binding) waits in its own lane, so a busy pinned

@@ -110,7 +110,11 @@ impl<'a> IndexOverlap<'a> {
 }
 
 fn blocks_in(held: &[u32], slot: Option<u32>) -> f64 {
-    f64::from(slot.and_then(|s| held.get(s as usize)).copied().unwrap_or(0))
+    f64::from(
+        slot.and_then(|s| held.get(s as usize))
+            .copied()
+            .unwrap_or(0),
+    )
 }
 
 impl OverlapSource for IndexOverlap<'_> {
