@@ -8,6 +8,7 @@ use std::time::Duration;
 use abi_stable::std_types::{RResult, RSlice, RStr};
 use plugin_api::abi::{HostLog, LogLevel, LogRecord, PolicyBox, RawCreateContext};
 use plugin_api::Inputs;
+use router_core::select::PolicyFailure;
 use router_core::striped::StripedCounter;
 
 use crate::builtin::{Builtin, BuiltinSettings};
@@ -297,8 +298,54 @@ impl PolicyInstance {
         &self.policy
     }
 
-    /// Count one timed pick; returns true when this pick tipped the instance into quarantine.
-    pub(crate) fn record_pick_time(&self, pick_ns: u64) -> bool {
+    /// Whether the instance may be called: not poisoned (counted as an error, as before), not
+    /// quarantined. The one place an instance's health is decided.
+    pub(crate) fn callable(&self) -> Result<(), PolicyFailure> {
+        if self.is_poisoned() {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            return Err(PolicyFailure::Poisoned);
+        }
+        if self.is_quarantined() {
+            return Err(PolicyFailure::Quarantined);
+        }
+        Ok(())
+    }
+
+    /// Count a failed pick; a panic poisons the instance. Returns the failure.
+    pub(crate) fn failed(&self, failure: PolicyFailure) -> PolicyFailure {
+        match &failure {
+            PolicyFailure::OutOfRange { .. } => {
+                self.stats.out_of_range.fetch_add(1, Ordering::Relaxed);
+            }
+            PolicyFailure::Panicked(_) => {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                self.stats.panics.fetch_add(1, Ordering::Relaxed);
+                self.poisoned.store(true, Ordering::Relaxed);
+            }
+            _ => {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        failure
+    }
+
+    /// Count one timed pick; quarantine the instance (and say so, once) after
+    /// `quarantine_after` consecutive picks over its budget.
+    pub(crate) fn record_pick_time(&self, pick_ns: u64) {
+        if self.over_budget(pick_ns) {
+            tracing::error!(
+                instance = %self.name,
+                origin = %self.origin,
+                budget_us = self.pick_budget.as_micros() as u64,
+                last_pick_us = pick_ns / 1000,
+                "instance quarantined after {} consecutive picks over its time budget; its requests now go to its fallback",
+                self.quarantine_after
+            );
+        }
+    }
+
+    /// Returns true when this pick tipped the instance into quarantine.
+    fn over_budget(&self, pick_ns: u64) -> bool {
         let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
         if pick_ns <= budget {
             // Load first: an unconditional store would bounce this line between routing threads.

@@ -215,13 +215,7 @@ impl Router {
         scratch: &mut Scratch,
     ) -> Result<Pick, PolicyFailure> {
         let instance = &self.instances[id];
-        if instance.is_poisoned() {
-            instance.stats.errors.fetch_add(1, Ordering::Relaxed);
-            return Err(PolicyFailure::Poisoned);
-        }
-        if instance.is_quarantined() {
-            return Err(PolicyFailure::Quarantined);
-        }
+        instance.callable()?;
         // Only the built-in default narrows to an eligible soft target (docs/routing-contract.md §4).
         let mut narrowed = std::mem::take(&mut scratch.narrowed);
         narrowed.clear();
@@ -253,34 +247,14 @@ impl Router {
         let started = Instant::now();
         let picked = instance.policy.pick(&ctx, &view);
         let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        if instance.record_pick_time(pick_ns) {
-            tracing::error!(
-                instance = %instance.name,
-                origin = %instance.origin,
-                budget_us = instance.pick_budget.as_micros() as u64,
-                last_pick_us = pick_ns / 1000,
-                "instance quarantined after {} consecutive picks over its time budget; its requests now go to its fallback",
-                instance.quarantine_after
-            );
-        }
+        instance.record_pick_time(pick_ns);
         let outcome = match picked {
             RResult::ROk(index) if index < narrowed.len() => Ok(narrowed[index]),
-            RResult::ROk(index) => {
-                instance.stats.out_of_range.fetch_add(1, Ordering::Relaxed);
-                Err(PolicyFailure::OutOfRange {
-                    index,
-                    rows: narrowed.len(),
-                })
-            }
-            RResult::RErr(failure) => {
-                let failure = PolicyFailure::from_abi(failure);
-                instance.stats.errors.fetch_add(1, Ordering::Relaxed);
-                if matches!(failure, PolicyFailure::Panicked(_)) {
-                    instance.stats.panics.fetch_add(1, Ordering::Relaxed);
-                    instance.poisoned.store(true, Ordering::Relaxed);
-                }
-                Err(failure)
-            }
+            RResult::ROk(index) => Err(instance.failed(PolicyFailure::OutOfRange {
+                index,
+                rows: narrowed.len(),
+            })),
+            RResult::RErr(failure) => Err(instance.failed(PolicyFailure::from_abi(failure))),
         };
         let explanation = match (&outcome, selection.explain) {
             (Ok(_), true) => match instance.policy.explain(&ctx, &view) {
