@@ -11,7 +11,7 @@
 //!
 //! On a large index each hash lookup is a cache miss or two, and the walk's lookups were most of
 //! a routing decision. Engines store a prompt's blocks in order, so each slot also remembers the
-//! block stored after it ([`SlotInfo`]): along a cached prompt the walk follows those hints
+//! block stored after it (`SlotInfo`): along a cached prompt the walk follows those hints
 //! through slot data that lies mostly in sequence, and hashes only where a hint does not match.
 
 use std::cell::{Cell, RefCell};

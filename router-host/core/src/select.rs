@@ -79,7 +79,7 @@ impl PolicyFailure {
     }
 }
 
-/// Index of an instance in [`Router::instances`].
+/// Index of an instance in the selector's list (router-host's `Router::instances`).
 pub type InstanceId = usize;
 
 /// What selection decided for one request.

@@ -7,7 +7,7 @@
 //! 2. session lookup: take a lease, turn a soft binding into the advisory target and a hard one
 //!    into a pin (`plan`);
 //! 3. admission, for requests with a policy class (`try_admit`, [`crate::admission`]);
-//! 4. the [`Selector`] decides over the eligible rows, reading load from the [`Ledger`] and
+//! 4. the [`Selector`] decides over the eligible rows, reading load from the [`crate::ledger::Ledger`] and
 //!    overlap from the request's blocks in the [`KvIndex`] (or from a caller's source);
 //! 5. dispatch: book the row in the ledger and record the booking, update the session binding,
 //!    tell the deciding instance (`dispatch`).
@@ -227,7 +227,7 @@ impl RoutingCore {
     }
 
     /// Report the active requests observed on `row` (engine metrics), or `None` to forget them.
-    /// Returns whether the row is registered. See [`Ledger::observe`] for the rule.
+    /// Returns whether the row is registered. See [`crate::ledger::Ledger::observe`] for the rule.
     pub fn observe_load(&self, row: RowId, active_requests: Option<u64>) -> bool {
         // Under the writer lock: a removed worker's slot is never observed after its reset.
         let _w = lock(&self.writer);
