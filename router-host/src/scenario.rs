@@ -150,13 +150,28 @@ struct RawPin {
     dp_rank: u32,
 }
 
-#[derive(Deserialize, Clone, Copy, Default)]
-#[serde(rename_all = "lowercase")]
-enum RawRole {
-    #[default]
-    Aggregated,
-    Prefill,
-    Decode,
+/// A request's `role`, spelled as `RequestRole::from_name` reads it (the one list of names).
+#[derive(Clone, Copy, Default)]
+struct RawRole(RequestRole);
+
+impl<'de> Deserialize<'de> for RawRole {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl serde::de::Visitor<'_> for Names {
+            type Value = RawRole;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a role: `aggregated`, `prefill` or `decode`")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawRole, E> {
+                static NAMES: std::sync::OnceLock<[&str; 3]> = std::sync::OnceLock::new();
+                let names = NAMES.get_or_init(|| RequestRole::ALL.map(RequestRole::as_str));
+                RequestRole::from_name(v)
+                    .map(RawRole)
+                    .ok_or_else(|| E::unknown_variant(v, names))
+            }
+        }
+        d.deserialize_str(Names)
+    }
 }
 
 #[derive(Deserialize)]
@@ -329,11 +344,7 @@ impl Scenario {
                     id: None,
                     blocks: Vec::new(),
                     isl_tokens: r.isl_tokens,
-                    role: match r.role {
-                        RawRole::Aggregated => RequestRole::Aggregated,
-                        RawRole::Prefill => RequestRole::Prefill,
-                        RawRole::Decode => RequestRole::Decode,
-                    },
+                    role: r.role.0,
                     session_id: r.session_id,
                     affinity_target: r.affinity_target.map(|t| AffinityTarget {
                         worker_id: t.worker_id,

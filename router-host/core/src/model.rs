@@ -207,6 +207,11 @@ impl RequestRole {
     pub fn as_str(self) -> &'static str {
         self.role().as_str()
     }
+
+    /// The role spelled `name` (`aggregated`, `prefill`, `decode`).
+    pub fn from_name(name: &str) -> Option<RequestRole> {
+        RequestRole::ALL.into_iter().find(|r| r.as_str() == name)
+    }
 }
 
 /// Prompt blocks already cached on a row, per tier.

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::engine::EngineParams;
-use super::sim::{RunOutput, SessionCounts, Shape};
+use super::sim::{RunOutput, Shape};
 use super::trace::{ratio, Workload, WorkloadStats};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -95,6 +95,7 @@ pub struct QueueReport {
     pub wait_ms: Percentiles,
 }
 
+/// Session binding outcomes of dispatched requests, counted by the replay and reported as is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct SessionReport {
     /// First request of a session (binding created).
@@ -106,19 +107,6 @@ pub struct SessionReport {
     pub stale: u64,
     pub hard_binding_gone: u64,
     pub not_recorded: u64,
-}
-
-impl From<SessionCounts> for SessionReport {
-    fn from(s: SessionCounts) -> Self {
-        SessionReport {
-            new: s.new,
-            kept: s.kept,
-            moved: s.moved,
-            stale: s.stale,
-            hard_binding_gone: s.hard_binding_gone,
-            not_recorded: s.not_recorded,
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -285,7 +273,7 @@ impl ConfigReport {
                 wait_ms: Percentiles::of(run.queue_waits_ns.iter().map(|&n| ms(n)).collect())
                     .rounded(3),
             },
-            sessions: run.sessions.into(),
+            sessions: run.sessions,
             fallbacks: run.fallbacks,
             decision_ns: Percentiles::of(run.decision_ns.iter().map(|&n| n as f64).collect())
                 .rounded(0),

@@ -56,16 +56,8 @@ pub struct RunConfig {
     pub block_size_replaced: Option<u32>,
 }
 
-/// Session binding outcomes of dispatched requests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SessionCounts {
-    pub new: u64,
-    pub kept: u64,
-    pub moved: u64,
-    pub stale: u64,
-    pub hard_binding_gone: u64,
-    pub not_recorded: u64,
-}
+/// Session binding outcomes of dispatched requests (the report prints them as they are).
+pub use super::report::SessionReport as SessionCounts;
 
 /// Active requests per worker over simulated time.
 #[derive(Debug, Clone, PartialEq)]
