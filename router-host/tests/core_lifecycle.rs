@@ -62,6 +62,27 @@ fn caller_ids_are_the_booking_ids_and_duplicates_book_nothing() {
 }
 
 #[test]
+fn drawn_ids_step_around_ids_callers_already_use() {
+    let host = host("{}", vec![Worker::new(1)], Arc::new(ManualClock::default()));
+    let core = host.core();
+    // The first ids any thread would draw are 0..16 (n * 16 + its shard): take them all.
+    for id in 0..16 {
+        let taken = Request {
+            id: Some(id),
+            ..req(1)
+        };
+        core.route(&taken, &NoOverlap, false).unwrap();
+    }
+    let drawn = core.route(&req(1), &NoOverlap, false).unwrap().id;
+    assert!(drawn >= 16, "drew {drawn}, already in flight");
+    assert_eq!(core.in_flight(), 17);
+    for id in (0..16).chain([drawn]) {
+        assert!(core.complete(id), "request {id}");
+    }
+    assert_eq!(core.booked(row(1, 0)), RowLoad::default());
+}
+
+#[test]
 fn queued_tickets_wait_expire_cancel_and_resolve_as_futures() {
     let clock = Arc::new(ManualClock::default());
     let host = host(ONE_SLOT, vec![sized(1)], clock.clone());

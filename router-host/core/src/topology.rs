@@ -53,6 +53,9 @@ pub struct Topology {
     ids: Vec<u64>,
     runs: Vec<SlotRun>,
     ledger: Arc<Ledger>,
+    /// Which publication this is (`RoutingCore` numbers them), so a holder can tell with one
+    /// plain load whether a newer snapshot exists.
+    generation: u64,
 }
 
 impl Default for Topology {
@@ -62,6 +65,7 @@ impl Default for Topology {
             ids: Vec::new(),
             runs: Vec::new(),
             ledger: Arc::new(Ledger::default()),
+            generation: 0,
         }
     }
 }
@@ -83,7 +87,19 @@ impl Topology {
             runs,
             cluster,
             ledger,
+            generation: 0,
         }
+    }
+
+    /// The publication number (see [`Topology::published_as`]).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// This snapshot numbered as publication `generation`.
+    pub fn published_as(mut self, generation: u64) -> Topology {
+        self.generation = generation;
+        self
     }
 
     pub fn cluster(&self) -> &Cluster {

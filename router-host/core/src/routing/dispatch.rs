@@ -97,7 +97,7 @@ impl RoutingCore {
     ) -> Result<Routed, RouteError> {
         let plan = self.plan(topology, request, explain)?;
         let decision = self.decide(topology, &plan, source)?;
-        self.dispatch(request, decision, plan, Duration::ZERO)
+        self.dispatch(topology, request, decision, plan, Duration::ZERO)
     }
 
     /// [`RoutingCore::route`] with overlap from the request's blocks in the core's KV index.
@@ -223,7 +223,7 @@ impl RoutingCore {
                 decision
             }
         };
-        self.dispatch(request, decision, plan, waited).map(Some)
+        self.dispatch(topology, request, decision, plan, waited).map(Some)
     }
 
     /// Whether `row` is over `class`'s prefill threshold, on the same snapshot selection reads.
@@ -305,6 +305,7 @@ impl RoutingCore {
     /// Book the decision and record it; then the session binding and the instance's hook.
     pub(super) fn dispatch(
         &self,
+        snapshot: &Topology,
         request: &Request,
         decision: Decision,
         plan: Plan<'_>,
@@ -325,7 +326,16 @@ impl RoutingCore {
             // shards at once) while it clears a removed worker's slots: either this booking
             // lands first and is taken away with the worker, or this sees the worker gone.
             let mut shard = lock(self.shard(id));
-            let topology = self.topology.load();
+            // The decision's snapshot, unless a newer one was published since (then re-read).
+            let newer;
+            let topology = if self.generation.load(std::sync::atomic::Ordering::Acquire)
+                == snapshot.generation()
+            {
+                snapshot
+            } else {
+                newer = self.topology.load_full();
+                &newer
+            };
             let slot = topology
                 .slot(decision.row)
                 .ok_or(RouteError::WorkerRemoved {
@@ -335,12 +345,11 @@ impl RoutingCore {
                 if request.id.is_some() {
                     return Err(RouteError::DuplicateRequestId(id));
                 }
-                // A drawn id that a caller already used: draw until free (same shard).
-                drop(shard);
-                while lock(self.shard(id)).contains_key(&id) {
+                // A drawn id that a caller already used: draw until free. Ids this thread draws
+                // all fall in this same shard, so the lock (and the slot read under it) holds.
+                while shard.contains_key(&id) {
                     id = self.draw_id();
                 }
-                shard = lock(self.shard(id));
             }
             topology.ledger().book(slot, charge);
             shard.insert(

@@ -151,6 +151,9 @@ pub struct RoutingCore {
     /// collision only costs a probe (the table is per shard and bounded by requests in flight).
     /// Each shard on its own cache lines, so threads working on different shards never share one.
     inflight: [CachePadded<Mutex<FastMap<RequestId, Booking>>>; SHARDS],
+    /// The generation of the current topology snapshot (`workers.rs` `publish`): a booking
+    /// checks it with one plain load instead of taking a second snapshot guard.
+    generation: AtomicU64,
     /// Per shard: the next id the core draws for requests without one (see `draw_id`).
     next_ids: [CachePadded<AtomicU64>; SHARDS],
     clock: Arc<dyn Clock>,
@@ -184,6 +187,7 @@ impl RoutingCore {
             drainer: Mutex::new(()),
             drain_requested: std::sync::atomic::AtomicBool::new(false),
             inflight: std::array::from_fn(|_| CachePadded::new(Mutex::new(FastMap::default()))),
+            generation: AtomicU64::new(0),
             next_ids: std::array::from_fn(|_| CachePadded::new(AtomicU64::new(0))),
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
         }

@@ -1,5 +1,6 @@
 //! Membership and health: workers joining, draining, leaving; their flags; their KV events.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use plugin_api::abi::CompletionCode;
@@ -7,7 +8,7 @@ use plugin_api::abi::CompletionCode;
 use super::{lock, write, Booking, RequestId, RoutingCore};
 use crate::kv_index::{KvEvent, KvEventKind};
 use crate::model::{RowId, Worker};
-use crate::topology::MembershipError;
+use crate::topology::{MembershipError, Topology};
 
 /// What removing a worker took with it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -20,6 +21,14 @@ pub struct RemovedWorker {
 }
 
 impl RoutingCore {
+    /// Make `next` the current snapshot: stored first, then its generation announced, so a
+    /// thread that sees the new generation finds the new snapshot. Callers hold the writer lock.
+    fn publish(&self, next: Topology) {
+        let generation = self.topology.load().generation() + 1;
+        self.topology.store(Arc::new(next.published_as(generation)));
+        self.generation.store(generation, Ordering::Release);
+    }
+
     /// Register a worker; its rows get slots and start idle and cold.
     pub fn add_worker(&self, worker: Worker) -> Result<(), MembershipError> {
         let mut alloc = lock(&self.writer);
@@ -27,14 +36,14 @@ impl RoutingCore {
         write(&self.kv).ensure_rows(next.slot_bound());
         let slots = next.ledger().slots();
         if needed <= slots {
-            self.topology.store(Arc::new(next));
+            self.publish(next);
             return Ok(());
         }
         // Outgrown: copy the ledger while every in-flight shard is held (no booking or release
         // can run, so none is lost from the copy), and publish the copy with the snapshot.
         let shards: Vec<_> = self.inflight.iter().map(|s| lock(s)).collect();
         let grown = Arc::new(next.ledger().grown(needed.max(slots * 2)));
-        self.topology.store(Arc::new(next.with_ledger(grown)));
+        self.publish(next.with_ledger(grown));
         drop(shards);
         Ok(())
     }
@@ -60,7 +69,7 @@ impl RoutingCore {
                 w.draining = draining;
             }
         })?;
-        self.topology.store(Arc::new(next));
+        self.publish(next);
         Ok(())
     }
 
@@ -77,7 +86,7 @@ impl RoutingCore {
             // in-flight shard at once (in order), so no booking or release runs while the freed
             // slots are cleared; the writer lock keeps them from being handed out again until
             // that is done, and the KV write lock from taking events for them.
-            self.topology.store(Arc::new(next));
+            self.publish(next);
             let mut shards: Vec<_> = self.inflight.iter().map(|s| lock(s)).collect();
             for shard in shards.iter_mut() {
                 let ids: Vec<RequestId> = shard
