@@ -70,18 +70,56 @@ fn main() -> ExitCode {
     init_logging(cli.verbose);
     match run(cli.command) {
         Ok(code) => code,
-        // A closed pipe (`router-host check | head`) is not an error of ours.
-        Err(err)
-            if err
-                .downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            ExitCode::SUCCESS
-        }
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Command output on stdout. A closed pipe (`router-host select ... | head`, `| true`) is not an
+/// error: from the first write that finds the reader gone, output is dropped quietly, and the
+/// command finishes with the exit status its outcome gives (a `select` with a failed request
+/// still exits 1). Other write errors (a full disk) are errors.
+pub(crate) struct Stdout {
+    inner: std::io::StdoutLock<'static>,
+    closed: bool,
+}
+
+impl Stdout {
+    pub(crate) fn lock() -> Stdout {
+        Stdout {
+            inner: std::io::stdout().lock(),
+            closed: false,
+        }
+    }
+
+    fn absorb_closed<T>(&mut self, result: std::io::Result<T>, ok: T) -> std::io::Result<T> {
+        match result {
+            Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => {
+                self.closed = true;
+                Ok(ok)
+            }
+            other => other,
+        }
+    }
+}
+
+impl Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.closed {
+            return Ok(buf.len());
+        }
+        let result = self.inner.write(buf);
+        self.absorb_closed(result, buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let result = self.inner.flush();
+        self.absorb_closed(result, ())
     }
 }
 
@@ -129,7 +167,7 @@ fn load(args: &ConfigArgs) -> anyhow::Result<(RouterConfig, Router)> {
 
 fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     let (_, router) = load(args)?;
-    let mut out = std::io::stdout().lock();
+    let mut out = Stdout::lock();
     writeln!(out, "config {}: OK", args.config.display())?;
     writeln!(out, "plugins:")?;
     if router.catalog().libraries().is_empty() {
@@ -177,6 +215,7 @@ fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
             instance.type_name
         )?;
     }
+    out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -206,7 +245,7 @@ fn describe(plugin: &Path, allow_insecure_permissions: bool) -> anyhow::Result<E
         allow_insecure_permissions,
     };
     let library = open_library(plugin, verify)?;
-    let mut out = std::io::stdout().lock();
+    let mut out = Stdout::lock();
     writeln!(
         out,
         "{} {} (plugin-api {}) at {}",
@@ -218,6 +257,7 @@ fn describe(plugin: &Path, allow_insecure_permissions: bool) -> anyhow::Result<E
     for doc in &library.types {
         print_type(&mut out, doc)?;
     }
+    out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -263,13 +303,14 @@ fn select(args: &ConfigArgs, scenario_file: &Path) -> anyhow::Result<ExitCode> {
     }
     let mut host = Host::new(router, scenario.cluster.clone(), &config);
     let outcomes = scenario::run(&mut host, &scenario);
-    let mut out = std::io::stdout().lock();
+    let mut out = Stdout::lock();
     let mut all_routed = true;
     for (index, outcome) in outcomes.iter().enumerate() {
         all_routed &= outcome.routed().is_some();
         let line = scenario::outcome_json(&host, index, outcome);
         writeln!(out, "{line}")?;
     }
+    out.flush()?;
     Ok(if all_routed {
         ExitCode::SUCCESS
     } else {

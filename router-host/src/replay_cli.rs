@@ -1,7 +1,10 @@
 //! The `replay` subcommand: flags, progress on stderr, table on stdout, `--json`, `--plot`.
+//!
+//! Output files are written before the table, each through a temporary file renamed into place.
 
-use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -178,20 +181,13 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         workload.truncate(n);
     }
     if let Some(f) = args.time_scale {
-        if !(f.is_finite() && f > 0.0) {
-            anyhow::bail!("--time-scale must be a finite number > 0, got {f}");
-        }
-        workload.scale_time(f);
+        workload.scale_time(f).context("--time-scale")?;
     }
     if workload.requests.is_empty() {
         anyhow::bail!("the workload has no requests");
     }
     if let Some(path) = &args.write_workload {
-        let file = std::fs::File::create(path)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        workload
-            .write_jsonl(std::io::BufWriter::new(file))
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        write_file(path, |out| workload.write_jsonl(out))?;
     }
     let setup = Setup {
         shape: router_host::replay::Shape {
@@ -222,18 +218,22 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     });
     bar.finish();
     let report = report?;
-    let mut out = std::io::stdout().lock();
-    out.write_all(report.to_table().as_bytes())?;
-    out.flush()?;
+    // The files first: a closed stdout (`| head`) must not cost them.
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report.to_json())?;
-        std::fs::write(path, text + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        write_file(path, |out| {
+            out.write_all(text.as_bytes())?;
+            out.write_all(b"\n")
+        })?;
     }
     if let Some(path) = &args.plot {
-        std::fs::write(path, plot::svg(&report))
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        let svg = plot::svg(&report);
+        write_file(path, |out| out.write_all(svg.as_bytes()))?;
     }
+    let mut out = crate::Stdout::lock();
+    out.write_all(report.to_table().as_bytes())
+        .and_then(|()| out.flush())
+        .context("cannot write to stdout")?;
     let wall = started.elapsed().as_secs_f64();
     let simulated: usize = report.configs.len() * report.workload.requests;
     eprintln!(
@@ -243,6 +243,51 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         simulated as f64 / wall.max(1e-9)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Write `path` whole or not at all: into a temporary file in the same directory, renamed over
+/// `path` once complete, so an interrupted run (Ctrl-C) never leaves a truncated file under the
+/// final name, and a reader of the old file keeps the old content. Through a symlink, the file it
+/// points to is replaced. A target that exists and is not a regular file (`/dev/null`, a FIFO)
+/// is written in place.
+fn write_file(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
+    let cannot = || format!("cannot write {}", path.display());
+    let is_link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let target = match is_link.then(|| std::fs::canonicalize(path)) {
+        Some(Ok(real)) => real,
+        _ => path.to_path_buf(),
+    };
+    if std::fs::metadata(&target).is_ok_and(|m| !m.is_file()) {
+        let mut out = BufWriter::new(File::create(&target).with_context(cannot)?);
+        return write(&mut out)
+            .and_then(|()| out.flush())
+            .with_context(cannot);
+    }
+    let Some(name) = target.file_name() else {
+        anyhow::bail!("cannot write {}: not a file name", path.display());
+    };
+    let dir = match target.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let temp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = (|| -> std::io::Result<()> {
+        let mut out = BufWriter::new(File::create(&temp)?);
+        write(&mut out)?;
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&temp, &target)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written.with_context(cannot)
 }
 
 /// A one-line progress bar on stderr, drawn only when stderr is a terminal.

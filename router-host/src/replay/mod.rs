@@ -30,7 +30,7 @@ pub use engine::{EngineParams, EngineSpec, KvCapacity};
 pub use report::{ConfigReport, Report};
 pub use sim::{RunConfig, Shape};
 pub use synth::SynthParams;
-pub use trace::{TraceError, Workload, WorkloadRequest};
+pub use trace::{TimeScaleError, TraceError, Workload, WorkloadRequest};
 
 /// The configs replayed when none is given: `(label, YAML text)`, the files of
 /// `examples/replay/` built into the binary.

@@ -7,7 +7,7 @@
 //! `trace FILE: line N: field `F`: PROBLEM`; a malformed line never panics.
 
 use std::fmt;
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 use std::path::Path;
 
 use serde::Deserialize;
@@ -21,6 +21,9 @@ pub const DEFAULT_TRACE_BLOCK_SIZE: u32 = 512;
 /// Largest accepted `timestamp` (milliseconds, about 31 years): simulated nanoseconds stay far
 /// from `u64` overflow.
 pub const MAX_TIMESTAMP_MS: f64 = 1e12;
+/// Longest trace line read, in bytes (without its newline). A longer line is an error naming the
+/// file and line; the reader never holds more than this much of one line.
+pub const MAX_TRACE_LINE_BYTES: usize = 1 << 20;
 /// Largest accepted `output_length`.
 pub const MAX_OUTPUT_LENGTH: u64 = 1_000_000_000;
 
@@ -106,12 +109,35 @@ impl Workload {
     }
 
     /// Multiply every arrival time by `factor` (0.5 = the same requests twice as fast).
-    pub fn scale_time(&mut self, factor: f64) {
-        // Capped like trace timestamps, so simulated time cannot overflow.
-        let cap = MAX_TIMESTAMP_MS * 1e6;
-        for r in &mut self.requests {
-            r.arrival_ns = (r.arrival_ns as f64 * factor).round().min(cap) as u64;
+    ///
+    /// `factor` must be finite and > 0, and must keep every arrival within
+    /// [`MAX_TIMESTAMP_MS`], the limit on trace timestamps (simulated time cannot overflow);
+    /// otherwise nothing changes and the error says why and what range is valid.
+    pub fn scale_time(&mut self, factor: f64) -> Result<(), TimeScaleError> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(TimeScaleError::NotPositive { factor });
         }
+        let latest_ns = self
+            .requests
+            .iter()
+            .map(|r| r.arrival_ns)
+            .max()
+            .unwrap_or(0);
+        if latest_ns > 0 {
+            let max_factor = MAX_ARRIVAL_NS / latest_ns as f64;
+            if factor > max_factor {
+                return Err(TimeScaleError::Overflow {
+                    factor,
+                    latest_ms: latest_ns as f64 / 1e6,
+                    max_factor,
+                });
+            }
+        }
+        for r in &mut self.requests {
+            // `min` only absorbs rounding: the check above keeps every product within the cap.
+            r.arrival_ns = (r.arrival_ns as f64 * factor).round().min(MAX_ARRIVAL_NS) as u64;
+        }
+        Ok(())
     }
 
     /// Read a Mooncake-format JSONL file.
@@ -131,7 +157,7 @@ impl Workload {
 
     /// Parse Mooncake-format JSONL; `file` names the input in errors.
     pub fn from_jsonl_reader(
-        reader: impl BufRead,
+        mut reader: impl BufRead,
         file: &str,
         block_size: u32,
     ) -> Result<Workload, TraceError> {
@@ -144,15 +170,35 @@ impl Workload {
             });
         }
         let mut requests = Vec::new();
-        for (index, line) in reader.split(b'\n').enumerate() {
-            let number = index + 1;
+        let mut bytes = Vec::new();
+        for number in 1.. {
             let bad = |field: Option<&str>, message: String| TraceError {
                 file: file.to_string(),
                 line: Some(number),
                 field: field.map(str::to_string),
                 message,
             };
-            let bytes = line.map_err(|e| bad(None, format!("cannot read: {e}")))?;
+            bytes.clear();
+            // At most the cap, its newline and one byte more: a longer line (or a file with no
+            // newline at all, such as /dev/zero) is refused without reading the rest.
+            (&mut reader)
+                .take(MAX_TRACE_LINE_BYTES as u64 + 1)
+                .read_until(b'\n', &mut bytes)
+                .map_err(|e| bad(None, format!("cannot read: {e}")))?;
+            if bytes.is_empty() {
+                break;
+            }
+            if bytes.last() == Some(&b'\n') {
+                bytes.pop();
+            } else if bytes.len() > MAX_TRACE_LINE_BYTES {
+                return Err(bad(
+                    None,
+                    format!(
+                        "longer than {MAX_TRACE_LINE_BYTES} bytes (1 MiB), the limit on one \
+                         trace line"
+                    ),
+                ));
+            }
             let text = std::str::from_utf8(&bytes)
                 .map_err(|e| bad(None, format!("not UTF-8: {e}")))?
                 .trim();
@@ -202,6 +248,43 @@ pub(crate) fn ratio(a: u64, b: u64) -> f64 {
         0.0
     } else {
         a as f64 / b as f64
+    }
+}
+
+/// [`MAX_TIMESTAMP_MS`] in nanoseconds, the latest arrival a workload may have.
+const MAX_ARRIVAL_NS: f64 = MAX_TIMESTAMP_MS * 1e6;
+
+/// A [`Workload::scale_time`] factor that cannot be applied. The message leaves the flag to the
+/// caller: `--time-scale: {error}`.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum TimeScaleError {
+    #[error("{} is not a finite number > 0", show(*.factor))]
+    NotPositive { factor: f64 },
+    #[error(
+        "{} would move the latest arrival, {} ms, to {} ms, past the {:e} ms limit on \
+         timestamps; the valid range for this workload is 0 < F <= {}",
+        show(*.factor),
+        show(*.latest_ms),
+        show(.latest_ms * .factor),
+        MAX_TIMESTAMP_MS,
+        show(*.max_factor)
+    )]
+    Overflow {
+        factor: f64,
+        /// The latest arrival before scaling, milliseconds.
+        latest_ms: f64,
+        /// The largest factor that keeps it within [`MAX_TIMESTAMP_MS`].
+        max_factor: f64,
+    },
+}
+
+/// `x` in its shortest exact form; very large or very small magnitudes in exponent form (`1e300`,
+/// not 301 digits).
+fn show(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e15).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
     }
 }
 
@@ -482,5 +565,49 @@ mod tests {
         w.write_jsonl(&mut out).unwrap();
         let again = Workload::from_jsonl_reader(out.as_slice(), "t.jsonl", 4).unwrap();
         assert_eq!(again.requests, w.requests);
+    }
+
+    #[test]
+    fn a_line_over_the_cap_is_refused_without_reading_the_rest() {
+        let good =
+            "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}";
+        // Padded with spaces to exactly the cap: read, then judged as JSON (it is fine).
+        let at_cap = format!("{good}{}", " ".repeat(MAX_TRACE_LINE_BYTES - good.len()));
+        let w = parse(&format!("{good}\n{at_cap}\n{at_cap}")).unwrap();
+        assert_eq!(w.requests.len(), 3);
+        // One byte more, with or without a newline, and an endless line.
+        for tail in ["\n", ""] {
+            let err = parse(&format!("{good}\n{at_cap} {tail}{good}\n")).unwrap_err();
+            assert_eq!((err.line, err.field.as_deref()), (Some(2), None), "{err}");
+            assert!(err.message.contains("1048576 bytes"), "{err}");
+        }
+        let err =
+            Workload::from_jsonl_reader(std::io::BufReader::new(std::io::repeat(b'x')), "z", 4)
+                .unwrap_err();
+        assert_eq!(err.line, Some(1), "{err}");
+    }
+
+    #[test]
+    fn scale_time_refuses_factors_that_leave_the_timestamp_range() {
+        let mut w = parse(
+            "{\"timestamp\": 1000, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}\n",
+        )
+        .unwrap();
+        let before = w.clone();
+        for bad in [f64::NAN, f64::INFINITY, 0.0, -1.0] {
+            assert!(
+                matches!(w.scale_time(bad), Err(TimeScaleError::NotPositive { .. })),
+                "{bad}"
+            );
+        }
+        let err = w.scale_time(1e300).unwrap_err();
+        let TimeScaleError::Overflow { max_factor, .. } = err else {
+            panic!("{err}");
+        };
+        assert_eq!(max_factor, 1e9);
+        assert!(err.to_string().contains("0 < F <= 1000000000"), "{err}");
+        assert_eq!(w, before, "a refused factor changes nothing");
+        w.scale_time(max_factor).unwrap();
+        assert_eq!(w.requests[0].arrival_ns, 1_000_000_000_000_000_000);
     }
 }

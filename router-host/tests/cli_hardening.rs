@@ -1,0 +1,353 @@
+//! The CLI against hostile or unusual surroundings: huge trace lines, out-of-range flags, a closed
+//! stdout, and output files that must never be seen half-written.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{router_host_bin, run_cli, temp_dir, write};
+use router_host::replay::trace::MAX_TRACE_LINE_BYTES;
+
+/// Longest any one child may run; a hang fails the test instead of blocking it.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The outcome of a child run with [`run_bounded`].
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run `program args` with stdout and stderr sent to files in `dir` (and stdout replaced by
+/// `stdout` when given); kill it and fail the test if it outlives [`DEADLINE`].
+fn run_bounded(dir: &Path, program: &Path, args: &[&str], stdout: Option<Stdio>) -> Run {
+    let out_path = dir.join("child.stdout");
+    let err_path = dir.join("child.stderr");
+    let stdout = match stdout {
+        Some(s) => s,
+        None => Stdio::from(std::fs::File::create(&out_path).unwrap()),
+    };
+    let mut child = Command::new(program)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(Stdio::from(std::fs::File::create(&err_path).unwrap()))
+        .spawn()
+        .expect("spawn child");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{} {args:?} still running after {DEADLINE:?}",
+                program.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code(),
+        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
+        stderr: std::fs::read_to_string(&err_path).unwrap_or_default(),
+    }
+}
+
+/// A stdout whose reader is gone before the child starts: every write gets `EPIPE`.
+fn closed_pipe() -> Stdio {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    Stdio::from(writer)
+}
+
+fn round_robin(dir: &Path) -> PathBuf {
+    write(
+        dir,
+        "rr.yaml",
+        "worker_selection:\n  aggregated: rr\n  instances:\n    - {name: rr, type: round-robin}\n",
+    )
+}
+
+const GOOD_LINE: &str =
+    "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [1]}\n";
+
+#[test]
+fn a_trace_line_longer_than_the_cap_is_refused_naming_file_line_and_limit() {
+    let dir = temp_dir("hardening-long-line");
+    // Two good lines, then 2 MiB without a newline.
+    let mut text = GOOD_LINE.repeat(2);
+    text.push_str(&"x".repeat(2 << 20));
+    let trace = write(&dir, "long.jsonl", &text);
+    let run = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &["replay", "--trace", trace.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("long.jsonl: line 3: "),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains(&MAX_TRACE_LINE_BYTES.to_string()),
+        "{}",
+        run.stderr
+    );
+    assert!(run.stdout.is_empty(), "{}", run.stdout);
+
+    // A line of exactly the limit is read (and then judged as JSON).
+    let mut text = GOOD_LINE.to_string();
+    text.push_str(&" ".repeat(MAX_TRACE_LINE_BYTES - GOOD_LINE.len() + 1));
+    text.push('\n');
+    text.push_str(GOOD_LINE);
+    let at_limit = write(&dir, "at-limit.jsonl", &text);
+    let w = router_host::replay::Workload::from_jsonl_file(&at_limit, 512);
+    assert_eq!(w.map(|w| w.requests.len()), Ok(2));
+}
+
+#[test]
+fn dev_zero_as_a_trace_fails_fast_instead_of_filling_memory() {
+    let dir = temp_dir("hardening-dev-zero");
+    // The address-space limit turns the old unbounded growth into a quick failure of the test
+    // rather than pressure on the machine.
+    let bin = router_host_bin();
+    let run = run_bounded(
+        &dir,
+        Path::new("/bin/sh"),
+        &[
+            "-c",
+            "ulimit -v 4194304 && exec \"$0\" replay --trace /dev/zero",
+            bin.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("trace /dev/zero: line 1: "),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains(&MAX_TRACE_LINE_BYTES.to_string()),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn time_scale_out_of_range_is_refused_naming_flag_value_and_range() {
+    let dir = temp_dir("hardening-time-scale");
+    let rr = round_robin(&dir);
+    let rr = rr.to_str().unwrap();
+    let (code, out, err) = run_cli(&[
+        "replay",
+        "-c",
+        rr,
+        "--sessions",
+        "5",
+        "--time-scale",
+        "1e300",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(err.contains("--time-scale: 1e300 "), "{err}");
+    assert!(err.contains("1e12 ms"), "{err}");
+    assert!(err.contains("valid range"), "{err}");
+
+    for bad in ["nan", "inf", "-inf", "0", "-1"] {
+        let (code, out, err) = run_cli(&[
+            "replay",
+            "-c",
+            rr,
+            "--sessions",
+            "5",
+            &format!("--time-scale={bad}"),
+        ]);
+        assert_eq!(code, 1, "{bad}: {err}");
+        assert!(out.is_empty(), "{bad}: {out}");
+        assert!(err.contains("--time-scale"), "{bad}: {err}");
+        assert!(err.contains("finite number > 0"), "{bad}: {err}");
+    }
+
+    // A factor in range scales the arrivals.
+    let plain = dir.join("plain.jsonl");
+    let scaled = dir.join("scaled.jsonl");
+    for (path, scale) in [(&plain, "1"), (&scaled, "1000")] {
+        let (code, _, err) = run_cli(&[
+            "replay",
+            "-c",
+            rr,
+            "--sessions",
+            "5",
+            "--time-scale",
+            scale,
+            "--write-workload",
+            path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+    }
+    let duration = |p: &Path| {
+        router_host::replay::Workload::from_jsonl_file(p, 512)
+            .unwrap()
+            .stats()
+            .duration_s
+    };
+    let (a, b) = (duration(&plain), duration(&scaled));
+    assert!(a > 0.0 && (b / a - 1000.0).abs() < 1e-3, "{a} {b}");
+}
+
+#[test]
+fn replay_with_a_closed_stdout_still_writes_every_file_and_exits_0() {
+    let dir = temp_dir("hardening-replay-pipe");
+    let rr = round_robin(&dir);
+    let json = dir.join("r.json");
+    let svg = dir.join("r.svg");
+    let jsonl = dir.join("w.jsonl");
+    let run = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &[
+            "replay",
+            "-c",
+            rr.to_str().unwrap(),
+            "--sessions",
+            "5",
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            svg.to_str().unwrap(),
+            "--write-workload",
+            jsonl.to_str().unwrap(),
+        ],
+        Some(closed_pipe()),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    assert!(!run.stderr.contains("error"), "{}", run.stderr);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(report["workload"]["requests"].as_u64().unwrap() > 0);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.trim_end().ends_with("</svg>"));
+    assert!(router_host::replay::Workload::from_jsonl_file(&jsonl, 512).is_ok());
+}
+
+#[test]
+fn select_with_a_closed_stdout_keeps_its_exit_code() {
+    let dir = temp_dir("hardening-select-pipe");
+    let rr = round_robin(&dir);
+    let failing = write(
+        &dir,
+        "failing.json",
+        r#"{"workers": [{"worker_id": 1}, {"worker_id": 2, "overloaded": true}],
+            "requests": [{"isl_tokens": 16},
+                         {"isl_tokens": 16, "pinned_worker": {"worker_id": 2}}]}"#,
+    );
+    let passing = write(
+        &dir,
+        "passing.json",
+        r#"{"workers": [{"worker_id": 1}], "requests": [{"isl_tokens": 16}, {"isl_tokens": 16}]}"#,
+    );
+    for (scenario, expected) in [(&failing, 1), (&passing, 0)] {
+        let args = [
+            "select",
+            "--config",
+            rr.to_str().unwrap(),
+            "--scenario",
+            scenario.to_str().unwrap(),
+        ];
+        // The same exit code as with a reader...
+        let (code, out, err) = run_cli(&args);
+        assert_eq!(code, expected, "{err}");
+        assert_eq!(out.lines().count(), 2, "{out}");
+        // ...and without one, quietly.
+        let run = run_bounded(&dir, &router_host_bin(), &args, Some(closed_pipe()));
+        assert_eq!(run.code, Some(expected), "{}", run.stderr);
+        assert!(run.stderr.is_empty(), "{}", run.stderr);
+    }
+    // `check` exits 0, quietly, too.
+    let run = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &["check", "--config", rr.to_str().unwrap()],
+        Some(closed_pipe()),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(run.stderr.is_empty(), "{}", run.stderr);
+}
+
+#[test]
+fn output_files_are_replaced_whole_and_leave_no_temporary_file() {
+    let dir = temp_dir("hardening-atomic");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let rr = round_robin(&dir);
+    let json = out.join("r.json");
+    let svg = out.join("r.svg");
+    let jsonl = out.join("w.jsonl");
+    // Earlier results, each with a second name: a reader holding the old file must keep seeing
+    // the old, complete content, never a truncated or half-written one.
+    let kept = dir.join("kept");
+    std::fs::create_dir_all(&kept).unwrap();
+    for path in [&json, &svg, &jsonl] {
+        std::fs::write(path, "old\n").unwrap();
+        std::fs::hard_link(path, kept.join(path.file_name().unwrap())).unwrap();
+    }
+    let (code, _, err) = run_cli(&[
+        "replay",
+        "-c",
+        rr.to_str().unwrap(),
+        "--sessions",
+        "5",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+        "--write-workload",
+        jsonl.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for path in [&json, &svg, &jsonl] {
+        let name = path.file_name().unwrap();
+        let kept_text = std::fs::read_to_string(kept.join(name)).unwrap();
+        assert!(kept_text == "old\n", "{name:?} was overwritten in place");
+    }
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["r.json", "r.svg", "w.jsonl"]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let requests = report["workload"]["requests"].as_u64().unwrap();
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    let workload = router_host::replay::Workload::from_jsonl_file(&jsonl, 512).unwrap();
+    assert_eq!(workload.requests.len() as u64, requests);
+
+    // A target that is not a regular file is written in place, not replaced.
+    let (code, _, err) = run_cli(&[
+        "replay",
+        "-c",
+        rr.to_str().unwrap(),
+        "--sessions",
+        "5",
+        "--json",
+        "/dev/null",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata("/dev/null")
+        .unwrap()
+        .file_type()
+        .is_char_device());
+}
