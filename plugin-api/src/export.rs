@@ -5,6 +5,13 @@
 //! without touching author code); a panic in `create` becomes a [`CreateFailure`] of kind
 //! `PANICKED`. Nothing an author writes can unwind into `abi_stable`'s shims, which would abort
 //! the host.
+//!
+//! Two second-order panics are contained too. A caught panic payload is dropped under its own
+//! `catch_unwind` (`discard`): a payload whose `Drop` panics would otherwise unwind out of the
+//! adapter after all, and that second payload is leaked, never dropped. And author state (the
+//! policy) is never owned by a frame an unwind could pass through: until the adapter holds it, it
+//! sits in a `ManuallyDrop` and is dropped by hand, under `catch_unwind` (`drop_contained`), so
+//! its `Drop` never runs during an unwind (a panicking `Drop` there aborts the process).
 
 use std::any::Any;
 use std::mem::ManuallyDrop;
@@ -31,22 +38,32 @@ pub struct Adapter<P> {
     policy: ManuallyDrop<P>,
     inputs: Inputs,
     poisoned: AtomicBool,
+    /// Why a hook poisoned the instance (hooks return nothing; the next `pick` or `explain`
+    /// answers `POISONED` with this message).
+    hook_panic: OnceLock<String>,
 }
 
 impl<P: Policy> Adapter<P> {
     /// Wrap `policy`. Calls `policy.inputs()` once, under `catch_unwind`.
     pub fn new(policy: P) -> Result<Self, CreateError> {
-        let inputs = catch_unwind(AssertUnwindSafe(|| policy.inputs())).map_err(|payload| {
-            CreateError::with_kind(
-                CreateFailureKind::PANICKED,
-                format!("inputs() panicked: {}", panic_message(&*payload)),
-            )
-        })?;
-        Ok(Adapter {
-            policy: ManuallyDrop::new(policy),
-            inputs,
-            poisoned: AtomicBool::new(false),
-        })
+        // Held so that no unwind can drop it: dropped only by hand, below, or by the adapter.
+        let mut policy = ManuallyDrop::new(policy);
+        match catch_unwind(AssertUnwindSafe(|| policy.inputs())) {
+            Ok(inputs) => Ok(Adapter {
+                policy,
+                inputs,
+                poisoned: AtomicBool::new(false),
+                hook_panic: OnceLock::new(),
+            }),
+            Err(payload) => {
+                let mut message = format!("inputs() panicked: {}", take_message(payload));
+                if let Err(also) = drop_contained(&mut policy) {
+                    message.push_str("; dropping the policy then panicked too: ");
+                    message.push_str(&also);
+                }
+                Err(CreateError::with_kind(CreateFailureKind::PANICKED, message))
+            }
+        }
     }
 
     /// Whether an earlier callback panicked.
@@ -54,14 +71,18 @@ impl<P: Policy> Adapter<P> {
         self.poisoned.load(Ordering::Relaxed)
     }
 
-    /// Run a notification hook under `catch_unwind`; a panic poisons the instance (hooks cannot
-    /// return errors, so the next `pick` reports it).
-    fn notify(&self, call: impl FnOnce(&P)) {
-        if self.poisoned.load(Ordering::Relaxed) {
+    /// Run a notification hook under `catch_unwind`; a panic poisons the instance. Hooks return
+    /// nothing across the ABI, so the next `pick` or `explain` reports it: `POISONED`, with the
+    /// message `poisoned by a panic in <hook>: <panic message>`. (A host that has not poisoned
+    /// the instance itself knows from that answer that a hook panicked.)
+    fn notify(&self, hook: &str, call: impl FnOnce(&P)) {
+        if self.poisoned.load(Ordering::Acquire) {
             return;
         }
-        if catch_unwind(AssertUnwindSafe(|| call(&self.policy))).is_err() {
-            self.poisoned.store(true, Ordering::Relaxed);
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| call(&self.policy))) {
+            let message = format!("poisoned by a panic in {hook}: {}", take_message(payload));
+            let _ = self.hook_panic.set(message);
+            self.poisoned.store(true, Ordering::Release);
         }
     }
 
@@ -73,11 +94,12 @@ impl<P: Policy> Adapter<P> {
         view: &RawCandidateView<'_>,
         call: impl FnOnce(&P, &Context<'_>, &Rows<'_>) -> Result<T, PickFailure>,
     ) -> RResult<T, PickFailure> {
-        if self.poisoned.load(Ordering::Relaxed) {
-            return RResult::RErr(failure(
-                PickFailureKind::POISONED,
-                "instance is poisoned: it panicked earlier",
-            ));
+        if self.poisoned.load(Ordering::Acquire) {
+            let why = self
+                .hook_panic
+                .get()
+                .map_or("instance is poisoned: it panicked earlier", String::as_str);
+            return RResult::RErr(failure(PickFailureKind::POISONED, why));
         }
         let rows = match Rows::from_raw(view) {
             Ok(rows) => rows,
@@ -88,11 +110,8 @@ impl<P: Policy> Adapter<P> {
             Ok(Ok(value)) => RResult::ROk(value),
             Ok(Err(err)) => RResult::RErr(err),
             Err(payload) => {
-                self.poisoned.store(true, Ordering::Relaxed);
-                RResult::RErr(failure(
-                    PickFailureKind::PANICKED,
-                    &panic_message(&*payload),
-                ))
+                self.poisoned.store(true, Ordering::Release);
+                RResult::RErr(failure(PickFailureKind::PANICKED, &take_message(payload)))
             }
         }
     }
@@ -102,9 +121,33 @@ impl<P> Drop for Adapter<P> {
     /// The host drops instances (at shutdown) through an FFI shim: a panicking author `Drop`
     /// must not unwind into it.
     fn drop(&mut self) {
-        let policy = &mut self.policy;
-        // SAFETY: `policy` is dropped exactly once, here, and never used afterwards.
-        let _ = catch_unwind(AssertUnwindSafe(|| unsafe { ManuallyDrop::drop(policy) }));
+        // The panic (if any) already reached the host log through the plugin's panic hook.
+        let _ = drop_contained(&mut self.policy);
+    }
+}
+
+/// Drop author state by hand, under `catch_unwind`; returns the message of its panic, if any.
+///
+/// The caller must never use `value` again (it is dropped here whether or not `Drop` panics).
+fn drop_contained<T>(value: &mut ManuallyDrop<T>) -> Result<(), String> {
+    // SAFETY: every caller drops `value` exactly once, through this function, and never touches
+    // it afterwards (`Adapter::drop`, and `Adapter::new` on the path where no adapter is built).
+    catch_unwind(AssertUnwindSafe(|| unsafe { ManuallyDrop::drop(value) })).map_err(take_message)
+}
+
+/// Render a caught panic payload, then drop it without letting its own `Drop` unwind.
+fn take_message(payload: Box<dyn Any + Send>) -> String {
+    let message = panic_message(&*payload);
+    discard(payload);
+    message
+}
+
+/// Drop a caught panic payload under `catch_unwind`. A payload whose `Drop` panics would
+/// otherwise unwind out of the adapter into an FFI shim, which ends the process. The payload of
+/// that second panic is leaked, not dropped: it may be just such a value again.
+fn discard(payload: Box<dyn Any + Send>) {
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
     }
 }
 
@@ -173,7 +216,7 @@ impl<P: Policy> PolicyObject for Adapter<P> {
             prompt_tokens: event.prompt_tokens,
             fallback: event.fallback,
         };
-        self.notify(|policy| policy.on_dispatch(&dispatch));
+        self.notify("on_dispatch", |policy| policy.on_dispatch(&dispatch));
     }
 
     fn on_complete(&self, event: &CompleteEvent<'_>) {
@@ -183,7 +226,7 @@ impl<P: Policy> PolicyObject for Adapter<P> {
             session_id: event.session_id.as_ref().map(|s| s.as_str()).into_option(),
             outcome: Outcome::from_code(event.outcome),
         };
-        self.notify(|policy| policy.on_complete(&completion));
+        self.notify("on_complete", |policy| policy.on_complete(&completion));
     }
 }
 
@@ -274,7 +317,7 @@ pub fn policy_types(entries: &'static [TypeEntry]) -> RVec<RawPolicyTypeInfo> {
     catch_unwind(|| entries.iter().map(|e| (e.info)()).collect()).unwrap_or_else(|payload| {
         RVec::from(vec![RawPolicyTypeInfo {
             name: RString::new(),
-            summary: format!("policy type list panicked: {}", panic_message(&*payload)).into(),
+            summary: format!("policy type list panicked: {}", take_message(payload)).into(),
             parameters: RVec::new(),
         }])
     })
@@ -310,7 +353,7 @@ pub fn create(
         Ok(result) => result,
         Err(payload) => Err(CreateError::with_kind(
             CreateFailureKind::PANICKED,
-            panic_message(&*payload),
+            take_message(payload),
         )),
     };
     match result {

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use abi_stable::std_types::{RResult, RSlice, RStr};
-use plugin_api::abi::{HostLog, LogLevel, LogRecord, PolicyBox, RawCreateContext};
+use plugin_api::abi::{
+    HostLog, LogLevel, LogRecord, PickFailure, PickFailureKind, PolicyBox, RawCreateContext,
+};
 use plugin_api::Inputs;
 use router_core::select::PolicyFailure;
 use router_core::striped::StripedCounter;
@@ -327,6 +329,31 @@ impl PolicyInstance {
             }
         }
         failure
+    }
+
+    /// Count a failure the plugin returned from `call` (`pick` or `explain`); a panic poisons the
+    /// instance. Returns the failure.
+    ///
+    /// A 1.1 hook (`on_dispatch`, `on_complete`) returns nothing across the ABI, so the host
+    /// cannot see a hook panic when it happens. `plugin-api`'s adapter poisons itself and answers
+    /// every later `pick` and `explain` with `POISONED` (message: `poisoned by a panic in <hook>:
+    /// <panic message>`) without entering author code. A panic in `pick` or `explain` comes back
+    /// as `PANICKED` and poisons the host side at once (see [`Self::failed`]), and a poisoned
+    /// instance is not called again, so a `POISONED` answer from an instance the host has not
+    /// poisoned means a panic the host did not see: in a hook. It is counted and poisoned here
+    /// as a panic, at the first call after it, and returned as [`PolicyFailure::Panicked`] so it
+    /// is logged like any other panic. Only the call that flips the host's flag counts it.
+    pub(crate) fn failed_in_plugin(&self, call: &str, failure: PickFailure) -> PolicyFailure {
+        if failure.kind == PickFailureKind::POISONED {
+            if self.poisoned.swap(true, Ordering::Relaxed) {
+                return self.failed(PolicyFailure::Poisoned);
+            }
+            return self.failed(PolicyFailure::Panicked(format!(
+                "{} (outside pick and explain; reported by the plugin at the next {call})",
+                failure.message
+            )));
+        }
+        self.failed(PolicyFailure::from_abi(failure))
     }
 
     /// Count one timed pick; quarantine the instance (and say so, once) after

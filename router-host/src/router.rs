@@ -5,7 +5,9 @@
 //! to an eligible soft target; materialises the columns the instance declared; calls `pick`
 //! once; bounds-checks the index. An error, a panic or an out-of-range index never yields a row
 //! from that policy: the request gets the instance's fallback (`on_error: fallback`, the built-in
-//! default over the same rows) or an error (`on_error: fail`).
+//! default over the same rows) or an error (`on_error: fail`). `explain`, asked for only after a
+//! successful pick, cannot undo it: a failing or panicking `explain` is counted (a panic poisons
+//! the instance) and the request keeps its row without an explanation.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -254,13 +256,10 @@ impl Router {
                 index,
                 rows: narrowed.len(),
             })),
-            RResult::RErr(failure) => Err(instance.failed(PolicyFailure::from_abi(failure))),
+            RResult::RErr(failure) => Err(instance.failed_in_plugin("pick", failure)),
         };
         let explanation = match (&outcome, selection.explain) {
-            (Ok(_), true) => match instance.policy.explain(&ctx, &view) {
-                RResult::ROk(ROption::RSome(raw)) => Some(explanation_from_abi(raw)),
-                _ => None,
-            },
+            (Ok(_), true) => explain(instance, &ctx, &view),
             _ => None,
         };
         let candidates = narrowed.len();
@@ -291,6 +290,33 @@ impl Router {
             instance.policy.on_complete(event);
         }
     }
+}
+
+/// Ask `instance` to explain the pick it just made. A failure is counted like a failed pick (a
+/// panic poisons the instance) but does not undo the pick: the request keeps its row, without an
+/// explanation.
+fn explain(
+    instance: &PolicyInstance,
+    ctx: &RawRequestContext<'_>,
+    view: &plugin_api::abi::RawCandidateView<'_>,
+) -> Option<Explanation> {
+    let failure = match instance.policy.explain(ctx, view) {
+        RResult::ROk(ROption::RSome(raw)) => return Some(explanation_from_abi(raw)),
+        RResult::ROk(ROption::RNone) => return None,
+        RResult::RErr(failure) => instance.failed_in_plugin("explain", failure),
+    };
+    if matches!(failure, PolicyFailure::Poisoned) {
+        // Poisoned by a concurrent call, which logged the transition.
+        tracing::debug!(instance = %instance.name, origin = %instance.origin, "explain: {failure}");
+    } else {
+        tracing::error!(
+            instance = %instance.name,
+            policy = %instance.type_name,
+            origin = %instance.origin,
+            "explain failed: {failure}; the request keeps the row its pick chose, without an explanation"
+        );
+    }
+    None
 }
 
 fn explanation_from_abi(raw: RawExplanation) -> Explanation {

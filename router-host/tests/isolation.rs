@@ -388,3 +388,204 @@ fn a_file_listed_twice_is_checked_for_each_entry() {
     assert!(text.starts_with("plugins[1]"), "{text}");
     assert!(text.contains("sha256 mismatch"), "{text}");
 }
+
+fn position(router: &Router, name: &str) -> usize {
+    router
+        .instances()
+        .iter()
+        .position(|i| i.name == name)
+        .expect("instance exists")
+}
+
+/// The host's lines about instance `x` that name its origin (from a capture of `tracing` events;
+/// the capture does not render levels, so callers match on the message).
+fn errors_naming_x(logs: &[String]) -> Vec<&String> {
+    logs.iter()
+        .filter(|l| l.contains("instance=x") && l.contains("origin=") && l.contains("fixture"))
+        .collect()
+}
+
+#[test]
+fn a_panic_in_explain_keeps_the_decision_but_poisons_counts_and_logs() {
+    let router = faulty("    - {name: x, type: panics-in-explain}\n").unwrap();
+    let x = position(&router, "x");
+    let explained = |router: &Router| {
+        router.select(
+            &cluster(),
+            Selection::of(&Request {
+                isl_tokens: 64,
+                ..Default::default()
+            })
+            .explained(),
+            &NoSignals,
+            &mut Scratch::default(),
+        )
+    };
+    let (d, logs) = plugin_api::testing::capture_logs(|| explained(&router).unwrap());
+    // The pick had already succeeded: its row stands, without an explanation.
+    assert_eq!((d.row, d.fallback.clone()), (FIRST_ROW, None));
+    assert_eq!(d.decided_by, x);
+    assert!(d.explanation.is_none());
+    assert!(router.instance(x).is_poisoned());
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!(
+        (stats.picks, stats.panics, stats.errors, stats.fallbacks),
+        (1, 1, 1, 0),
+        "{stats:?}"
+    );
+    let errors = errors_naming_x(&logs);
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("explain") && l.contains("explain exploded on purpose")),
+        "{logs:#?}"
+    );
+    // Poisoned by the host's own rule: the next request goes to the fallback, quietly.
+    let (d, logs) = plugin_api::testing::capture_logs(|| explained(&router).unwrap());
+    assert_eq!(d.fallback, Some(PolicyFailure::Poisoned));
+    assert!(!logs.iter().any(|l| l.contains("exploded")), "{logs:#?}");
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.picks, stats.panics), (1, 1), "{stats:?}");
+}
+
+fn dispatch_event() -> plugin_api::abi::DispatchEvent<'static> {
+    plugin_api::abi::DispatchEvent {
+        request_id: 1,
+        row: plugin_api::abi::RowId {
+            worker_id: 7,
+            dp_rank: 0,
+        },
+        session_id: abi_stable::std_types::ROption::RNone,
+        prompt_tokens: 64,
+        fallback: false,
+        extensions: abi_stable::std_types::RSlice::EMPTY,
+    }
+}
+
+fn complete_event() -> plugin_api::abi::CompleteEvent<'static> {
+    plugin_api::abi::CompleteEvent {
+        request_id: 1,
+        row: plugin_api::abi::RowId {
+            worker_id: 7,
+            dp_rank: 0,
+        },
+        session_id: abi_stable::std_types::ROption::RNone,
+        outcome: plugin_api::abi::CompletionCode::COMPLETED,
+        extensions: abi_stable::std_types::RSlice::EMPTY,
+    }
+}
+
+#[test]
+fn a_panic_in_a_hook_is_counted_poisons_the_instance_and_logs_at_the_next_call() {
+    for (hook, message) in [
+        ("dispatch", "on_dispatch exploded on purpose"),
+        ("complete", "on_complete exploded on purpose"),
+    ] {
+        let router = faulty(&format!(
+            "    - {{name: x, type: panics-in-hook, parameters: {{hook: {hook}}}}}\n"
+        ))
+        .unwrap();
+        let x = position(&router, "x");
+        let d = pick(&router).unwrap();
+        assert_eq!(d.fallback, None);
+        // Hooks return nothing: the panic is contained and poisons the plugin side only.
+        router.notify_dispatch(x, &dispatch_event());
+        router.notify_complete(x, &complete_event());
+        // The next call finds the plugin poisoned: counted as the panic it was, poisoned by the
+        // host's rule, logged once at error level naming the instance.
+        let (d, logs) = plugin_api::testing::capture_logs(|| pick(&router).unwrap());
+        assert_eq!(d.row, LOWEST);
+        match &d.fallback {
+            Some(PolicyFailure::Panicked(m)) => assert!(m.contains(message), "{m}"),
+            other => panic!("{hook}: expected a panic, got {other:?}"),
+        }
+        assert!(router.instance(x).is_poisoned(), "{hook}");
+        let errors = errors_naming_x(&logs);
+        assert!(
+            errors.iter().any(|l| l.contains(message)),
+            "{hook}: {logs:#?}"
+        );
+        let stats = router.instance(x).stats.snapshot();
+        assert_eq!(
+            (stats.picks, stats.panics, stats.errors, stats.fallbacks),
+            (2, 1, 1, 1),
+            "{hook}: {stats:?}"
+        );
+        // From now on the host's own poison applies: not called, not logged again.
+        let (d, logs) = plugin_api::testing::capture_logs(|| pick(&router).unwrap());
+        assert_eq!(d.fallback, Some(PolicyFailure::Poisoned));
+        assert!(!logs.iter().any(|l| l.contains("exploded")), "{logs:#?}");
+        let stats = router.instance(x).stats.snapshot();
+        assert_eq!((stats.picks, stats.panics), (2, 1), "{hook}: {stats:?}");
+    }
+}
+
+/// Run `router-host <command>` (a child process: an uncontained panic would end it) with one
+/// instance `x` of the faulty fixture and a two-request scenario.
+fn run_faulty_cli(test: &str, command: &str, instance: &str) -> (i32, String, String) {
+    let dir = common::temp_dir(test);
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: x\n  instances:\n    - {instance}\n",
+            common::plugin("fixture_faulty").display()
+        ),
+    );
+    let scenario = common::write(
+        &dir,
+        "s.json",
+        r#"{"workers": [{"worker_id": 1}, {"worker_id": 2}], "requests": [{"isl_tokens": 10}, {"isl_tokens": 20}]}"#,
+    );
+    let config = config.to_str().unwrap().to_string();
+    let scenario = scenario.to_str().unwrap().to_string();
+    let mut args = vec![command, "--config", &config];
+    if command == "select" {
+        args.extend(["--scenario", &scenario]);
+    }
+    common::run_cli(&args)
+}
+
+#[test]
+fn a_panic_payload_whose_drop_panics_is_contained() {
+    let (code, out, err) = run_faulty_cli(
+        "bomb-pick",
+        "select",
+        "{name: x, type: bomb-payload, parameters: {at: pick}}",
+    );
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(!err.contains("panic across the ffi boundary"), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(
+        lines[0].contains("policy panicked: panic with a non-string payload"),
+        "{out}"
+    );
+    assert!(
+        lines[1].contains("policy is poisoned after an earlier panic"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_policy_drop_that_panics_during_an_unwind_is_contained() {
+    // `inputs()` panics with a payload whose Drop panics, and the policy's own Drop panics:
+    // neither may unwind through a frame that still owns the policy.
+    let (code, out, err) = run_faulty_cli(
+        "bomb-inputs",
+        "check",
+        "{name: x, type: bomb-payload, parameters: {at: inputs, drop_panics: true}}",
+    );
+    assert_eq!(code, 1, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        err.contains(
+            "libfixture_faulty.so): constructor panicked: inputs() panicked: panic with a non-string payload"
+        ),
+        "{err}"
+    );
+    // A policy whose Drop panics at shutdown (no unwind in progress) is contained too.
+    let (code, out, err) =
+        run_faulty_cli("drop-shutdown", "select", "{name: x, type: panics-in-drop}");
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(out.lines().count(), 2, "{out}");
+}
