@@ -78,7 +78,7 @@ pub enum LoadError {
         actual: String,
     },
 
-    #[error("plugin file {}: refusing to load: {problem} (fix the permissions, or set `allow_insecure_permissions: true` on this plugin)", .path.display())]
+    #[error("plugin file {}: refusing to load: {problem}; or set `allow_insecure_permissions: true` on this plugin (`--allow-insecure-permissions` for `router-host describe`)", .path.display())]
     InsecurePermissions { path: PathBuf, problem: String },
 
     #[error("plugin file {}: plugin `{plugin}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display())]
@@ -255,11 +255,11 @@ impl Loader {
         let (canonical, id) = file_id(path)?;
         if let Some(&index) = self.by_file.get(&id) {
             // Loaded once, but every entry naming the file gets its own checks.
-            check_file(path, &open_file(path)?, verify)?;
+            check_file(path, path, &open_file(path)?, verify)?;
             tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
             return Ok(index);
         }
-        let library = open_library(&canonical, verify)?;
+        let library = open_library_as(&canonical, path, verify)?;
         tracing::info!(
             path = %library.path.display(),
             plugin = %library.plugin_name,
@@ -290,6 +290,16 @@ impl Loader {
 /// goes through that descriptor (`/proc/self/fd/N`), so a file swapped on disk between the
 /// checks and the load can never be the one that runs.
 pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, LoadError> {
+    open_library_as(path, path, verify)
+}
+
+/// [`open_library`] of `path`, the file that `given` (the path as configured, which may go
+/// through symlinks) resolves to; the permission check walks `given`.
+fn open_library_as(
+    path: &Path,
+    given: &Path,
+    verify: Verify<'_>,
+) -> Result<PolicyLibrary, LoadError> {
     if !path.is_file() {
         return Err(LoadError::NotFound {
             name: path.display().to_string(),
@@ -297,7 +307,7 @@ pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, Lo
         });
     }
     let file = open_file(path)?;
-    check_file(path, &file, verify)?;
+    check_file(path, given, &file, verify)?;
     let pinned = pinned_path(&file).unwrap_or_else(|| path.to_path_buf());
     open_now(&pinned).map_err(|e| with_path(e, path))?;
     // The loader now knows the library by the name `/proc/self/fd/N`; closing the descriptor
@@ -359,10 +369,15 @@ fn open_file(path: &Path) -> Result<std::fs::File, LoadError> {
     })
 }
 
-/// The supply-chain checks of `verify`, on an open file.
-fn check_file(path: &Path, file: &std::fs::File, verify: Verify<'_>) -> Result<(), LoadError> {
+/// The supply-chain checks of `verify`, on an open file: `path`, reached as `given`.
+fn check_file(
+    path: &Path,
+    given: &Path,
+    file: &std::fs::File,
+    verify: Verify<'_>,
+) -> Result<(), LoadError> {
     if !verify.allow_insecure_permissions {
-        check_permissions(path, file)?;
+        check_permissions(given, file)?;
     }
     if let Some(expected) = verify.sha256 {
         let actual = sha256_hex(file).map_err(|e| LoadError::Unreadable {
@@ -446,44 +461,164 @@ fn with_path(err: LoadError, path: &Path) -> LoadError {
     }
 }
 
-/// Refuse files (and their directory) that someone other than us or root could have written.
+/// Most symlinks followed while checking one path (Linux's own limit).
+const MAX_SYMLINKS: usize = 40;
+
+/// Refuse a file that someone other than us or root could have written, or swapped for another
+/// by renaming an entry on the way to it (OpenSSH's StrictModes, with symlinks followed).
+///
+/// The file (through its open descriptor) must not be writable by group or others. Then `path`
+/// is walked from `/` one name at a time, following symlinks the way the kernel does: every
+/// directory a name is looked up in (so the directories of the path as given, of each symlink,
+/// and of the resolved target, up to `/`) must not be writable by group or others unless it has
+/// the sticky bit, and every directory, symlink and the file must be owned by the running user
+/// or root. The sticky exception (`/tmp`, mode 1777) is sound because of the ownership rule: in
+/// a sticky directory only an entry's owner (or the directory's owner, or root) can rename or
+/// remove it, and every entry looked up is owned by us or root, as is the directory itself.
+/// The walk must end at the file that was opened (same device and inode).
 fn check_permissions(path: &Path, file: &std::fs::File) -> Result<(), LoadError> {
-    let refuse = |problem: String| LoadError::InsecurePermissions {
-        path: path.to_path_buf(),
-        problem,
-    };
     let unreadable = |e: std::io::Error| LoadError::Unreadable {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
+    let refuse = |problem: String| LoadError::InsecurePermissions {
+        path: path.to_path_buf(),
+        problem,
+    };
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
     let meta = file.metadata().map_err(unreadable)?;
-    let dir = path
-        .canonicalize()
-        .map_err(unreadable)?
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("/"));
-    let dir_meta = std::fs::metadata(&dir).map_err(unreadable)?;
-    for (what, meta) in [("the file", &meta), ("its directory", &dir_meta)] {
-        let shown = if what == "the file" {
-            path.display().to_string()
+    let shown = path.display();
+    check_entry(&format!("the file ({shown})"), path, &meta, me, false).map_err(refuse)?;
+    let reached = walk_checked(path, me).map_err(|e| match e {
+        WalkError::Io(e) => unreadable(e),
+        WalkError::Refused(problem) => refuse(problem),
+    })?;
+    if (reached.dev(), reached.ino()) != (meta.dev(), meta.ino()) {
+        return Err(refuse(format!(
+            "{shown} changed while its path was checked (it no longer names the opened file)"
+        )));
+    }
+    Ok(())
+}
+
+enum WalkError {
+    Io(std::io::Error),
+    Refused(String),
+}
+
+impl From<std::io::Error> for WalkError {
+    fn from(e: std::io::Error) -> Self {
+        WalkError::Io(e)
+    }
+}
+
+/// Walks `path` from `/` (see [`check_permissions`]), checking each directory before a name is
+/// looked up in it and each symlink before it is followed; returns what the path names.
+fn walk_checked(path: &Path, me: u32) -> Result<std::fs::Metadata, WalkError> {
+    use std::path::Component;
+    let absolute = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(path)
+    };
+    // Names still to look up, the next one last.
+    let mut pending: Vec<std::ffi::OsString> = Vec::new();
+    let push = |pending: &mut Vec<std::ffi::OsString>, p: &Path| {
+        for component in p.components().rev() {
+            match component {
+                Component::Normal(name) => pending.push(name.to_os_string()),
+                Component::ParentDir => pending.push("..".into()),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+            }
+        }
+    };
+    push(&mut pending, &absolute);
+    // Always a real directory path (no symlinks), so `..` is its parent.
+    let mut dir = PathBuf::from("/");
+    let mut dir_meta = std::fs::symlink_metadata(&dir)?;
+    let mut links = 0;
+    while let Some(name) = pending.pop() {
+        if name == ".." {
+            dir.pop();
+            dir_meta = std::fs::symlink_metadata(&dir)?;
+            continue;
+        }
+        let next = dir.join(&name);
+        let meta = std::fs::symlink_metadata(&next)?;
+        let shown = dir.display();
+        if meta.file_type().is_symlink() {
+            let what = format!(
+                "the directory ({shown}) holding the symlink {}",
+                next.display()
+            );
+            check_entry(&what, &dir, &dir_meta, me, true).map_err(WalkError::Refused)?;
+            let what = format!("the symlink ({})", next.display());
+            check_entry(&what, &next, &meta, me, false).map_err(WalkError::Refused)?;
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return Err(WalkError::Io(std::io::Error::other(format!(
+                    "more than {MAX_SYMLINKS} symlinks on the way to {}",
+                    path.display()
+                ))));
+            }
+            let target = std::fs::read_link(&next)?;
+            if target.is_absolute() {
+                dir = PathBuf::from("/");
+                dir_meta = std::fs::symlink_metadata(&dir)?;
+            }
+            push(&mut pending, &target);
+            continue;
+        }
+        let what = if pending.is_empty() {
+            format!("its directory ({shown})")
         } else {
-            dir.display().to_string()
+            format!("the directory {shown} on the way to it")
         };
-        if meta.mode() & 0o022 != 0 {
-            return Err(refuse(format!(
-                "{what} ({shown}) is writable by group or others (mode {:o})",
-                meta.mode() & 0o7777
-            )));
+        check_entry(&what, &dir, &dir_meta, me, true).map_err(WalkError::Refused)?;
+        if pending.is_empty() {
+            return Ok(meta);
         }
-        if meta.uid() != me && meta.uid() != 0 {
-            return Err(refuse(format!(
-                "{what} ({shown}) is owned by uid {}, not by the running user (uid {me}) or root",
-                meta.uid()
-            )));
-        }
+        dir = next;
+        dir_meta = meta;
+    }
+    // The path ended in `..` or named `/`: not the file that was opened.
+    Ok(dir_meta)
+}
+
+/// The ownership and mode rules for one entry; `what` describes it, `path` is what to chmod.
+fn check_entry(
+    what: &str,
+    path: &Path,
+    meta: &std::fs::Metadata,
+    me: u32,
+    directory: bool,
+) -> Result<(), String> {
+    let mode = meta.mode() & 0o7777;
+    let uid = meta.uid();
+    let shown = path.display();
+    if uid != me && uid != 0 {
+        return Err(format!(
+            "{what} is owned by uid {uid}, not by the running user (uid {me}) or root (mode \
+             {mode:o}); fix: `chown {me} {shown}`, or keep the plugin somewhere only you and \
+             root can change"
+        ));
+    }
+    // A symlink's own mode means nothing (and is 777).
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    let sticky = mode & 0o1000 != 0;
+    if mode & 0o022 != 0 && !(directory && sticky) {
+        let hint = if directory {
+            " (a shared directory is accepted only with the sticky bit, like /tmp)"
+        } else {
+            ""
+        };
+        return Err(format!(
+            "{what} is writable by group or others (mode {mode:o}) and owned by uid {uid}; fix: \
+             `chmod go-w {shown}`{hint}"
+        ));
     }
     Ok(())
 }

@@ -620,3 +620,65 @@ fn errors_from_strings_say_string() {
         "{err}"
     );
 }
+
+// --- nesting limits, checked before the YAML parser runs ---------------------------------------
+
+/// Writes `text` to a fresh file (under a 0755 directory of this test's own) and returns the
+/// error message for it.
+fn error_of_text(test: &str, text: &str) -> (PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!(
+        "router-host-config-errors-{}-{test}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    let path = dir.join("router.yaml");
+    std::fs::write(&path, text).expect("write config");
+    let message = match RouterConfig::from_file(&path) {
+        Ok(config) => panic!("{test} should be rejected, but parsed as {config:#?}"),
+        Err(err) => err.to_string(),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    (path, message)
+}
+
+#[test]
+fn an_apostrophe_in_plain_text_does_not_hide_deep_flow_nesting() {
+    // Issue: the pre-scan took the apostrophe of `rock 'n roll` for the start of a quoted scalar
+    // and skipped the brackets after it; the parser then spent ~31 s on these 200 KB. The input
+    // stays this size, so a scan that misses the nesting shows as a test that does not finish.
+    for (test, prefix, line, column) in [
+        ("apostrophe", "note: rock 'n roll\nengine: ", 2, 137),
+        ("quote-mid-word", "note: say \"hi\nengine: ", 2, 137),
+        ("continued-plain", "note: rock\n  'n roll\nengine: ", 3, 137),
+        ("block-scalar", "note: |\n  'n roll\nengine: ", 3, 137),
+        ("flow-plain", "note: [rock\n 'n roll]\nengine: ", 3, 137),
+    ] {
+        let text = format!("{prefix}{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(text.len() < 210_000);
+        let (path, message) = error_of_text(test, &text);
+        assert_eq!(
+            message,
+            format!(
+                "config {}: line {line} column {column}: recursion limit exceeded: `[` and `{{` \
+                 nested more than 128 levels deep",
+                path.display()
+            ),
+            "{test}"
+        );
+    }
+}
+
+#[test]
+fn deep_block_nesting_is_refused_with_the_line_and_the_limit() {
+    // 100,000 levels of `- ` (200 KB): linear for the parser, but it builds every event first.
+    let (path, message) = error_of_text("dashes", &format!("engine:\n{}1\n", "- ".repeat(100_000)));
+    assert_eq!(
+        message,
+        format!(
+            "config {}: line 2 column 257: recursion limit exceeded: block mappings and \
+             sequences nested more than 128 levels deep",
+            path.display()
+        )
+    );
+}

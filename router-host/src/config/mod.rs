@@ -48,7 +48,7 @@ mod tests;
 pub use admission::PolicyClassConfig;
 pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
 pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
-pub use limits::{MAX_CONFIG_BYTES, MAX_FLOW_DEPTH};
+pub use limits::{MAX_BLOCK_DEPTH, MAX_CONFIG_BYTES, MAX_FLOW_DEPTH};
 pub use plugins::{PluginSource, PluginSpec};
 // The modes are the core's own types; `strings.rs` reads their spellings.
 pub use router_core::admission::AdmissionMode;
@@ -60,7 +60,7 @@ pub use sessions::SessionAffinityConfig;
 use admission::RawPolicyClass;
 use error::{line_column, yaml_error};
 use instances::RawWorkerSelection;
-use limits::{flow_too_deep, read_capped};
+use limits::{nesting_too_deep, read_capped, TooDeep};
 use locate::{key, locate, render_path, Seg};
 use numbers::{de_block_size, de_weight};
 use plugins::RawPlugin;
@@ -179,17 +179,27 @@ impl RouterConfig {
     pub fn from_yaml_str(text: &str, source: Option<&Path>) -> Result<Self, ConfigError> {
         // libyaml reads a byte-order mark only at the start of a byte stream, not in a `&str`.
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        if let Some(location) = flow_too_deep(text) {
-            return Err(ConfigError::new(
-                source,
-                ConfigErrorKind::Yaml {
-                    message: format!(
+        if let Some(too_deep) = nesting_too_deep(text) {
+            let (message, line, column) = match too_deep {
+                TooDeep::Flow { line, column } => (
+                    format!(
                         "recursion limit exceeded: `[` and `{{` nested more than \
                          {MAX_FLOW_DEPTH} levels deep"
                     ),
-                },
-            )
-            .at(Some(location)));
+                    line,
+                    column,
+                ),
+                TooDeep::Block { line, column } => (
+                    format!(
+                        "recursion limit exceeded: block mappings and sequences nested more \
+                         than {MAX_BLOCK_DEPTH} levels deep"
+                    ),
+                    line,
+                    column,
+                ),
+            };
+            return Err(ConfigError::new(source, ConfigErrorKind::Yaml { message })
+                .at(Some((line, column))));
         }
         let raw: Option<RawConfig> =
             serde_yaml::from_str(text).map_err(|err| yaml_error(&err, source))?;

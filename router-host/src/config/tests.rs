@@ -2,7 +2,7 @@
 
 use plugin_api::Role;
 
-use super::limits::flow_too_deep;
+use super::limits::{nesting_too_deep, TooDeep};
 use super::locate::PROBE_HIT;
 use super::*;
 
@@ -515,9 +515,104 @@ fn deep_flow_nesting_is_refused_before_the_yaml_scanner_runs() {
             .map(str::len),
         Some(300)
     );
-    assert_eq!(flow_too_deep("a: \"x\\\n[\"\nb: 1"), None);
+    assert_eq!(nesting_too_deep("a: \"x\\\n[\"\nb: 1"), None);
     assert_eq!(
-        flow_too_deep(&format!("a: 1\nb: \"q\\\n\"\nc: {}", "{".repeat(129))),
-        Some((4, 132))
+        nesting_too_deep(&format!("a: 1\nb: \"q\\\n\"\nc: {}", "{".repeat(129))),
+        Some(TooDeep::Flow {
+            line: 4,
+            column: 132
+        })
     );
+}
+
+/// What the pre-scan says about `text` followed by 129 nested `[`.
+fn flow_refused_after(text: &str) -> Option<TooDeep> {
+    nesting_too_deep(&format!("{text}{}", "[".repeat(129)))
+}
+
+#[test]
+fn quotes_in_plain_text_do_not_hide_flow_nesting() {
+    let flow = |line, column| Some(TooDeep::Flow { line, column });
+    // An apostrophe inside a plain scalar is text, not the start of a quoted scalar.
+    assert_eq!(flow_refused_after("note: rock 'n roll\nx: "), flow(2, 132));
+    assert_eq!(flow_refused_after("note: it\"s\nx: "), flow(2, 132));
+    // ... on a continuation line of a multi-line plain scalar too,
+    assert_eq!(flow_refused_after("a: x\n  'y\nb: "), flow(3, 132));
+    // ... and on any line of a plain scalar inside a flow collection.
+    assert_eq!(flow_refused_after("a: [x\n'y]\nb: "), flow(3, 132));
+    assert_eq!(flow_refused_after("a: [x 'y, z\"]\nb: "), flow(2, 132));
+    // A block scalar's lines are text, quotes and brackets alike; the line after it is not.
+    assert_eq!(flow_refused_after("a: |\n  'x\n  [[\nb: "), flow(4, 132));
+    assert_eq!(flow_refused_after("a: >2\n   'x\n\n  y\nb: "), flow(5, 132));
+    assert_eq!(flow_refused_after("- a: |\n    'x\n  b: "), flow(3, 134));
+    // A tag or anchor may hold an apostrophe; it is still not a quote.
+    assert_eq!(flow_refused_after("a: !x'y\nb: "), flow(2, 132));
+    assert_eq!(flow_refused_after("a: &x 'q'\nb: "), flow(2, 132));
+    // Every YAML line break ends a comment (libyaml: CR, LF, NEL, LS, PS).
+    for lb in ["\r", "\r\n", "\u{85}", "\u{2028}", "\u{2029}"] {
+        assert_eq!(
+            flow_refused_after(&format!("# c{lb}x: ")),
+            flow(2, 132),
+            "{lb:?}"
+        );
+    }
+    // `#` inside plain text is text; after a blank it starts a comment.
+    assert_eq!(flow_refused_after("a: x#'\nb: "), flow(2, 132));
+    // Quotes that do start quoted scalars still hide what they hold.
+    for text in [
+        "a: '[[' \nb: ",
+        "- \"]]\"\n- ",
+        "{a: '}', b: \"]\"}\nc: ",
+        "a:\n  'k ]': 1\nb: ",
+        "[x, 'y]', \"z]\"]\nb: ",
+    ] {
+        assert!(flow_refused_after(text).is_some(), "{text:?}");
+    }
+    assert_eq!(
+        nesting_too_deep(&format!(
+            "a: '{}'\nb: \"{}\"\n",
+            "[".repeat(300),
+            "{".repeat(300)
+        )),
+        None
+    );
+    assert_eq!(
+        nesting_too_deep(&format!("a: |\n  {}\n  '\nb: 1\n", "[".repeat(300))),
+        None
+    );
+    // Multi-byte characters count as one column, as in libyaml.
+    assert_eq!(flow_refused_after("é: "), flow(1, 132));
+}
+
+#[test]
+fn deep_block_nesting_is_refused_before_the_yaml_parser_runs() {
+    let block = |line, column| Some(TooDeep::Block { line, column });
+    // `- - - ...`: each `- ` opens a sequence one column further in.
+    let dashes = format!("x:\n{}1\n", "- ".repeat(100_000));
+    assert_eq!(nesting_too_deep(&dashes), block(2, 257));
+    assert_eq!(
+        nesting_too_deep(&format!("{}1\n", "? ".repeat(100_000))),
+        block(1, 257)
+    );
+    // Indented mappings: `x:` opens one, each deeper key another.
+    let mut indented = String::new();
+    for level in 0..200 {
+        indented.push_str(&" ".repeat(level));
+        indented.push_str("k:\n");
+    }
+    assert_eq!(nesting_too_deep(&indented), block(129, 129));
+    // 128 levels are left to the parser, which refuses them with its own message.
+    assert_eq!(nesting_too_deep(&format!("{}1\n", "- ".repeat(128))), None);
+    let message = parse_err(&dashes);
+    assert!(
+        message.starts_with("config <string>: line 2 column 257: recursion limit exceeded:"),
+        "{message}"
+    );
+    assert!(
+        message.contains("nested more than 128 levels deep"),
+        "{message}"
+    );
+    // Going back out of a level frees it.
+    let wide = "a:\n  b: 1\n".repeat(1000);
+    assert_eq!(nesting_too_deep(&wide), None);
 }
