@@ -223,7 +223,8 @@ impl RoutingCore {
                 decision
             }
         };
-        self.dispatch(topology, request, decision, plan, waited).map(Some)
+        self.dispatch(topology, request, decision, plan, waited)
+            .map(Some)
     }
 
     /// Whether `row` is over `class`'s prefill threshold, on the same snapshot selection reads.
