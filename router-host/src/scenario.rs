@@ -286,6 +286,12 @@ impl Scenario {
                 request: index,
                 message,
             };
+            if r.isl_tokens == 0 {
+                return Err(bad(
+                    "isl_tokens: must be at least 1 (a request without a prompt token is not a request)"
+                        .to_string(),
+                ));
+            }
             if let Some(u) = r
                 .worker_updates
                 .iter()
@@ -592,6 +598,17 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("line 1"), "{err}");
+
+        let err = Scenario::from_json_str(
+            r#"{"workers": [], "requests": [{"isl_tokens": 1}, {"isl_tokens": 0}]}"#,
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("requests[1]: isl_tokens: must be at least 1"),
+            "{err}"
+        );
     }
 
     #[test]
