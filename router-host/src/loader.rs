@@ -4,15 +4,18 @@
 //! 1. resolve the entry to a file (`path:` as given, `name:` through the search path);
 //! 2. identify it by canonical path and (device, inode), so one file listed twice or reached
 //!    through a symlink is loaded once;
-//! 3. `dlopen` it with `RTLD_NOW | RTLD_LOCAL`, so a missing symbol fails here, not at the first
-//!    request (abi_stable's own open is lazy);
-//! 4. read the header with `lib_header_from_path(..).init_root_module()` *per file*
+//! 3. check its permissions and, with a `sha256`, copy it into a sealed memory file and hash the
+//!    copy (what is hashed is what gets mapped);
+//! 4. `dlopen` it (or the sealed copy) through `/proc/self/fd/N` with `RTLD_NOW | RTLD_LOCAL`,
+//!    so a missing symbol fails here, not at the first request (abi_stable's own open is lazy);
+//! 5. read the header with `lib_header_from_path(..).init_root_module()` *per file*
 //!    (`RootModule::load_from_file` caches the first module of a type and would hand it back for
 //!    every path), which checks the abi_stable header, the plugin-api major version and the
 //!    root module's layout;
-//! 5. refuse `panic = "abort"` builds, whose panics could not be contained.
+//! 6. refuse `panic = "abort"` builds, whose panics could not be contained.
 //!
-//! Libraries are never unloaded: a file replaced on disk after startup has no effect.
+//! Libraries are never unloaded: a file replaced on disk (renamed over) after startup has no
+//! effect, and one loaded from a sealed copy is immune to in-place rewrites too.
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
@@ -243,6 +246,8 @@ fn file_id(path: &Path) -> Result<(PathBuf, FileId), LoadError> {
 pub struct Loader {
     libraries: Vec<PolicyLibrary>,
     by_file: HashMap<FileId, usize>,
+    /// Per library: the SHA-256 of the sealed copy it was mapped from, if it was.
+    mapped_sha256: Vec<Option<String>>,
 }
 
 impl Loader {
@@ -254,12 +259,28 @@ impl Loader {
     pub fn load(&mut self, path: &Path, verify: Verify<'_>) -> Result<usize, LoadError> {
         let (canonical, id) = file_id(path)?;
         if let Some(&index) = self.by_file.get(&id) {
-            // Loaded once, but every entry naming the file gets its own checks.
-            check_file(path, path, &open_file(path)?, verify)?;
+            // Loaded once, but every entry naming the file gets its own checks. A `sha256` is
+            // checked against the bytes that were mapped when they were a sealed copy (the file
+            // may have been rewritten since); otherwise against the file.
+            match (&self.mapped_sha256[index], verify.sha256) {
+                (Some(mapped), Some(expected)) => {
+                    if !verify.allow_insecure_permissions {
+                        check_permissions(path, &open_file(path)?)?;
+                    }
+                    if !mapped.eq_ignore_ascii_case(expected) {
+                        return Err(LoadError::HashMismatch {
+                            path: path.to_path_buf(),
+                            expected: expected.to_ascii_lowercase(),
+                            actual: mapped.clone(),
+                        });
+                    }
+                }
+                _ => check_file(path, path, &open_file(path)?, verify)?,
+            }
             tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
             return Ok(index);
         }
-        let library = open_library_as(&canonical, path, verify)?;
+        let (library, mapped_sha256) = map_checked(prepare_as(&canonical, path, verify)?)?;
         tracing::info!(
             path = %library.path.display(),
             plugin = %library.plugin_name,
@@ -269,6 +290,7 @@ impl Loader {
             "loaded policy library"
         );
         self.libraries.push(library);
+        self.mapped_sha256.push(mapped_sha256);
         let index = self.libraries.len() - 1;
         self.by_file.insert(id, index);
         Ok(index)
@@ -283,12 +305,14 @@ impl Loader {
     }
 }
 
-/// Open and validate one library file (steps 3-5 of the module docs), after the supply-chain
+/// Open and validate one library file (steps 3-6 of the module docs), after the supply-chain
 /// checks of `verify`.
 ///
 /// The file is opened once and every later step (permission and hash checks, both `dlopen`s)
 /// goes through that descriptor (`/proc/self/fd/N`), so a file swapped on disk between the
-/// checks and the load can never be the one that runs.
+/// checks and the load can never be the one that runs. With a `sha256`, the descriptor is that of
+/// a sealed in-memory copy of the file (see [`prepare`]): the hash is of exactly the bytes that
+/// get mapped, even if the file is rewritten in place meanwhile.
 pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, LoadError> {
     open_library_as(path, path, verify)
 }
@@ -300,6 +324,43 @@ fn open_library_as(
     given: &Path,
     verify: Verify<'_>,
 ) -> Result<PolicyLibrary, LoadError> {
+    map_prepared(prepare_as(path, given, verify)?)
+}
+
+/// A plugin file that passed the supply-chain checks, not yet mapped: the first half of
+/// [`open_library`], split from [`map_prepared`] so tests can act between the two.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Prepared {
+    /// The file as configured, for messages.
+    path: PathBuf,
+    /// What gets mapped: the sealed copy when a `sha256` was checked, else the opened file.
+    file: std::fs::File,
+    /// SHA-256 of `file` when it is a sealed copy (which can no longer change).
+    sealed_sha256: Option<String>,
+}
+
+impl Prepared {
+    /// Whether the bytes to be mapped are a sealed copy (a `sha256` was configured).
+    pub fn is_sealed(&self) -> bool {
+        self.sealed_sha256.is_some()
+    }
+
+    /// The descriptor [`map_prepared`] will `dlopen` (as `/proc/self/fd/N`).
+    pub fn mapped_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.file.as_raw_fd()
+    }
+}
+
+/// The checks of [`open_library`]: open `path`, check its permissions and, with a `sha256`, copy
+/// it into a sealed memory file and hash that copy.
+#[doc(hidden)]
+pub fn prepare(path: &Path, verify: Verify<'_>) -> Result<Prepared, LoadError> {
+    prepare_as(path, path, verify)
+}
+
+fn prepare_as(path: &Path, given: &Path, verify: Verify<'_>) -> Result<Prepared, LoadError> {
     if !path.is_file() {
         return Err(LoadError::NotFound {
             name: path.display().to_string(),
@@ -307,8 +368,52 @@ fn open_library_as(
         });
     }
     let file = open_file(path)?;
-    check_file(path, given, &file, verify)?;
-    let pinned = pinned_path(&file).unwrap_or_else(|| path.to_path_buf());
+    if !verify.allow_insecure_permissions {
+        check_permissions(given, &file)?;
+    }
+    let Some(expected) = verify.sha256 else {
+        return Ok(Prepared {
+            path: path.to_path_buf(),
+            file,
+            sealed_sha256: None,
+        });
+    };
+    // Hash a copy that nobody can change any more, and map that copy: hashing the file and
+    // mapping it later would load whatever it holds by then.
+    let sealed = sealed_copy(path, &file)?;
+    let actual = check_sha256(path, &sealed, expected)?;
+    Ok(Prepared {
+        path: path.to_path_buf(),
+        file: sealed,
+        sealed_sha256: Some(actual),
+    })
+}
+
+/// The second half of [`open_library`]: `dlopen` what [`prepare`] checked and validate it.
+#[doc(hidden)]
+pub fn map_prepared(prepared: Prepared) -> Result<PolicyLibrary, LoadError> {
+    map_checked(prepared).map(|(library, _)| library)
+}
+
+/// [`map_prepared`], also returning the SHA-256 of the sealed copy mapped, if one was.
+fn map_checked(prepared: Prepared) -> Result<(PolicyLibrary, Option<String>), LoadError> {
+    let Prepared {
+        path,
+        file,
+        sealed_sha256,
+    } = prepared;
+    let path = path.as_path();
+    let pinned = match pinned_path(&file) {
+        Some(pinned) => pinned,
+        // A sealed copy has no other name; without procfs the load cannot be pinned to it.
+        None if sealed_sha256.is_some() => {
+            return Err(LoadError::Open {
+                path: path.to_path_buf(),
+                message: "cannot load the checked copy: /proc/self/fd is not available".into(),
+            })
+        }
+        None => path.to_path_buf(),
+    };
     open_now(&pinned).map_err(|e| with_path(e, path))?;
     // The loader now knows the library by the name `/proc/self/fd/N`; closing the descriptor
     // would let the next plugin file reuse N and be mistaken for this one. Libraries are never
@@ -352,14 +457,15 @@ fn open_library_as(
             message: broken.summary.to_string(),
         });
     }
-    Ok(PolicyLibrary {
+    let library = PolicyLibrary {
         path: path.to_path_buf(),
         plugin_name,
         plugin_version: module.plugin_version().to_string(),
         api_version: module.api_version().to_string(),
         types: types.iter().map(PolicyTypeDoc::from).collect(),
         module,
-    })
+    };
+    Ok((library, sealed_sha256))
 }
 
 fn open_file(path: &Path) -> Result<std::fs::File, LoadError> {
@@ -380,19 +486,105 @@ fn check_file(
         check_permissions(given, file)?;
     }
     if let Some(expected) = verify.sha256 {
-        let actual = sha256_hex(file).map_err(|e| LoadError::Unreadable {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        if !actual.eq_ignore_ascii_case(expected) {
-            return Err(LoadError::HashMismatch {
-                path: path.to_path_buf(),
-                expected: expected.to_ascii_lowercase(),
-                actual,
-            });
-        }
+        check_sha256(path, file, expected)?;
     }
     Ok(())
+}
+
+/// Hash `file` from its start and compare with `expected`; returns the hash.
+fn check_sha256(path: &Path, file: &std::fs::File, expected: &str) -> Result<String, LoadError> {
+    let actual = sha256_hex(file).map_err(|e| LoadError::Unreadable {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    if !actual.eq_ignore_ascii_case(expected) {
+        return Err(LoadError::HashMismatch {
+            path: path.to_path_buf(),
+            expected: expected.to_ascii_lowercase(),
+            actual,
+        });
+    }
+    Ok(actual)
+}
+
+/// Longest memfd name Linux accepts (249 bytes plus the NUL).
+const MEMFD_NAME_MAX: usize = 249;
+
+/// Copy the open plugin `file` (`path`, for messages) into an anonymous memory file and seal it
+/// against every change (`F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL`), so what is
+/// hashed afterwards is what `dlopen` maps. The copy is positioned at its start.
+///
+/// At most the file's size when it was opened is copied, so a file that keeps growing cannot keep
+/// the loader reading; a file changed during the copy only gives a copy whose hash mismatches.
+fn sealed_copy(path: &Path, file: &std::fs::File) -> Result<std::fs::File, LoadError> {
+    use std::io::{Read, Seek, SeekFrom};
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let fail = |what: &str, e: std::io::Error| LoadError::Unreadable {
+        path: path.to_path_buf(),
+        message: format!(
+            "cannot make the sealed in-memory copy checked against `sha256`: {what}: {e}"
+        ),
+    };
+    // Named after the file, so /proc/PID/maps shows `/memfd:libNAME.so (deleted)`.
+    let mut name: Vec<u8> = path
+        .file_name()
+        .map(|n| std::os::unix::ffi::OsStrExt::as_bytes(n).to_vec())
+        .unwrap_or_else(|| b"plugin".to_vec());
+    name.truncate(MEMFD_NAME_MAX);
+    // A file name holds no NUL byte.
+    let name = std::ffi::CString::new(name).map_err(|e| fail("memfd name", e.into()))?;
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    // Ask for an executable memfd explicitly (`vm.memfd_noexec = 1` makes non-executable the
+    // default); kernels before 6.3 do not know MFD_EXEC, refuse it with EINVAL, and make every
+    // memfd executable.
+    // SAFETY: `name` is a valid NUL-terminated string that outlives the call; the flags are
+    // valid memfd_create flags. The return value is checked below.
+    let mut fd = unsafe { libc::memfd_create(name.as_ptr(), flags | libc::MFD_EXEC) };
+    if fd < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        // SAFETY: as above.
+        fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    }
+    if fd < 0 {
+        return Err(fail("memfd_create", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just returned by memfd_create (checked non-negative) and nothing else
+    // owns it; the `File` closes it.
+    let mut copy = unsafe { std::fs::File::from_raw_fd(fd) };
+    let len = file
+        .metadata()
+        .map_err(|e| fail("reading the file's size", e))?
+        .len();
+    let mut source = file;
+    source
+        .seek(SeekFrom::Start(0))
+        .map_err(|e| fail("rewinding the file", e))?;
+    std::io::copy(&mut source.take(len), &mut copy).map_err(|e| fail("copying the file", e))?;
+    let seals = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    // SAFETY: `copy` owns a valid memfd created with MFD_ALLOW_SEALING; F_ADD_SEALS takes an
+    // int argument and does not touch memory. The return value is checked below.
+    if unsafe { libc::fcntl(copy.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(fail(
+            "sealing it (F_ADD_SEALS)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: as above; F_GET_SEALS takes no argument. The return value is checked below.
+    let got = unsafe { libc::fcntl(copy.as_raw_fd(), libc::F_GET_SEALS) };
+    if got < 0 {
+        return Err(fail(
+            "reading its seals (F_GET_SEALS)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if got & seals != seals {
+        return Err(fail(
+            "sealing it",
+            std::io::Error::other(format!("seals {got:#x} lack {:#x}", seals & !got)),
+        ));
+    }
+    copy.seek(SeekFrom::Start(0))
+        .map_err(|e| fail("rewinding the copy", e))?;
+    Ok(copy)
 }
 
 /// `init_root_module`, accepting older 1.x plugins too.
