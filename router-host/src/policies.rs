@@ -2,6 +2,7 @@
 //! configured instances created from them at startup.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -41,6 +42,14 @@ pub enum PolicyError {
         first: String,
         second: String,
     },
+    #[error("library {library} exports policy type `{type_name}` twice")]
+    DuplicateTypeInLibrary { library: String, type_name: String },
+    #[error(
+        "library {library} exports a policy type named {}, which is not a valid type name: \
+         it must be 1 to {MAX_TYPE_NAME_LEN} characters from A-Z, a-z, 0-9, `_`, `.`, `:` and `-`",
+        escaped_name(.type_name)
+    )]
+    InvalidTypeName { library: String, type_name: String },
     #[error("instance `{instance}`: unknown policy type `{type_name}`; known types: {}", .known.join(", "))]
     UnknownType {
         instance: String,
@@ -80,8 +89,69 @@ fn key_prefix(key: &str) -> String {
     }
 }
 
+/// Longest policy type name a library may export, in bytes.
+pub const MAX_TYPE_NAME_LEN: usize = 128;
+
+/// Whether `name` may name a policy type: 1 to [`MAX_TYPE_NAME_LEN`] characters from
+/// `[A-Za-z0-9_.:-]`. Type names are printed by `check` and appear in errors, logs and `select`
+/// output, so a library must not put control characters or terminal escapes into them.
+pub fn is_valid_type_name(name: &str) -> bool {
+    (1..=MAX_TYPE_NAME_LEN).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+}
+
+/// `name` quoted and escaped (`{:?}`), cut after [`MAX_TYPE_NAME_LEN`] characters.
+fn escaped_name(name: &str) -> String {
+    match name.char_indices().nth(MAX_TYPE_NAME_LEN) {
+        Some((end, _)) => format!("{:?}... ({} bytes)", &name[..end], name.len()),
+        None => format!("{name:?}"),
+    }
+}
+
+/// Add the types of library `index` (at `path`) to `types`, refusing an invalid name, a name the
+/// library exports twice and a name already taken (`origin_name` names the taker).
+fn register_library_types(
+    types: &mut BTreeMap<String, (TypeOrigin, PolicyTypeDoc)>,
+    index: usize,
+    path: &Path,
+    docs: &[PolicyTypeDoc],
+    origin_name: impl Fn(TypeOrigin) -> String,
+) -> Result<(), PolicyError> {
+    let library = || path.display().to_string();
+    for doc in docs {
+        if !is_valid_type_name(&doc.name) {
+            return Err(PolicyError::InvalidTypeName {
+                library: library(),
+                type_name: doc.name.clone(),
+            });
+        }
+        match types.get(&doc.name) {
+            Some((TypeOrigin::Plugin(i), _)) if *i == index => {
+                return Err(PolicyError::DuplicateTypeInLibrary {
+                    library: library(),
+                    type_name: doc.name.clone(),
+                })
+            }
+            Some((origin, _)) => {
+                return Err(PolicyError::DuplicateType {
+                    type_name: doc.name.clone(),
+                    first: origin_name(*origin),
+                    second: library(),
+                })
+            }
+            None => {}
+        }
+        types.insert(doc.name.clone(), (TypeOrigin::Plugin(index), doc.clone()));
+    }
+    Ok(())
+}
+
 impl Catalog {
-    /// Built-ins plus every type of every library; a name exported twice is an error naming both.
+    /// Built-ins plus every type of every library. A name that is not a valid type name
+    /// ([`is_valid_type_name`]), one exported twice by one library, or one exported by two
+    /// libraries (or named like a built-in) is an error naming the library (both, for two).
     pub fn new(libraries: Vec<PolicyLibrary>) -> Result<Self, PolicyError> {
         let mut types = BTreeMap::new();
         for builtin in Builtin::ALL {
@@ -95,16 +165,9 @@ impl Catalog {
             types: BTreeMap::new(),
         };
         for (index, library) in catalog.libraries.iter().enumerate() {
-            for doc in &library.types {
-                if let Some((origin, _)) = types.get(&doc.name) {
-                    return Err(PolicyError::DuplicateType {
-                        type_name: doc.name.clone(),
-                        first: catalog.origin_name(*origin),
-                        second: library.path.display().to_string(),
-                    });
-                }
-                types.insert(doc.name.clone(), (TypeOrigin::Plugin(index), doc.clone()));
-            }
+            register_library_types(&mut types, index, &library.path, &library.types, |o| {
+                catalog.origin_name(o)
+            })?;
         }
         catalog.types = types;
         Ok(catalog)
@@ -435,5 +498,102 @@ extern "C" fn emit_plugin_log(record: &LogRecord<'_>) {
             tracing::debug!(target: "plugin", plugin, plugin_target = target, "{message}")
         }
         _ => tracing::trace!(target: "plugin", plugin, plugin_target = target, "{message}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(name: &str) -> PolicyTypeDoc {
+        PolicyTypeDoc {
+            name: name.to_string(),
+            summary: String::new(),
+            parameters: Vec::new(),
+        }
+    }
+
+    fn register(
+        types: &mut BTreeMap<String, (TypeOrigin, PolicyTypeDoc)>,
+        index: usize,
+        path: &str,
+        names: &[&str],
+    ) -> Result<(), String> {
+        let docs: Vec<PolicyTypeDoc> = names.iter().map(|n| doc(n)).collect();
+        register_library_types(types, index, Path::new(path), &docs, |o| match o {
+            TypeOrigin::Builtin(_) => "built-in".to_string(),
+            TypeOrigin::Plugin(i) => format!("/lib{i}.so"),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn one_library_exporting_a_type_twice_is_named_once_with_the_type() {
+        let mut types = BTreeMap::new();
+        let err = register(&mut types, 0, "/lib0.so", &["probe", "other", "probe"]).unwrap_err();
+        assert_eq!(err, "library /lib0.so exports policy type `probe` twice");
+    }
+
+    #[test]
+    fn two_libraries_exporting_one_type_still_name_both() {
+        let mut types = BTreeMap::new();
+        register(&mut types, 0, "/lib0.so", &["probe"]).unwrap();
+        let err = register(&mut types, 1, "/lib1.so", &["probe"]).unwrap_err();
+        assert_eq!(
+            err,
+            "policy type `probe` is exported by two libraries: /lib0.so and /lib1.so"
+        );
+    }
+
+    #[test]
+    fn type_names_are_restricted_to_a_printable_set() {
+        for good in [
+            "probe",
+            "dynamo-two-tier-cost-fn",
+            "soft-pin-repin",
+            "versioned-least-loaded",
+            "a_b.c:d-E9",
+            &"x".repeat(MAX_TYPE_NAME_LEN),
+        ] {
+            assert!(is_valid_type_name(good), "{good}");
+        }
+        for builtin in Builtin::ALL {
+            assert!(is_valid_type_name(builtin.type_name()));
+        }
+        for bad in [
+            "",
+            "has space",
+            "tab\there",
+            "bell\u{7}",
+            "\u{1b}[31mred\u{1b}[0m",
+            "new\nline",
+            "caf\u{e9}",
+            "slash/name",
+            "quote`",
+            &"x".repeat(MAX_TYPE_NAME_LEN + 1),
+        ] {
+            assert!(!is_valid_type_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_unsafe_type_name_is_refused_escaped_naming_the_library() {
+        let mut types = BTreeMap::new();
+        let err = register(&mut types, 0, "/evil.so", &["ok", "\u{1b}[2Jwipe\r\n"]).unwrap_err();
+        assert_eq!(
+            err,
+            "library /evil.so exports a policy type named \"\\u{1b}[2Jwipe\\r\\n\", which is \
+             not a valid type name: it must be 1 to 128 characters from A-Z, a-z, 0-9, `_`, `.`, \
+             `:` and `-`"
+        );
+        assert!(!err.chars().any(|c| c.is_control()), "{err:?}");
+        // A huge name is cut, not printed whole.
+        let long = format!("\u{7}{}", "y".repeat(1 << 20));
+        let err = register(&mut types, 1, "/big.so", &[&long]).unwrap_err();
+        assert!(err.len() < 600, "{} bytes", err.len());
+        assert!(
+            err.contains("\"\\u{7}yyy") && err.contains("... (1048577 bytes)"),
+            "{err}"
+        );
     }
 }

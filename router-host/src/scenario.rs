@@ -103,6 +103,39 @@ struct RawScenario {
     requests: Vec<RawRequest>,
 }
 
+/// The top level of a scenario: an object only. A derived `Deserialize` also takes a JSON array
+/// of the fields in order (`[[workers...], [requests...]]`), which the contract does not allow.
+struct ScenarioObject(RawScenario);
+
+impl<'de> Deserialize<'de> for ScenarioObject {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ObjectOnly;
+        impl<'de> serde::de::Visitor<'de> for ObjectOnly {
+            type Value = ScenarioObject;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a scenario object with `workers` and `requests`")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<ScenarioObject, A::Error> {
+                RawScenario::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(ScenarioObject)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                _: A,
+            ) -> Result<ScenarioObject, A::Error> {
+                Err(serde::de::Error::custom(
+                    "the scenario is a JSON array; expected a scenario object with `workers` and \
+                     `requests`",
+                ))
+            }
+        }
+        d.deserialize_any(ObjectOnly)
+    }
+}
+
 fn one() -> u32 {
     1
 }
@@ -247,7 +280,7 @@ impl Scenario {
 
     /// Parse scenario text; `file` names it in errors.
     pub fn from_json_str(text: &str, file: &str) -> Result<Scenario, ScenarioError> {
-        let raw: RawScenario = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
+        let ScenarioObject(raw) = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
             file: file.to_string(),
             line: e.line(),
             column: e.column(),
@@ -609,6 +642,53 @@ mod tests {
             err.contains("requests[1]: isl_tokens: must be at least 1"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_scenario_that_is_not_an_object_is_refused_naming_the_file() {
+        // Issue: the derived parser took an array of the fields in order for a scenario.
+        for text in [
+            r#"[[{"worker_id": 1}], [{"isl_tokens": 1}]]"#,
+            r#"[null, [{"worker_id": 1}], [{"isl_tokens": 1}]]"#,
+            "[]",
+            "7",
+            r#""workers""#,
+        ] {
+            let err = Scenario::from_json_str(text, "s.json")
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with("scenario s.json: line 1 column "), "{err}");
+            assert!(
+                err.ends_with("expected a scenario object with `workers` and `requests`"),
+                "{err}"
+            );
+        }
+        let err = Scenario::from_json_str(r#"[[{"worker_id": 1}], [{"isl_tokens": 1}]]"#, "s.json")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "scenario s.json: line 1 column 1: the scenario is a JSON array; expected a scenario \
+             object with `workers` and `requests`"
+        );
+        // The object form, with whitespace before it, is unchanged.
+        let s = Scenario::from_json_str(
+            " \n{\"workers\": [{\"worker_id\": 1}], \"requests\": [{\"isl_tokens\": 1}]}",
+            "s.json",
+        )
+        .unwrap();
+        assert_eq!(s.requests.len(), 1);
+        let err = Scenario::from_json_str(
+            r#"{"workers": [], "requests": [], "workers": []}"#,
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("duplicate field `workers`"), "{err}");
+        let err = Scenario::from_json_str(r#"{"workers": []}"#, "s.json")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing field `requests`"), "{err}");
     }
 
     #[test]

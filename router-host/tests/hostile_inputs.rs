@@ -462,7 +462,7 @@ fn deeply_nested_json_is_a_clear_error_not_a_stack_overflow() {
     for (text, expected) in [
         (
             format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)),
-            "line 1 column 1: invalid type: sequence, expected u32",
+            "line 1 column 1: the scenario is a JSON array; expected a scenario object",
         ),
         (
             format!(

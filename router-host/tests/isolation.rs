@@ -278,15 +278,21 @@ fn plugin_log_events_reach_the_host_log_tagged_with_the_plugin_name() {
     );
 }
 
-/// A private copy of a plugin in its own directory, with the given modes.
-fn private_copy(test: &str, name: &str, file_mode: u32, dir_mode: u32) -> PathBuf {
-    let dir = common::temp_dir(test).join("plugins");
+/// A private copy of a plugin in its own directory, with the given modes; the guard removes it.
+fn private_copy(
+    test: &str,
+    name: &str,
+    file_mode: u32,
+    dir_mode: u32,
+) -> (common::TempDir, PathBuf) {
+    let scratch = common::temp_dir(test);
+    let dir = scratch.join("plugins");
     std::fs::create_dir_all(&dir).unwrap();
     let copy = dir.join(format!("lib{name}.so"));
     std::fs::copy(common::plugin(name), &copy).unwrap();
     std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(file_mode)).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(dir_mode)).unwrap();
-    copy
+    (scratch, copy)
 }
 
 fn load_one(path: &Path, extra: &str) -> Result<Router, String> {
@@ -297,7 +303,7 @@ fn load_one(path: &Path, extra: &str) -> Result<Router, String> {
 
 #[test]
 fn sha256_is_checked_before_loading_and_a_mismatch_prints_both_hashes() {
-    let path = private_copy("sha", "fixture_probe", 0o644, 0o755);
+    let (_dir, path) = private_copy("sha", "fixture_probe", 0o644, 0o755);
     let actual = router_host::loader::sha256_hex(&std::fs::File::open(&path).unwrap()).unwrap();
     let wrong = "0".repeat(64);
     let err = load_one(&path, &format!("    sha256: \"{wrong}\"\n")).unwrap_err();
@@ -316,7 +322,7 @@ fn sha256_is_checked_before_loading_and_a_mismatch_prints_both_hashes() {
 
 #[test]
 fn group_or_world_writable_files_and_directories_are_refused_unless_allowed() {
-    let path = private_copy("perm-file", "fixture_probe", 0o664, 0o755);
+    let (_dir, path) = private_copy("perm-file", "fixture_probe", 0o664, 0o755);
     let err = load_one(&path, "").unwrap_err();
     assert!(err.contains("refusing to load: the file"), "{err}");
     assert!(
@@ -325,7 +331,7 @@ fn group_or_world_writable_files_and_directories_are_refused_unless_allowed() {
     );
     assert!(load_one(&path, "    allow_insecure_permissions: true\n").is_ok());
 
-    let path = private_copy("perm-dir", "fixture_probe", 0o644, 0o777);
+    let (_dir, path) = private_copy("perm-dir", "fixture_probe", 0o644, 0o777);
     let err = load_one(&path, "").unwrap_err();
     assert!(err.contains("its directory"), "{err}");
     assert!(err.contains("(mode 777)"), "{err}");
@@ -335,7 +341,7 @@ fn group_or_world_writable_files_and_directories_are_refused_unless_allowed() {
 fn files_owned_by_another_user_are_refused() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let path = private_copy("owner", "fixture_probe", 0o644, 0o755);
+    let (_dir, path) = private_copy("owner", "fixture_probe", 0o644, 0o755);
     if !root {
         // Only root can give a file away; as another user the file is ours, and must load.
         assert!(load_one(&path, "").is_ok());
@@ -352,7 +358,7 @@ fn files_owned_by_another_user_are_refused() {
 
 #[test]
 fn replacing_the_file_after_startup_changes_nothing() {
-    let path = private_copy("replace", "fixture_probe", 0o644, 0o755);
+    let (_dir, path) = private_copy("replace", "fixture_probe", 0o644, 0o755);
     let router = load_one(
         &path,
         "worker_selection:\n  aggregated: x\n  instances:\n    - {name: x, type: probe, parameters: {return_index: 1}}\n",
@@ -376,7 +382,7 @@ fn replacing_the_file_after_startup_changes_nothing() {
 
 #[test]
 fn a_file_listed_twice_is_checked_for_each_entry() {
-    let path = private_copy("twice", "fixture_probe", 0o644, 0o755);
+    let (_dir, path) = private_copy("twice", "fixture_probe", 0o644, 0o755);
     let yaml = format!(
         "plugins:\n  - path: {p}\n  - path: {p}\n    sha256: \"{}\"\n",
         "0".repeat(64),

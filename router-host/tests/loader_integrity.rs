@@ -15,15 +15,17 @@ use router_host::router::{Router, Scratch, Selection};
 
 /// A private copy (mode 644, directory 755) of the two-tier plugin named `file`, and its hash.
 /// Every test uses its own file name, so its memfd mapping is told apart from the others'.
-fn private_copy(test: &str, file: &str) -> (PathBuf, String) {
-    let dir = common::temp_dir(test).join("plugins");
+/// A private copy of the two-tier plugin and its hash; the guard removes it when dropped.
+fn private_copy(test: &str, file: &str) -> (common::TempDir, PathBuf, String) {
+    let guard = common::temp_dir(test);
+    let dir = guard.join("plugins");
     std::fs::create_dir_all(&dir).unwrap();
     let copy = dir.join(file);
     std::fs::copy(common::plugin("two_tier_cost_fn"), &copy).unwrap();
     std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644)).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     let hash = loader::sha256_hex(&std::fs::File::open(&copy).unwrap()).unwrap();
-    (copy, hash)
+    (guard, copy, hash)
 }
 
 fn with_sha(sha256: &str) -> Verify<'_> {
@@ -69,7 +71,7 @@ fn two_tier_name() -> String {
 
 #[test]
 fn a_configured_sha256_maps_the_sealed_copy_not_the_file() {
-    let (path, hash) = private_copy("sealed-maps", "libsealed_maps.so");
+    let (_dir, path, hash) = private_copy("sealed-maps", "libsealed_maps.so");
     let library = loader::open_library(&path, with_sha(&hash)).unwrap();
     assert_eq!(library.plugin_name, two_tier_name());
     assert_eq!(
@@ -90,7 +92,7 @@ fn a_configured_sha256_maps_the_sealed_copy_not_the_file() {
 
 #[test]
 fn rewriting_the_file_between_the_hash_and_the_map_does_not_change_what_is_loaded() {
-    let (path, hash) = private_copy("sealed-race", "libsealed_race.so");
+    let (_dir, path, hash) = private_copy("sealed-race", "libsealed_race.so");
     let prepared = loader::prepare(&path, with_sha(&hash)).unwrap();
     assert!(prepared.is_sealed());
 
@@ -131,7 +133,7 @@ fn rewriting_the_file_between_the_hash_and_the_map_does_not_change_what_is_loade
 
 #[test]
 fn zeroing_the_file_after_loading_it_with_a_sha256_leaves_the_running_code_intact() {
-    let (path, hash) = private_copy("sealed-zero", "libsealed_zero.so");
+    let (_dir, path, hash) = private_copy("sealed-zero", "libsealed_zero.so");
     let yaml = format!(
         "plugins:\n  - path: {}\n    sha256: \"{hash}\"\nworker_selection:\n  aggregated: t\n  instances:\n    - {{name: t, type: dynamo-two-tier-cost-fn}}\n",
         path.display()
@@ -161,7 +163,7 @@ fn zeroing_the_file_after_loading_it_with_a_sha256_leaves_the_running_code_intac
 
 #[test]
 fn a_file_listed_again_is_checked_against_the_bytes_that_were_mapped() {
-    let (path, hash) = private_copy("sealed-twice", "libsealed_twice.so");
+    let (_dir, path, hash) = private_copy("sealed-twice", "libsealed_twice.so");
     let mut loader = Loader::new();
     let first = loader.load(&path, with_sha(&hash)).unwrap();
     rewrite_in_place(
@@ -184,7 +186,7 @@ fn a_file_listed_again_is_checked_against_the_bytes_that_were_mapped() {
 
 #[test]
 fn a_wrong_sha256_is_refused_with_the_same_message_as_before() {
-    let (path, actual) = private_copy("sealed-wrong", "libsealed_wrong.so");
+    let (_dir, path, actual) = private_copy("sealed-wrong", "libsealed_wrong.so");
     let wrong = "0".repeat(64);
     for err in [
         loader::open_library(&path, with_sha(&wrong)).unwrap_err(),
@@ -207,7 +209,7 @@ fn a_wrong_sha256_is_refused_with_the_same_message_as_before() {
 
 #[test]
 fn without_a_sha256_the_file_itself_is_mapped_as_before() {
-    let (path, _) = private_copy("unsealed", "libunsealed.so");
+    let (_dir, path, _) = private_copy("unsealed", "libunsealed.so");
     let verify = Verify::default();
     let prepared = loader::prepare(&path, verify).unwrap();
     assert!(!prepared.is_sealed());

@@ -30,8 +30,8 @@ fn chmod(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
 }
 
-/// A fresh 0755 directory for `test`.
-fn base(test: &str) -> PathBuf {
+/// A fresh 0755 directory for `test`, removed when the guard is dropped.
+fn base(test: &str) -> common::TempDir {
     let dir = common::temp_dir(&format!("loader-paths-{test}"));
     chmod(&dir, 0o755);
     dir

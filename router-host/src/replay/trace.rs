@@ -330,7 +330,7 @@ type LineError = (Option<&'static str>, String);
 fn parse_line(text: &str, block_size: u32) -> Result<WorkloadRequest, LineError> {
     let line: Line = match serde_json::from_str(text) {
         Ok(line) => line,
-        Err(_) => return Err(diagnose(text)),
+        Err(e) => return Err(diagnose(text, &e)),
     };
     let session_id = match line.session_id {
         None | Some(serde_json::Value::Null) => None,
@@ -394,8 +394,18 @@ fn session_id(value: &serde_json::Value) -> Result<String, LineError> {
     }
 }
 
-/// The slow path: say which field is wrong.
-fn diagnose(text: &str) -> LineError {
+/// The fields of [`Line`], as `'static` names for [`LineError`].
+const FIELDS: [&str; 5] = [
+    "timestamp",
+    "input_length",
+    "output_length",
+    "hash_ids",
+    "session_id",
+];
+
+/// The slow path: say which field is wrong. `fast` is the fast path's error, for what a parsed
+/// value no longer shows: a key given twice (the value keeps only the last).
+fn diagnose(text: &str, fast: &serde_json::Error) -> LineError {
     let value: serde_json::Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(e) => {
@@ -466,7 +476,18 @@ fn diagnose(text: &str) -> LineError {
             }
         }
     }
-    (None, "malformed line".to_string())
+    let message = strip_position(&fast.to_string());
+    if let Some(field) = message
+        .strip_prefix("duplicate field `")
+        .and_then(|rest| rest.strip_suffix('`'))
+        .and_then(|name| FIELDS.into_iter().find(|f| *f == name))
+    {
+        return (
+            Some(field),
+            "given twice on the line (a key may appear only once)".to_string(),
+        );
+    }
+    (None, format!("malformed line: {message}"))
 }
 
 fn describe(v: &serde_json::Value) -> String {
@@ -552,6 +573,40 @@ mod tests {
             let text = err.to_string();
             assert!(text.starts_with("trace t.jsonl: line 3: "), "{text}");
         }
+    }
+
+    #[test]
+    fn a_duplicated_key_names_the_field_and_the_line() {
+        // Issue: the parsed value keeps the last of two equal keys, so the slow path found
+        // nothing wrong and said only "malformed line".
+        let good =
+            "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}";
+        for field in FIELDS {
+            let value = if field == "hash_ids" { "[2]" } else { "3" };
+            let bad = format!("{}, \"{field}\": {value}}}", &good[..good.len() - 1]);
+            let bad = if field == "session_id" {
+                format!("{}, \"session_id\": 4}}", &bad[..bad.len() - 1])
+            } else {
+                bad
+            };
+            let err = parse(&format!("{good}\n{bad}\n")).unwrap_err();
+            assert_eq!(err.line, Some(2), "{err}");
+            assert_eq!(err.field.as_deref(), Some(field), "{err}");
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "trace t.jsonl: line 2: field `{field}`: given twice on the line (a key may \
+                     appear only once)"
+                )
+            );
+        }
+        // A duplicated field the reader ignores is fine, as any other field it ignores.
+        let w = parse(&format!(
+            "{}, \"extra\": 1, \"extra\": 2}}\n",
+            &good[..good.len() - 1]
+        ))
+        .unwrap();
+        assert_eq!(w.requests.len(), 1);
     }
 
     #[test]

@@ -62,12 +62,94 @@ pub fn router_host_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_router-host"))
 }
 
-/// A scratch directory unique to one test.
-pub fn temp_dir(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("router-host-test-{}-{test}", std::process::id()));
+/// A scratch directory unique to one test, removed (with everything in it) when the guard is
+/// dropped: at the end of the test, and also while a failing test unwinds. Derefs to [`Path`], so
+/// `dir.join(..)`, `&dir` and `dir.display()` work as on a path; keep the guard alive for as long
+/// as the directory is used (`temp_dir(t).join(..)` alone would remove it at once).
+#[must_use = "the directory is removed when the guard is dropped"]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::fs::remove_dir_all(&self.0).is_ok() || !self.0.exists() {
+            return;
+        }
+        // A test may have left a directory without write or search permission (the loader's
+        // permission tests do): give every directory back its owner's bits, then try again.
+        restore_dir_modes(&self.0);
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            // Never panic in drop (it would abort a test that is already unwinding).
+            eprintln!("warning: cannot remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+fn restore_dir_modes(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                restore_dir_modes(&entry.path());
+            }
+        }
+    }
+}
+
+/// The prefix of every scratch directory of this test process.
+fn temp_prefix() -> String {
+    format!("router-host-test-{}-", std::process::id())
+}
+
+/// A fresh scratch directory unique to one test, removed when the returned guard is dropped.
+///
+/// As a safety net for a guard dropped too early (`temp_dir(t).join("sub")`, then creating
+/// `sub`), every directory of this process still there when the process exits is removed too.
+pub fn temp_dir(test: &str) -> TempDir {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(|| {
+        // SAFETY: registers a plain `extern "C"` function without arguments; it runs once, at
+        // normal process exit, after the test harness has finished every test.
+        unsafe { libc::atexit(sweep_at_exit) };
+    });
+    let dir = std::env::temp_dir().join(format!("{}{test}", temp_prefix()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create temp dir");
-    dir
+    TempDir(dir)
+}
+
+extern "C" fn sweep_at_exit() {
+    // Never unwind out of an `extern "C"` function.
+    let _ = std::panic::catch_unwind(|| {
+        let prefix = temp_prefix();
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                drop(TempDir(entry.path()));
+            }
+        }
+    });
 }
 
 /// Write `text` to `dir/name` and return the path.
