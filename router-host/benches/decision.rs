@@ -29,10 +29,10 @@ use criterion::Criterion;
 
 use router_host::config::RouterConfig;
 use router_host::host::{Host, NoOverlap, OverlapSource};
-use router_host::kv_index::{OverlapScratch, RequestOverlap, RowMap};
+use router_host::kv_index::RowMap;
 use router_host::model::{Request, RowId};
 
-use common::{CacheFixture, PROMPTS, PROMPT_TOKENS};
+use common::{CacheFixture, OverlapScratch, RequestOverlap, PROMPTS, PROMPT_TOKENS};
 
 struct Setup {
     host: Host,

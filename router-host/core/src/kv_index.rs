@@ -14,9 +14,7 @@
 //! block stored after it (`SlotInfo`): along a cached prompt the walk follows those hints
 //! through slot data that lies mostly in sequence, and hashes only where a hint does not match.
 
-use std::cell::{Cell, RefCell};
-
-use crate::model::{OverlapSource, RowId, TierOverlap};
+use crate::model::RowId;
 
 use crate::fast_hash::FastMap;
 
@@ -349,89 +347,6 @@ impl RowMap {
             worker_id: (index / self.dp_size as usize) as u64,
             dp_rank: (index % self.dp_size as usize) as u32,
         }
-    }
-}
-
-/// Reusable buffers for [`RequestOverlap`].
-#[derive(Debug, Default)]
-pub struct OverlapScratch {
-    out: Vec<u32>,
-    alive: Vec<u64>,
-}
-
-/// One request's view of the index, computed on the first row the policy asks about (policies
-/// that do not read the CACHE columns never pay for it).
-pub struct RequestOverlap<'a> {
-    index: &'a KvIndex,
-    blocks: &'a [u64],
-    rows: RowMap,
-    scratch: &'a RefCell<OverlapScratch>,
-    computed: Cell<bool>,
-}
-
-impl<'a> RequestOverlap<'a> {
-    pub fn new(
-        index: &'a KvIndex,
-        blocks: &'a [u64],
-        rows: RowMap,
-        scratch: &'a RefCell<OverlapScratch>,
-    ) -> Self {
-        RequestOverlap {
-            index,
-            blocks,
-            rows,
-            scratch,
-            computed: Cell::new(false),
-        }
-    }
-}
-
-impl RequestOverlap<'_> {
-    /// Walk the index for this request, once.
-    fn compute(&self) {
-        if !self.computed.get() {
-            let mut scratch = self.scratch.borrow_mut();
-            let OverlapScratch { out, alive } = &mut *scratch;
-            self.index.overlaps(self.blocks, out, alive);
-            self.computed.set(true);
-        }
-    }
-
-    /// Leading blocks of the request held by `row` (after [`RequestOverlap::compute`]).
-    fn blocks(&self, out: &[u32], row: RowId) -> f64 {
-        let blocks = self.rows.index(row).and_then(|i| out.get(i));
-        f64::from(blocks.copied().unwrap_or(0))
-    }
-}
-
-impl OverlapSource for RequestOverlap<'_> {
-    fn overlap(&self, row: RowId) -> TierOverlap {
-        if self.rows.index(row).is_none() {
-            return TierOverlap::default();
-        }
-        self.compute();
-        TierOverlap {
-            device: self.blocks(&self.scratch.borrow().out, row),
-            // Only the device tier is simulated.
-            host: 0.0,
-            disk: 0.0,
-        }
-    }
-
-    fn overlap_columns(
-        &self,
-        rows: &[RowId],
-        device: &mut [f64],
-        host: &mut [f64],
-        disk: &mut [f64],
-    ) {
-        self.compute();
-        let scratch = self.scratch.borrow();
-        for (&row, device) in rows.iter().zip(device) {
-            *device = self.blocks(&scratch.out, row);
-        }
-        host.fill(0.0);
-        disk.fill(0.0);
     }
 }
 
