@@ -35,8 +35,11 @@ use crate::config::{self, PluginSource, PluginSpec};
 /// Why a plugin could not be loaded. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("plugin `{name}` not found; tried: {}", list_paths(.tried))]
+    #[error("plugin `{name}` not found; tried: {}{}", list_paths(.tried), not_found_hint(.tried))]
     NotFound { name: String, tried: Vec<PathBuf> },
+
+    #[error("plugin file {}: not a regular file ({kind}); a plugin is a shared object (`.so`)", .path.display())]
+    NotAFile { path: PathBuf, kind: &'static str },
 
     #[error("plugin file {}: {message}", .path.display())]
     Unreadable { path: PathBuf, message: String },
@@ -86,6 +89,46 @@ pub enum LoadError {
 
     #[error("plugin file {}: plugin `{plugin}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display())]
     PanicAbort { path: PathBuf, plugin: String },
+}
+
+/// What probably went wrong when no `lib<name>.so` exists: a crate built as `rlib` only leaves a
+/// `lib<name>.rlib` beside where the `.so` would be.
+fn not_found_hint(tried: &[PathBuf]) -> String {
+    let rlib = tried
+        .iter()
+        .map(|p| p.with_extension("rlib"))
+        .find(|p| p.is_file());
+    match rlib {
+        Some(rlib) => format!(
+            "; found {}: that crate builds no shared object: add `crate-type = [\"cdylib\"]` \
+             under `[lib]` in its Cargo.toml and rebuild",
+            rlib.display()
+        ),
+        None => String::new(),
+    }
+}
+
+/// `path` exists but is not a regular file: what it is instead.
+fn not_a_file(path: &Path) -> Option<LoadError> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::metadata(path).ok()?.file_type();
+    let kind = if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        return None;
+    };
+    Some(LoadError::NotAFile {
+        path: path.to_path_buf(),
+        kind,
+    })
 }
 
 fn list_paths(paths: &[PathBuf]) -> String {
@@ -138,6 +181,8 @@ pub fn resolve(spec: &PluginSpec, search: &SearchPath) -> Result<PathBuf, LoadEr
         PluginSource::Path(path) => {
             if path.is_file() {
                 Ok(path.clone())
+            } else if let Some(err) = not_a_file(path) {
+                Err(err)
             } else {
                 Err(LoadError::NotFound {
                     name: path.display().to_string(),
@@ -362,10 +407,10 @@ pub fn prepare(path: &Path, verify: Verify<'_>) -> Result<Prepared, LoadError> {
 
 fn prepare_as(path: &Path, given: &Path, verify: Verify<'_>) -> Result<Prepared, LoadError> {
     if !path.is_file() {
-        return Err(LoadError::NotFound {
+        return Err(not_a_file(path).unwrap_or_else(|| LoadError::NotFound {
             name: path.display().to_string(),
             tried: vec![path.to_path_buf()],
-        });
+        }));
     }
     let file = open_file(path)?;
     if !verify.allow_insecure_permissions {

@@ -177,3 +177,58 @@ fn select_prints_one_json_line_per_request_and_exit_codes_follow_the_contract() 
     assert!(err.contains("bad.json: line 2"), "{err}");
     assert!(err.contains("unknown field `isl`"), "{err}");
 }
+
+#[test]
+fn a_crate_built_as_rlib_only_gets_a_cdylib_hint() {
+    let dir = temp_dir("rlib-only");
+    let plugin_dir = dir.join("plugins");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    write(&plugin_dir, "libmy_policy.rlib", "not a shared object");
+    let config = write(&dir, "router.yaml", "plugins:\n  - name: my_policy\n");
+    let (code, _, err) = run_cli(&[
+        "check",
+        "--config",
+        config.to_str().unwrap(),
+        "--plugin-dir",
+        plugin_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("plugin `my_policy` not found; tried:"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "found {}/libmy_policy.rlib: that crate builds no shared object: add `crate-type = [\"cdylib\"]`",
+            plugin_dir.display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_plugin_path_that_is_not_a_regular_file_says_what_it_is() {
+    let dir = temp_dir("not-a-file");
+    let fifo = dir.join("fifo.so");
+    let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o644) }, 0);
+    for (path, kind) in [
+        ("/dev/zero".to_string(), "a character device"),
+        (dir.display().to_string(), "a directory"),
+        (fifo.display().to_string(), "a FIFO"),
+    ] {
+        let config = write(
+            &dir,
+            "router.yaml",
+            &format!("plugins:\n  - path: {path}\n"),
+        );
+        let (code, _, err) = run_cli(&["check", "--config", config.to_str().unwrap()]);
+        assert_eq!(code, 1, "{path}: {err}");
+        assert!(
+            err.contains(&format!("plugin file {path}: not a regular file ({kind})")),
+            "{path}: {err}"
+        );
+        assert!(!err.contains("not found"), "{path}: {err}");
+    }
+}
