@@ -23,7 +23,7 @@ use crate::router::Router;
 pub use crate::model::{InjectedRows, NoOverlap, OverlapSource};
 pub use router_core::admission::{AdmissionStats, Ticket, TicketId};
 pub use router_core::routing::{
-    Drained, RemovedWorker, RequestId, RouteError, Routed, SessionOutcome, Submitted,
+    Drained, RemovedWorker, RequestId, RouteError, Routed, SessionOutcome, Submitted, DRAWN_ID_BIT,
 };
 
 /// See the module docs.

@@ -10,7 +10,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use router_host::config::RouterConfig;
-use router_host::host::{Host, NoOverlap, RouteError, Submitted};
+use router_host::host::{Host, NoOverlap, RouteError, Submitted, DRAWN_ID_BIT};
 use router_host::kv_index::KvEventKind;
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, RowLoad, Worker};
@@ -62,10 +62,35 @@ fn caller_ids_are_the_booking_ids_and_duplicates_book_nothing() {
 }
 
 #[test]
+fn caller_ids_in_the_drawn_range_are_refused_and_book_nothing() {
+    let host = host("{}", vec![Worker::new(1)], Arc::new(ManualClock::default()));
+    let core = host.core();
+    let drawn = core.route(&req(1), &NoOverlap, false).unwrap().id;
+    assert_ne!(
+        drawn & DRAWN_ID_BIT,
+        0,
+        "drawn ids carry the bit: {drawn:#x}"
+    );
+    for id in [DRAWN_ID_BIT, drawn, u64::MAX] {
+        let reserved = Request {
+            id: Some(id),
+            ..req(1)
+        };
+        let err = core.route(&reserved, &NoOverlap, false).unwrap_err();
+        assert_eq!(err, RouteError::ReservedRequestId(id));
+        assert!(err.to_string().contains("2^63 or more"), "{err}");
+    }
+    assert_eq!(core.in_flight(), 1);
+    assert_eq!(core.booked(row(1, 0)).active_requests, 1);
+    assert!(core.complete(drawn));
+    assert_eq!(core.booked(row(1, 0)), RowLoad::default());
+}
+
+#[test]
 fn drawn_ids_step_around_ids_callers_already_use() {
     let host = host("{}", vec![Worker::new(1)], Arc::new(ManualClock::default()));
     let core = host.core();
-    // The first ids any thread would draw are 0..16 (n * 16 + its shard): take them all.
+    // Callers take ids 0..16 (what drawn ids looked like before they carried DRAWN_ID_BIT).
     for id in 0..16 {
         let taken = Request {
             id: Some(id),

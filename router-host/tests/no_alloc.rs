@@ -24,7 +24,7 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 /// Deterministic, varying signals: overlap and load depend on the request number and the row.
 struct Varying(u64);
 
-impl Signals for Varying {
+impl OverlapSource for Varying {
     fn overlap(&self, row: RowId) -> TierOverlap {
         let x = (self.0 * 31 + row.worker_id * 7 + u64::from(row.dp_rank)) % 17;
         TierOverlap {
@@ -33,7 +33,9 @@ impl Signals for Varying {
             disk: 0.0,
         }
     }
+}
 
+impl Signals for Varying {
     fn load(&self, row: RowId) -> RowLoad {
         RowLoad {
             available: true,

@@ -1,4 +1,5 @@
-//! Booked load per row slot, updated from many threads without a lock.
+//! Booked load per row slot: read by every decision without a lock, written by one thread at a
+//! time per slot.
 //!
 //! Every dispatched request books onto its row: one active request, its prompt tokens still to
 //! prefill, and the KV blocks it will occupy while decoding; completion releases exactly that
@@ -9,14 +10,22 @@
 //! row's real load (an engine's `num_requests_running + num_requests_waiting`) reports it with
 //! [`Ledger::observe`]; a row's `active_requests` is then the larger of booked and observed.
 //!
-//! A ledger is one flat array of cells indexed by slot, shared by the topology snapshots that
-//! use it (`crate::topology`). When workers outgrow it, the core builds a larger copy while no
-//! booking or release can run (it holds every in-flight shard) and publishes it with the next
-//! snapshot; a decision still reading the old one sees load as of that moment.
+//! A ledger never moves: its cells live in fixed-size chunks allocated as workers need them and
+//! kept for the core's life, so a booking or release addresses its cell by slot alone, without
+//! holding a topology snapshot, and growing never copies a counter (so none can be lost).
+//!
+//! Writers of one slot never run at once: the core books and releases a slot only under the
+//! in-flight shard lock that owns the slot (`crate::routing`), which it holds anyway to record
+//! the booking. So an update is a plain load and store of an atomic (a locked read-modify-write
+//! costs about 12 ns on the machine in `docs/performance.md`, and a request would pay six),
+//! while readers still see every counter whole. That rule is why the writing methods are
+//! `pub(crate)`. Counters saturate: prompt sizes come from callers, and a wrapped counter would
+//! look idle.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
-use crate::model::{RowId, RowLoad};
+use crate::model::{RowId, RowLoad, MAX_ROWS};
 use crate::topology::{Slot, Topology};
 
 /// `observed` value meaning "no observation"; `n + 1` means `n` observed, so a new cell is
@@ -54,16 +63,6 @@ impl Cell {
             decode_blocks: self.decode.load(Ordering::Relaxed),
         }
     }
-
-    fn copy(&self) -> Cell {
-        let get = |c: &AtomicU64| AtomicU64::new(c.load(Ordering::Acquire));
-        Cell {
-            active: get(&self.active),
-            prefill: get(&self.prefill),
-            decode: get(&self.decode),
-            observed: get(&self.observed),
-        }
-    }
 }
 
 /// What one booking adds to its row.
@@ -73,62 +72,83 @@ pub struct Charge {
     pub decode_blocks: u64,
 }
 
+/// Cells per chunk: 1,024 cells of 32 bytes, 32 KiB.
+const CHUNK_BITS: u32 = 10;
+const CHUNK: usize = 1 << CHUNK_BITS;
+
 /// Booked (and observed) load per slot.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Ledger {
-    cells: Box<[Cell]>,
+    /// Chunk `c` holds slots `c * CHUNK ..`; allocated by [`Ledger::ensure`], never freed or
+    /// moved while the ledger lives.
+    chunks: Box<[OnceLock<Box<[Cell]>>]>,
 }
 
-// Saturating: prompt sizes come from callers, and a wrapped counter would look idle.
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger::with_slots(0)
+    }
+}
+
+// One writer per slot at a time (module docs): a load and a store, no locked instruction.
 fn add(counter: &AtomicU64, n: u64) {
     if n != 0 {
-        let _ = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-            Some(v.saturating_add(n))
-        });
+        let v = counter.load(Ordering::Relaxed);
+        counter.store(v.saturating_add(n), Ordering::Relaxed);
     }
 }
 
 fn sub(counter: &AtomicU64, n: u64) {
     if n != 0 {
-        let _ = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-            Some(v.saturating_sub(n))
-        });
+        let v = counter.load(Ordering::Relaxed);
+        counter.store(v.saturating_sub(n), Ordering::Relaxed);
     }
 }
 
 impl Ledger {
-    /// An idle ledger for slots `0..slots`.
+    /// An idle ledger with cells for slots `0..slots` (and room to grow to [`MAX_ROWS`]).
     pub fn with_slots(slots: usize) -> Ledger {
-        Ledger {
-            cells: (0..slots).map(|_| Cell::default()).collect(),
+        let ledger = Ledger {
+            chunks: (0..MAX_ROWS.div_ceil(CHUNK))
+                .map(|_| OnceLock::new())
+                .collect(),
+        };
+        ledger.ensure(slots.max(1));
+        ledger
+    }
+
+    /// Make sure slots `0..slots` have cells (more than [`MAX_ROWS`] are never allocated).
+    /// Concurrent bookings and releases go on meanwhile: existing cells never move.
+    pub fn ensure(&self, slots: usize) {
+        for chunk in self.chunks.iter().take(slots.div_ceil(CHUNK)) {
+            chunk.get_or_init(|| (0..CHUNK).map(|_| Cell::default()).collect());
         }
     }
 
     /// Slots this ledger has cells for.
     pub fn slots(&self) -> usize {
-        self.cells.len()
+        self.chunks.iter().take_while(|c| c.get().is_some()).count() * CHUNK
     }
 
-    /// A copy with room for `slots` slots. The caller makes sure no booking or release runs
-    /// meanwhile, or it would be lost from the copy.
-    pub fn grown(&self, slots: usize) -> Ledger {
-        let mut cells: Vec<Cell> = self.cells.iter().map(Cell::copy).collect();
-        cells.resize_with(slots.max(self.cells.len()), Cell::default);
-        Ledger {
-            cells: cells.into_boxed_slice(),
-        }
+    #[inline]
+    fn cell(&self, slot: Slot) -> Option<&Cell> {
+        let slot = slot as usize;
+        self.chunks
+            .get(slot >> CHUNK_BITS)?
+            .get()?
+            .get(slot & (CHUNK - 1))
     }
 
-    pub fn book(&self, slot: Slot, charge: Charge) {
-        if let Some(cell) = self.cells.get(slot as usize) {
+    pub(crate) fn book(&self, slot: Slot, charge: Charge) {
+        if let Some(cell) = self.cell(slot) {
             add(&cell.active, 1);
             add(&cell.prefill, charge.prefill_tokens);
             add(&cell.decode, charge.decode_blocks);
         }
     }
 
-    pub fn release(&self, slot: Slot, charge: Charge) {
-        if let Some(cell) = self.cells.get(slot as usize) {
+    pub(crate) fn release(&self, slot: Slot, charge: Charge) {
+        if let Some(cell) = self.cell(slot) {
             sub(&cell.active, 1);
             sub(&cell.prefill, charge.prefill_tokens);
             sub(&cell.decode, charge.decode_blocks);
@@ -136,23 +156,23 @@ impl Ledger {
     }
 
     /// The booking's prefill finished: only its prompt tokens are released.
-    pub fn release_prefill(&self, slot: Slot, tokens: u64) {
-        if let Some(cell) = self.cells.get(slot as usize) {
+    pub(crate) fn release_prefill(&self, slot: Slot, tokens: u64) {
+        if let Some(cell) = self.cell(slot) {
             sub(&cell.prefill, tokens);
         }
     }
 
     /// Record the row's observed active requests (`None` = forget the observation).
     pub fn observe(&self, slot: Slot, active_requests: Option<u64>) {
-        if let Some(cell) = self.cells.get(slot as usize) {
+        if let Some(cell) = self.cell(slot) {
             let value = active_requests.map_or(UNOBSERVED, |n| n.saturating_add(1));
             cell.observed.store(value, Ordering::Release);
         }
     }
 
     /// Forget everything about `slot` (its worker was removed).
-    pub fn reset(&self, slot: Slot) {
-        if let Some(cell) = self.cells.get(slot as usize) {
+    pub(crate) fn reset(&self, slot: Slot) {
+        if let Some(cell) = self.cell(slot) {
             cell.active.store(0, Ordering::Release);
             cell.prefill.store(0, Ordering::Release);
             cell.decode.store(0, Ordering::Release);
@@ -160,19 +180,15 @@ impl Ledger {
         }
     }
 
-    /// The load of `slot` as policies see it (idle for a slot past the end).
+    /// The load of `slot` as policies see it (idle for a slot without a cell).
     #[inline]
     pub fn load(&self, slot: Slot) -> RowLoad {
-        self.cells
-            .get(slot as usize)
-            .map_or_else(RowLoad::default, Cell::load)
+        self.cell(slot).map_or_else(RowLoad::default, Cell::load)
     }
 
     /// The booked load alone (no observation), for invariant checks.
     pub fn booked(&self, slot: Slot) -> RowLoad {
-        self.cells
-            .get(slot as usize)
-            .map_or_else(RowLoad::default, Cell::booked)
+        self.cell(slot).map_or_else(RowLoad::default, Cell::booked)
     }
 
     /// The load of every row of `rows` into four columns as long as `rows` (as
@@ -192,15 +208,22 @@ impl Ledger {
         let columns = available.iter_mut().zip(active).zip(prefill).zip(decode);
         let mut worker = None;
         let mut run = crate::topology::SlotRun::EMPTY;
+        let mut cells: &[Cell] = &[];
         for (row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
             if worker != Some(row.worker_id) {
                 worker = Some(row.worker_id);
                 run = topology.run_of(row.worker_id);
+                cells = self.run_cells(run);
             }
-            let load = run
-                .slot(row.dp_rank)
-                .and_then(|slot| self.cells.get(slot as usize))
-                .map_or_else(RowLoad::default, Cell::load);
+            let load = cells
+                .get(row.dp_rank.wrapping_sub(run.dp_start) as usize)
+                .map_or_else(
+                    || {
+                        run.slot(row.dp_rank)
+                            .map_or_else(RowLoad::default, |s| self.load(s))
+                    },
+                    Cell::load,
+                );
             (*available, *active, *prefill, *decode) = (
                 load.available,
                 load.active_requests,
@@ -209,19 +232,36 @@ impl Ledger {
             );
         }
     }
+
+    /// The cells of a worker's run of slots as one slice, when they lie in one chunk (empty
+    /// otherwise: the caller then goes slot by slot).
+    #[inline]
+    fn run_cells(&self, run: crate::topology::SlotRun) -> &[Cell] {
+        let (first, len) = (run.base as usize, run.dp_size as usize);
+        let chunk = first >> CHUNK_BITS;
+        let start = first & (CHUNK - 1);
+        self.chunks
+            .get(chunk)
+            .and_then(OnceLock::get)
+            .and_then(|cells| cells.get(start..start + len))
+            .unwrap_or(&[])
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn c(prefill_tokens: u64, decode_blocks: u64) -> Charge {
+        Charge {
+            prefill_tokens,
+            decode_blocks,
+        }
+    }
+
     #[test]
     fn books_releases_saturates_and_corrects_with_observations() {
         let ledger = Ledger::with_slots(8);
-        let c = |p, d| Charge {
-            prefill_tokens: p,
-            decode_blocks: d,
-        };
         ledger.book(3, c(100, 2));
         ledger.book(3, c(u64::MAX, 1));
         assert_eq!(ledger.load(3).active_requests, 2);
@@ -237,18 +277,35 @@ mod tests {
         assert_eq!(ledger.load(3).active_requests, 1, "booked wins when larger");
         ledger.observe(3, None);
         ledger.release(3, c(0, 1));
-        ledger.release(3, c(0, 1));
+        ledger.release(3, c(5, 1));
         assert_eq!(ledger.load(3), RowLoad::default(), "never below zero");
-        // Growing keeps every value; slots past the end are idle and never panic.
+        ledger.book(3, c(4, 0));
+        assert_eq!(
+            ledger.load(3).active_prefill_tokens,
+            4,
+            "counts on from zero"
+        );
+    }
+
+    #[test]
+    fn grows_in_place_and_ignores_slots_without_cells() {
+        let ledger = Ledger::with_slots(8);
+        assert_eq!(ledger.slots(), CHUNK);
         ledger.book(7, c(5, 1));
-        let grown = ledger.grown(2048);
-        assert_eq!(grown.slots(), 2048);
-        assert_eq!(grown.load(7).active_prefill_tokens, 5);
-        grown.book(2000, c(1, 1));
-        assert_eq!(grown.load(2000).active_requests, 1);
-        grown.reset(2000);
-        assert_eq!(grown.load(2000), RowLoad::default());
-        grown.book(u32::MAX, c(1, 1));
-        assert_eq!(grown.load(u32::MAX), RowLoad::default());
+        ledger.book(2000, c(1, 1));
+        assert_eq!(ledger.load(2000), RowLoad::default(), "no cell yet: idle");
+        ledger.ensure(2048);
+        assert_eq!(ledger.slots(), 2048);
+        assert_eq!(
+            ledger.load(7).active_prefill_tokens,
+            5,
+            "growth keeps every value"
+        );
+        ledger.book(2000, c(1, 1));
+        assert_eq!(ledger.load(2000).active_requests, 1);
+        ledger.reset(2000);
+        assert_eq!(ledger.load(2000), RowLoad::default());
+        ledger.book(u32::MAX, c(1, 1));
+        assert_eq!(ledger.load(u32::MAX), RowLoad::default());
     }
 }

@@ -243,39 +243,6 @@ impl Default for RowLoad {
     }
 }
 
-/// Where selection reads per-row overlap (for this request) and load from.
-pub trait Signals {
-    fn overlap(&self, row: RowId) -> TierOverlap;
-    fn load(&self, row: RowId) -> RowLoad;
-
-    /// The overlap of every row of `rows` into three columns as long as `rows`. The default asks
-    /// [`Signals::overlap`] row by row; a source that computes all rows at once overrides it.
-    fn overlap_columns(
-        &self,
-        rows: &[RowId],
-        device: &mut [f64],
-        host: &mut [f64],
-        disk: &mut [f64],
-    ) {
-        overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
-    }
-
-    /// The load of every row of `rows` into four columns as long as `rows`. The default asks
-    /// [`Signals::load`] row by row; a source that can walk its table in row order overrides it.
-    fn load_columns(
-        &self,
-        rows: &[RowId],
-        available: &mut [bool],
-        active: &mut [u64],
-        prefill: &mut [u64],
-        decode: &mut [u64],
-    ) {
-        load_columns_by_row(rows, available, active, prefill, decode, |row| {
-            self.load(row)
-        });
-    }
-}
-
 /// Fill load columns one row at a time (the default of [`Signals::load_columns`]).
 pub fn load_columns_by_row(
     rows: &[RowId],
@@ -297,7 +264,7 @@ pub fn load_columns_by_row(
     }
 }
 
-/// Fill overlap columns one row at a time (the default of the `overlap_columns` methods).
+/// Fill overlap columns one row at a time (the default of [`OverlapSource::overlap_columns`]).
 pub fn overlap_columns_by_row(
     rows: &[RowId],
     device: &mut [f64],
@@ -316,17 +283,21 @@ pub fn overlap_columns_by_row(
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoSignals;
 
-impl Signals for NoSignals {
+impl OverlapSource for NoSignals {
     fn overlap(&self, _: RowId) -> TierOverlap {
         TierOverlap::default()
     }
+}
+
+impl Signals for NoSignals {
     fn load(&self, _: RowId) -> RowLoad {
         RowLoad::default()
     }
 }
 
-/// Per-row signals for the request being routed that the host does not own itself: prompt
-/// overlap (from a KV index, or injected) and, for scripted scenarios, injected load.
+/// Per-row signals for the request being routed that the core does not own itself: prompt
+/// overlap (from a KV index, or injected) and, for scripted scenarios, injected load. What a
+/// caller hands the core; the core adds booked load to make the [`Signals`] selection reads.
 pub trait OverlapSource {
     fn overlap(&self, row: RowId) -> TierOverlap;
 
@@ -342,7 +313,9 @@ pub trait OverlapSource {
         false
     }
 
-    /// See [`Signals::overlap_columns`]: the overlap of every row at once.
+    /// The overlap of every row of `rows` into three columns as long as `rows`. The default asks
+    /// [`OverlapSource::overlap`] row by row; a source that computes all rows at once overrides
+    /// it.
     fn overlap_columns(
         &self,
         rows: &[RowId],
@@ -351,6 +324,27 @@ pub trait OverlapSource {
         disk: &mut [f64],
     ) {
         overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
+    }
+}
+
+/// Everything selection reads per row: the request's overlap (as an [`OverlapSource`], so the
+/// overlap methods are defined once) and each row's load.
+pub trait Signals: OverlapSource {
+    fn load(&self, row: RowId) -> RowLoad;
+
+    /// The load of every row of `rows` into four columns as long as `rows`. The default asks
+    /// [`Signals::load`] row by row; a source that can walk its table in row order overrides it.
+    fn load_columns(
+        &self,
+        rows: &[RowId],
+        available: &mut [bool],
+        active: &mut [u64],
+        prefill: &mut [u64],
+        decode: &mut [u64],
+    ) {
+        load_columns_by_row(rows, available, active, prefill, decode, |row| {
+            self.load(row)
+        });
     }
 }
 

@@ -1,8 +1,7 @@
 //! Which workers exist, and the one numbering of their rows: slots.
 //!
 //! A [`Topology`] is an immutable snapshot: the [`Cluster`] (workers sorted by id, with their
-//! availability, overload and draining flags), the *slots* of every row, and the [`Ledger`]
-//! holding their booked load. A slot is a small integer that names one `(worker, rank)` row for
+//! availability, overload and draining flags) and the *slots* of every row. A slot is a small integer that names one `(worker, rank)` row for
 //! as long as the worker is registered; the ledger and the KV index address rows by slot, so
 //! there is one numbering. A worker's ranks get consecutive slots (a decision then reads a
 //! worker's load from consecutive cells); a removed worker's slots are freed and reused, lowest
@@ -13,9 +12,7 @@
 //! (membership and health changes), reads happen on every decision.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
-use crate::ledger::Ledger;
 use crate::model::{Cluster, ClusterError, RowId, Worker, MAX_ROWS};
 
 /// The number of one row in the ledger and the KV index.
@@ -45,34 +42,21 @@ impl SlotRun {
     }
 }
 
-/// A cluster snapshot, the slots of its rows and their ledger.
-#[derive(Debug, Clone)]
+/// A cluster snapshot and the slots of its rows.
+#[derive(Debug, Clone, Default)]
 pub struct Topology {
     cluster: Cluster,
     /// Worker ids in cluster order, dense for the per-row lookups of a decision.
     ids: Vec<u64>,
     runs: Vec<SlotRun>,
-    ledger: Arc<Ledger>,
     /// Which publication this is (`RoutingCore` numbers them), so a holder can tell with one
     /// plain load whether a newer snapshot exists.
     generation: u64,
 }
 
-impl Default for Topology {
-    fn default() -> Self {
-        Topology {
-            cluster: Cluster::default(),
-            ids: Vec::new(),
-            runs: Vec::new(),
-            ledger: Arc::new(Ledger::default()),
-            generation: 0,
-        }
-    }
-}
-
 impl Topology {
     /// The snapshot of `cluster` whose worker `w` starts at slot `base(worker_id)`.
-    fn build(cluster: Cluster, base: impl Fn(u64) -> Slot, ledger: Arc<Ledger>) -> Topology {
+    fn build(cluster: Cluster, base: impl Fn(u64) -> Slot) -> Topology {
         let runs = cluster
             .workers()
             .iter()
@@ -86,7 +70,6 @@ impl Topology {
             ids: cluster.workers().iter().map(|w| w.worker_id).collect(),
             runs,
             cluster,
-            ledger,
             generation: 0,
         }
     }
@@ -104,11 +87,6 @@ impl Topology {
 
     pub fn cluster(&self) -> &Cluster {
         &self.cluster
-    }
-
-    /// The booked load of this snapshot's slots.
-    pub fn ledger(&self) -> &Arc<Ledger> {
-        &self.ledger
     }
 
     /// Where worker `worker_id`'s ranks live ([`SlotRun::EMPTY`] if it is not registered).
@@ -158,14 +136,6 @@ impl Topology {
             .max()
             .unwrap_or(0)
     }
-
-    /// This snapshot with its ledger replaced (after growing it).
-    pub fn with_ledger(&self, ledger: Arc<Ledger>) -> Topology {
-        Topology {
-            ledger,
-            ..self.clone()
-        }
-    }
 }
 
 /// Why a membership change was refused.
@@ -186,9 +156,6 @@ pub struct SlotAllocator {
     next: Slot,
 }
 
-/// Cells a new ledger starts with, so the first workers added need no growth.
-const MIN_LEDGER_SLOTS: usize = 64;
-
 impl SlotAllocator {
     /// The first snapshot: slots 0.. in cluster order.
     pub fn initial(&mut self, cluster: Cluster) -> Topology {
@@ -197,14 +164,9 @@ impl SlotAllocator {
             bases.push((w.worker_id, self.next));
             self.next += w.dp_size;
         }
-        let ledger = Arc::new(Ledger::with_slots(
-            (self.next as usize).max(MIN_LEDGER_SLOTS),
-        ));
-        Topology::build(
-            cluster,
-            |id| bases.iter().find(|(w, _)| *w == id).map_or(0, |(_, b)| *b),
-            ledger,
-        )
+        Topology::build(cluster, |id| {
+            bases.iter().find(|(w, _)| *w == id).map_or(0, |(_, b)| *b)
+        })
     }
 
     /// The lowest run of `n` free slots (reused first, then fresh ones).
@@ -239,8 +201,8 @@ impl SlotAllocator {
     }
 
     /// `current` with `worker` added (its ranks get the lowest free run of slots), and how many
-    /// slots its ledger must have for it: more than `current.ledger().slots()` means the caller
-    /// grows the ledger ([`Topology::with_ledger`]) before publishing.
+    /// slots slot-indexed tables must have for it (the caller makes sure they do before
+    /// publishing).
     pub fn add(
         &mut self,
         current: &Topology,
@@ -263,17 +225,13 @@ impl SlotAllocator {
             }
             .into());
         }
-        let next = Topology::build(
-            cluster,
-            |w| {
-                if w == id {
-                    base
-                } else {
-                    current.run_of(w).base
-                }
-            },
-            current.ledger.clone(),
-        );
+        let next = Topology::build(cluster, |w| {
+            if w == id {
+                base
+            } else {
+                current.run_of(w).base
+            }
+        });
         Ok((next, needed))
     }
 
@@ -297,7 +255,7 @@ impl SlotAllocator {
             .cloned()
             .collect();
         let cluster = Cluster::new(workers)?;
-        let next = Topology::build(cluster, |w| current.run_of(w).base, current.ledger.clone());
+        let next = Topology::build(cluster, |w| current.run_of(w).base);
         self.free.extend(freed.iter().copied());
         Ok((next, freed))
     }
@@ -341,7 +299,6 @@ mod tests {
         assert_eq!(t0.slot(row(9, 5)), Some(2));
         assert_eq!(t0.slot(row(9, 3)), None);
         assert_eq!(t0.slot(row(7, 0)), None);
-        assert_eq!(t0.ledger().slots(), MIN_LEDGER_SLOTS);
 
         let (t1, needed) = alloc.add(&t0, Worker::new(5).with_ranks(0, 2)).unwrap();
         assert_eq!(needed, 5);

@@ -1,21 +1,25 @@
 //! The request path: plan (sessions), admission, decision, dispatch (booking), completion.
 
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
 use abi_stable::std_types::RSlice;
 use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
 
 use super::signals::{CoreSignals, IndexOverlap, OverlapBuffers};
-use super::{lock, Booking, RequestId, RouteError, Routed, RoutingCore, SessionOutcome};
+use super::{
+    lock, shard_of_slot, Booking, RequestId, RouteError, Routed, RoutingCore, SessionOutcome,
+    Shard, DRAWN_ID_BIT,
+};
 use crate::admission::{AdmissionMode, LaneKey, Ticket};
 use crate::eligibility::{check_pin, eligible_rows};
 use crate::ledger::Charge;
 use crate::model::{OverlapSource, Request, RowId};
 use crate::select::{Decision, Scratch, Selection};
 use crate::sessions::{BindingMode, Lease};
-use crate::topology::Topology;
+use crate::topology::{Slot, Topology};
 
 /// What `submit` did with a request.
 // Returned by value and consumed at once; boxing would add an allocation per dispatch.
@@ -47,9 +51,14 @@ thread_local! {
     // allocates nothing and threads never share buffers.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
     static OVERLAP: RefCell<OverlapBuffers> = RefCell::new(OverlapBuffers::default());
+    // The last topology snapshot this thread routed with, reused while its generation is the
+    // current one: checking costs one plain load, where taking an arc-swap guard costs atomic
+    // read-modify-writes on every request.
+    static SNAPSHOT: RefCell<Option<Arc<Topology>>> = const { RefCell::new(None) };
 }
 
 /// Run `f` with this thread's buffer (a fresh one if it is already in use further up the stack).
+#[inline]
 fn with_buffer<T: Default, R>(
     key: &'static std::thread::LocalKey<RefCell<T>>,
     f: impl FnOnce(&mut T) -> R,
@@ -78,6 +87,30 @@ pub(super) fn with_overlap_buffers<R>(f: impl FnOnce(&mut OverlapBuffers) -> R) 
 }
 
 impl RoutingCore {
+    /// Run `f` on the current topology snapshot: this thread's cached one while it is current,
+    /// else a fresh one (cached for next time). A nested call takes a guard instead.
+    #[inline]
+    fn with_topology<R>(&self, f: impl FnOnce(&Topology) -> R) -> R {
+        let current = self.generation.load(Ordering::Acquire);
+        let mut f = Some(f);
+        let done = SNAPSHOT
+            .try_with(|cell| {
+                let mut cached = cell.try_borrow_mut().ok()?;
+                if cached.as_ref().map(|t| t.generation()) != Some(current) {
+                    *cached = Some(self.topology.load_full());
+                }
+                let topology = cached.as_deref()?;
+                f.take().map(|f| f(topology))
+            })
+            .ok()
+            .flatten();
+        match (done, f.take()) {
+            (Some(result), _) => result,
+            (None, Some(f)) => f(&self.topology.load()),
+            (None, None) => unreachable!("the closure ran but returned no result"),
+        }
+    }
+
     /// Route and dispatch one request now, bypassing admission; overlap from `source`.
     pub fn route<O: OverlapSource + ?Sized>(
         &self,
@@ -85,7 +118,7 @@ impl RoutingCore {
         source: &O,
         explain: bool,
     ) -> Result<Routed, RouteError> {
-        self.route_on(&self.topology.load(), request, source, explain)
+        self.with_topology(|topology| self.route_on(topology, request, source, explain))
     }
 
     fn route_on<O: OverlapSource + ?Sized>(
@@ -102,10 +135,11 @@ impl RoutingCore {
 
     /// [`RoutingCore::route`] with overlap from the request's blocks in the core's KV index.
     pub fn route_indexed(&self, request: &Request, explain: bool) -> Result<Routed, RouteError> {
-        let topology = self.topology.load();
-        with_buffer(&OVERLAP, |buffers| {
-            let source = IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers);
-            self.route_on(&topology, request, &source, explain)
+        self.with_topology(|topology| {
+            with_buffer(&OVERLAP, |buffers| {
+                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers);
+                self.route_on(topology, request, &source, explain)
+            })
         })
     }
 
@@ -116,8 +150,7 @@ impl RoutingCore {
         source: &O,
         explain: bool,
     ) -> Result<Submitted, RouteError> {
-        let topology = self.topology.load();
-        match self.admit(&topology, &request, source, explain)? {
+        match self.with_topology(|topology| self.admit(topology, &request, source, explain))? {
             Admitted::Now(routed) => Ok(Submitted::Dispatched(routed)),
             Admitted::Queue(lane) => Ok(self.enqueue(lane, request)),
         }
@@ -125,10 +158,11 @@ impl RoutingCore {
 
     /// [`RoutingCore::submit`] with overlap from the request's blocks in the core's KV index.
     pub fn submit_indexed(&self, request: Request, explain: bool) -> Result<Submitted, RouteError> {
-        let topology = self.topology.load();
-        let admitted = with_buffer(&OVERLAP, |buffers| {
-            let source = IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers);
-            self.admit(&topology, &request, &source, explain)
+        let admitted = self.with_topology(|topology| {
+            with_buffer(&OVERLAP, |buffers| {
+                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers);
+                self.admit(topology, &request, &source, explain)
+            })
         })?;
         match admitted {
             Admitted::Now(routed) => Ok(Submitted::Dispatched(routed)),
@@ -236,7 +270,11 @@ impl RoutingCore {
         row: RowId,
     ) -> bool {
         use crate::model::Signals;
-        let signals = CoreSignals { source, topology };
+        let signals = CoreSignals {
+            source,
+            topology,
+            ledger: &self.ledger,
+        };
         let batch = topology
             .cluster()
             .worker(row.worker_id)
@@ -295,7 +333,11 @@ impl RoutingCore {
         plan: &Plan<'_>,
         source: &O,
     ) -> Result<Decision, RouteError> {
-        let signals = CoreSignals { source, topology };
+        let signals = CoreSignals {
+            source,
+            topology,
+            ledger: &self.ledger,
+        };
         with_buffer(&SCRATCH, |scratch| {
             self.selector
                 .select(topology.cluster(), plan.selection, &signals, scratch)
@@ -312,7 +354,6 @@ impl RoutingCore {
         plan: Plan<'_>,
         queued_for: Duration,
     ) -> Result<Routed, RouteError> {
-        let mut id = request.id.unwrap_or_else(|| self.draw_id());
         let charge = Charge {
             prefill_tokens: request.isl_tokens,
             decode_blocks: self.selector.request_blocks(request.isl_tokens),
@@ -322,49 +363,41 @@ impl RoutingCore {
             Some(lease) => Some(lease.shared_session_id()),
             None => request.session_id.as_deref().map(Arc::from),
         };
-        {
-            // The slot is read under the shard lock, which `remove_worker` also holds (all
-            // shards at once) while it clears a removed worker's slots: either this booking
-            // lands first and is taken away with the worker, or this sees the worker gone.
-            let mut shard = lock(self.shard(id));
-            // The decision's snapshot, unless a newer one was published since (then re-read).
-            let newer;
-            let topology = if self.generation.load(std::sync::atomic::Ordering::Acquire)
-                == snapshot.generation()
-            {
-                snapshot
-            } else {
-                newer = self.topology.load_full();
-                &newer
-            };
-            let slot = topology
-                .slot(decision.row)
-                .ok_or(RouteError::WorkerRemoved {
-                    worker_id: decision.row.worker_id,
-                })?;
-            if shard.contains_key(&id) {
-                if request.id.is_some() {
+        // A caller's id: held in the directory from the duplicate check to the insert, so two
+        // requests with one id cannot both book.
+        let mut directory = match request.id {
+            Some(id) if id & DRAWN_ID_BIT != 0 => return Err(RouteError::ReservedRequestId(id)),
+            Some(id) => {
+                let directory = lock(self.callers_of(id));
+                if directory.contains_key(&id) {
                     return Err(RouteError::DuplicateRequestId(id));
                 }
-                // A drawn id that a caller already used: draw until free. Ids this thread draws
-                // all fall in this same shard, so the lock (and the slot read under it) holds.
-                while shard.contains_key(&id) {
-                    id = self.draw_id();
-                }
+                Some(directory)
             }
-            topology.ledger().book(slot, charge);
-            shard.insert(
-                id,
-                Booking {
-                    row: decision.row,
-                    slot,
-                    instance: decision.instance,
-                    charge,
-                    session: session.clone(),
-                    holds_lease: false,
-                },
-            );
+            None => None,
+        };
+        let (slot, index, mut shard) = self.lock_slot(snapshot, decision.row)?;
+        let id = match request.id {
+            Some(id) => id,
+            None => Self::draw_id(&mut shard, index),
+        };
+        self.ledger.book(slot, charge);
+        shard.bookings.insert(
+            id,
+            Booking {
+                row: decision.row,
+                slot,
+                instance: decision.instance,
+                charge,
+                session,
+                holds_lease: false,
+            },
+        );
+        if let Some(directory) = directory.as_mut() {
+            directory.insert(id, index as u8);
         }
+        drop(shard);
+        drop(directory);
         let session_outcome = match (&self.sessions, plan.lease) {
             (Some(store), Some(lease)) => {
                 let outcome = match store.dispatched(&lease, decision.row) {
@@ -406,17 +439,41 @@ impl RoutingCore {
         })
     }
 
+    /// The slot of `row` and its in-flight shard, locked, on the newest snapshot: while a shard
+    /// is held, `remove_worker` (which publishes first, then takes every shard) cannot clear
+    /// its slots, so either a booking lands first and is taken away with the worker, or this
+    /// sees the worker gone. Usually the decision's snapshot is the newest (one plain load).
+    fn lock_slot(
+        &self,
+        snapshot: &Topology,
+        row: RowId,
+    ) -> Result<(Slot, usize, MutexGuard<'_, Shard>), RouteError> {
+        let removed = || RouteError::WorkerRemoved {
+            worker_id: row.worker_id,
+        };
+        let mut slot = snapshot.slot(row).ok_or_else(removed)?;
+        let mut newer;
+        let mut generation = snapshot.generation();
+        loop {
+            let index = shard_of_slot(slot);
+            let shard = lock(&self.inflight[index]);
+            if self.generation.load(Ordering::Acquire) == generation {
+                return Ok((slot, index, shard));
+            }
+            drop(shard);
+            newer = self.topology.load_full();
+            generation = newer.generation();
+            slot = newer.slot(row).ok_or_else(removed)?;
+        }
+    }
+
     /// The session store now counts request `id` in flight: mark its booking so completion ends
     /// the lease. If the request already completed (a caller-supplied id completed from another
     /// thread), end the lease now.
     fn hold_lease(&self, id: RequestId, lease: &Lease) {
-        let marked = match lock(self.shard(id)).get_mut(&id) {
-            Some(booking) => {
-                booking.holds_lease = true;
-                true
-            }
-            None => false,
-        };
+        let marked = self
+            .with_booking(id, |booking| booking.holds_lease = true)
+            .is_some();
         if !marked {
             if let Some(store) = &self.sessions {
                 store.completed(lease.session_id());
@@ -426,13 +483,11 @@ impl RoutingCore {
 
     /// The request's prefill finished: its prompt tokens no longer count as pending prefill.
     pub fn prefill_complete(&self, id: RequestId) {
-        if let Some(booking) = lock(self.shard(id)).get_mut(&id) {
-            self.topology
-                .load()
-                .ledger()
+        self.with_booking(id, |booking| {
+            self.ledger
                 .release_prefill(booking.slot, booking.charge.prefill_tokens);
             booking.charge.prefill_tokens = 0;
-        }
+        });
     }
 
     /// The request finished: release its load and its session lease. Unknown ids are ignored
@@ -444,21 +499,13 @@ impl RoutingCore {
     /// The request ended with `outcome` (completed, failed, cancelled): release it as
     /// [`RoutingCore::complete`] does and tell its policy how it ended.
     pub fn finish(&self, id: RequestId, outcome: CompletionCode) -> bool {
-        let booking = {
-            // Released under the shard lock, so `remove_worker` never resets a slot between
-            // this removal and this release.
-            let mut shard = lock(self.shard(id));
-            let Some(booking) = shard.remove(&id) else {
-                return false;
-            };
-            self.topology
-                .load()
-                .ledger()
-                .release(booking.slot, booking.charge);
-            booking
-        };
-        self.end(id, &booking, outcome);
-        true
+        match self.take_booking(id) {
+            Some(booking) => {
+                self.end(id, &booking, outcome);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Everything after the release: the session lease and the instance's hook (no lock held).

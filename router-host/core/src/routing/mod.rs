@@ -3,7 +3,8 @@
 //! A request reads top to bottom through [`RoutingCore::route`] (or [`RoutingCore::submit`]
 //! with admission):
 //!
-//! 1. load the current [`Topology`] snapshot (no lock);
+//! 1. take the current [`Topology`] snapshot (no lock; a thread reuses its last one while it is
+//!    current, `dispatch.rs` `with_topology`);
 //! 2. session lookup: take a lease, turn a soft binding into the advisory target and a hard one
 //!    into a pin (`plan`);
 //! 3. admission, for requests with a policy class (`try_admit`, [`crate::admission`]);
@@ -16,11 +17,16 @@
 //! The contract each step implements is `docs/routing-contract.md`.
 //!
 //! Locks, all short and never held across a policy call: the topology writer (membership
-//! changes and observations), one mutex per in-flight shard (every book and release happens
-//! under its request's shard; `remove_worker` holds all of them while it clears a removed
-//! worker's slots, so a slot is never reset or reused under a booking), the queue mutex, and the
-//! KV index's sharded read-write lock (read per decision, written per event batch; events resolve their slot
-//! under it, so none lands on a slot being cleared).
+//! changes and observations), one mutex per in-flight shard, the caller-id directory's shards,
+//! the queue mutex, and the KV index's sharded read-write lock (read per decision, written per
+//! event batch; events resolve their slot under it, so none lands on a slot being cleared).
+//!
+//! In-flight shards own slots: slot `s` belongs to shard `s % SHARDS`, and every booking and
+//! release of a slot happens under its shard's lock. So one slot's ledger cell has one writer at
+//! a time and needs no locked instruction (`crate::ledger`), and `remove_worker`, holding every
+//! shard, never has a slot reset or reused under a booking. An id the core draws names its
+//! shard (`draw_id`); a caller's id is found through the directory. Lock order: directory
+//! shard, then in-flight shard.
 
 mod dispatch;
 mod queue;
@@ -40,7 +46,7 @@ use crate::admission::{AdmissionStats, ClassSpec, Lanes};
 use crate::eligibility::EligibilityError;
 use crate::fast_hash::FastMap;
 use crate::kv_index::KvIndex;
-use crate::ledger::Charge;
+use crate::ledger::{Charge, Ledger};
 use crate::model::{Cluster, RowId, RowLoad};
 use crate::select::{Decision, InstanceId, SelectError, Selector};
 use crate::sessions::{Clock, DispatchOutcome, SessionError, SessionStore, SystemClock};
@@ -54,6 +60,9 @@ pub use workers::RemovedWorker;
 /// Identifies a dispatched request until it completes: the caller's id, or one the core drew.
 pub type RequestId = u64;
 
+/// Ids the core draws have this bit set ([`RoutingCore::draw_id`]); callers' ids must not.
+pub const DRAWN_ID_BIT: u64 = 1 << 63;
+
 /// Why a request was not routed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouteError {
@@ -65,6 +74,8 @@ pub enum RouteError {
     UnknownClass { name: String, defined: Vec<String> },
     #[error("request id {0} is already in flight")]
     DuplicateRequestId(RequestId),
+    #[error("request id {0} is 2^63 or more; ids from 2^63 up are the ones the core draws itself")]
+    ReservedRequestId(RequestId),
     #[error(
         "worker {worker_id} was removed while the request was being decided; nothing was booked"
     )]
@@ -132,12 +143,27 @@ struct Booking {
     holds_lease: bool,
 }
 
-const SHARDS: usize = 16;
+const SHARD_BITS: u32 = 4;
+const SHARDS: usize = 1 << SHARD_BITS;
+
+/// One in-flight shard: the bookings on the slots it owns, and how many ids it has drawn.
+#[derive(Debug, Default)]
+struct Shard {
+    bookings: FastMap<RequestId, Booking>,
+    drawn: u64,
+}
+
+/// The in-flight shard that owns `slot`.
+fn shard_of_slot(slot: Slot) -> usize {
+    slot as usize % SHARDS
+}
 
 /// See the module docs.
 pub struct RoutingCore {
     selector: Arc<dyn Selector>,
     topology: ArcSwap<Topology>,
+    /// Booked load by slot; never replaced (it grows in place), so a release needs no snapshot.
+    ledger: Ledger,
     writer: Mutex<SlotAllocator>,
     /// Sharded: a read lock touches only the reading thread's shard, so concurrent decisions do
     /// not bounce one lock word between cores (writes, per event batch, take every shard).
@@ -147,16 +173,25 @@ pub struct RoutingCore {
     queues: Mutex<Lanes>,
     drainer: Mutex<()>,
     drain_requested: std::sync::atomic::AtomicBool,
-    /// Keyed by request id with the fixed multiplicative hash: ids are the caller's, but a
-    /// collision only costs a probe (the table is per shard and bounded by requests in flight).
-    /// Each shard on its own cache lines, so threads working on different shards never share one.
-    inflight: [CachePadded<Mutex<FastMap<RequestId, Booking>>>; SHARDS],
-    /// The generation of the current topology snapshot (`workers.rs` `publish`): a booking
-    /// checks it with one plain load instead of taking a second snapshot guard.
+    /// Bookings, sharded by slot (module docs), keyed by request id with the fixed
+    /// multiplicative hash: a caller's ids can collide, but that only costs a probe (the table
+    /// is bounded by requests in flight). Each shard on its own cache lines, so threads working
+    /// on different shards never share one.
+    inflight: [CachePadded<Mutex<Shard>>; SHARDS],
+    /// For callers' ids in flight: the in-flight shard holding each (sharded by id).
+    callers: [CachePadded<Mutex<FastMap<RequestId, u8>>>; SHARDS],
+    /// The generation of the current topology snapshot (`workers.rs` `publish`): a thread checks
+    /// its cached snapshot, and a booking its decision's, with one plain load.
     generation: AtomicU64,
-    /// Per shard: the next id the core draws for requests without one (see `draw_id`).
-    next_ids: [CachePadded<AtomicU64>; SHARDS],
     clock: Arc<dyn Clock>,
+}
+
+/// Topology publications, numbered across the process so that a thread's cached snapshot can
+/// never be taken for another core's.
+static PUBLICATIONS: AtomicU64 = AtomicU64::new(0);
+
+fn next_generation() -> u64 {
+    PUBLICATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
 }
 
 // Every guarded value here stays consistent even if a thread panicked while holding the lock
@@ -174,10 +209,12 @@ fn write<T>(m: &ShardedLock<T>) -> ShardedLockWriteGuard<'_, T> {
 impl RoutingCore {
     pub fn new(selector: Arc<dyn Selector>, cluster: Cluster, settings: CoreSettings) -> Self {
         let mut alloc = SlotAllocator::default();
-        let topology = alloc.initial(cluster);
+        let topology = alloc.initial(cluster).published_as(next_generation());
+        let generation = topology.generation();
         let kv = KvIndex::new(topology.slot_bound());
         RoutingCore {
             selector,
+            ledger: Ledger::with_slots(topology.slot_bound()),
             topology: ArcSwap::from_pointee(topology),
             writer: Mutex::new(alloc),
             kv: ShardedLock::new(kv),
@@ -186,9 +223,9 @@ impl RoutingCore {
             queues: Mutex::new(Lanes::default()),
             drainer: Mutex::new(()),
             drain_requested: std::sync::atomic::AtomicBool::new(false),
-            inflight: std::array::from_fn(|_| CachePadded::new(Mutex::new(FastMap::default()))),
-            generation: AtomicU64::new(0),
-            next_ids: std::array::from_fn(|_| CachePadded::new(AtomicU64::new(0))),
+            inflight: std::array::from_fn(|_| CachePadded::new(Mutex::new(Shard::default()))),
+            callers: std::array::from_fn(|_| CachePadded::new(Mutex::new(FastMap::default()))),
+            generation: AtomicU64::new(generation),
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
         }
     }
@@ -216,18 +253,18 @@ impl RoutingCore {
 
     /// The load of `row` as policies see it (idle for a row that is not registered).
     pub fn load(&self, row: RowId) -> RowLoad {
-        let topology = self.topology.load();
-        topology
+        self.topology
+            .load()
             .slot(row)
-            .map_or_else(RowLoad::default, |s| topology.ledger().load(s))
+            .map_or_else(RowLoad::default, |s| self.ledger.load(s))
     }
 
     /// The booked load of `row`, without observed corrections.
     pub fn booked(&self, row: RowId) -> RowLoad {
-        let topology = self.topology.load();
-        topology
+        self.topology
+            .load()
             .slot(row)
-            .map_or_else(RowLoad::default, |s| topology.ledger().booked(s))
+            .map_or_else(RowLoad::default, |s| self.ledger.booked(s))
     }
 
     /// Report the active requests observed on `row` (engine metrics), or `None` to forget them.
@@ -235,10 +272,9 @@ impl RoutingCore {
     pub fn observe_load(&self, row: RowId, active_requests: Option<u64>) -> bool {
         // Under the writer lock: a removed worker's slot is never observed after its reset.
         let _w = lock(&self.writer);
-        let topology = self.topology.load();
-        match topology.slot(row) {
+        match self.topology.load().slot(row) {
             Some(slot) => {
-                topology.ledger().observe(slot, active_requests);
+                self.ledger.observe(slot, active_requests);
                 true
             }
             None => false,
@@ -247,7 +283,7 @@ impl RoutingCore {
 
     /// Requests dispatched and not yet completed.
     pub fn in_flight(&self) -> usize {
-        self.inflight.iter().map(|s| lock(s).len()).sum()
+        self.inflight.iter().map(|s| lock(s).bookings.len()).sum()
     }
 
     pub fn admission_stats(&self) -> AdmissionStats {
@@ -259,19 +295,49 @@ impl RoutingCore {
         read(&self.kv)
     }
 
-    /// The in-flight shard of request `id`: `id % SHARDS` (caller ids spread over the shards
-    /// as they come; drawn ids land in the drawing thread's own shard).
-    fn shard(&self, id: RequestId) -> &Mutex<FastMap<RequestId, Booking>> {
-        &self.inflight[(id % SHARDS as u64) as usize]
+    /// The directory shard for a caller's id.
+    fn callers_of(&self, id: RequestId) -> &Mutex<FastMap<RequestId, u8>> {
+        &self.callers[(id % SHARDS as u64) as usize]
     }
 
-    /// An id for a request that brought none: `n * SHARDS + s`, from the counter of this
-    /// thread's shard `s`, so a thread's bookings stay in memory its own core last touched and
-    /// the counters are not shared between threads.
-    fn draw_id(&self) -> RequestId {
-        let s = crate::striped::thread_stripe() % SHARDS;
-        let n = self.next_ids[s].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        n.wrapping_mul(SHARDS as u64).wrapping_add(s as u64)
+    /// The id of the `n`th request shard `shard` draws: `DRAWN_ID_BIT | n << SHARD_BITS |
+    /// shard`, so the id names its shard and never collides with a caller's. Drawn under the
+    /// shard's lock: the count is a plain field, with no shared counter to bounce.
+    fn draw_id(shard: &mut Shard, index: usize) -> RequestId {
+        let n = shard.drawn;
+        shard.drawn = shard.drawn.wrapping_add(1);
+        DRAWN_ID_BIT | ((n << SHARD_BITS) & !DRAWN_ID_BIT) | index as u64
+    }
+
+    /// The in-flight shard holding request `id`, if it is in flight.
+    fn shard_of_request(&self, id: RequestId) -> Option<usize> {
+        if id & DRAWN_ID_BIT != 0 {
+            Some((id % SHARDS as u64) as usize)
+        } else {
+            lock(self.callers_of(id)).get(&id).map(|&s| usize::from(s))
+        }
+    }
+
+    /// Run `f` on request `id`'s booking under its shard's lock (`None`: not in flight).
+    fn with_booking<R>(&self, id: RequestId, f: impl FnOnce(&mut Booking) -> R) -> Option<R> {
+        let shard = self.shard_of_request(id)?;
+        lock(&self.inflight[shard]).bookings.get_mut(&id).map(f)
+    }
+
+    /// Remove request `id`'s booking and release its load, under its shard's lock (and, for a
+    /// caller's id, its directory shard's, so the id is free again only once released).
+    fn take_booking(&self, id: RequestId) -> Option<Booking> {
+        let release = |shard: &mut Shard| {
+            let booking = shard.bookings.remove(&id)?;
+            self.ledger.release(booking.slot, booking.charge);
+            Some(booking)
+        };
+        if id & DRAWN_ID_BIT != 0 {
+            return release(&mut lock(&self.inflight[(id % SHARDS as u64) as usize]));
+        }
+        let mut directory = lock(self.callers_of(id));
+        let shard = usize::from(directory.remove(&id)?);
+        release(&mut lock(&self.inflight[shard]))
     }
 }
 

@@ -6,27 +6,21 @@ use std::sync::PoisonError;
 use crossbeam_utils::sync::ShardedLock;
 
 use crate::kv_index::KvIndex;
+use crate::ledger::Ledger;
 use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
 
-/// Load from the snapshot's ledger (by slot) unless the source overrides it; overlap from the
-/// source.
+/// Load from the ledger (by the snapshot's slots) unless the source overrides it; overlap from
+/// the source.
 pub(super) struct CoreSignals<'a, O: ?Sized> {
     pub source: &'a O,
     pub topology: &'a Topology,
+    pub ledger: &'a Ledger,
 }
 
-impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
+impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
     fn overlap(&self, row: RowId) -> TierOverlap {
         self.source.overlap(row)
-    }
-
-    fn load(&self, row: RowId) -> RowLoad {
-        self.source.load_override(row).unwrap_or_else(|| {
-            self.topology
-                .slot(row)
-                .map_or_else(RowLoad::default, |s| self.topology.ledger().load(s))
-        })
     }
 
     fn overlap_columns(
@@ -37,6 +31,16 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
         disk: &mut [f64],
     ) {
         self.source.overlap_columns(rows, device, host, disk);
+    }
+}
+
+impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
+    fn load(&self, row: RowId) -> RowLoad {
+        self.source.load_override(row).unwrap_or_else(|| {
+            self.topology
+                .slot(row)
+                .map_or_else(RowLoad::default, |s| self.ledger.load(s))
+        })
     }
 
     fn load_columns(
@@ -53,8 +57,7 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
             });
             return;
         }
-        self.topology
-            .ledger()
+        self.ledger
             .fill(self.topology, rows, available, active, prefill, decode);
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use plugin_api::abi::CompletionCode;
 
-use super::{lock, write, Booking, RequestId, RoutingCore};
+use super::{lock, next_generation, write, Booking, RequestId, RoutingCore, DRAWN_ID_BIT, SHARDS};
 use crate::kv_index::{KvEvent, KvEventKind};
 use crate::model::{RowId, Worker};
 use crate::topology::{MembershipError, Topology};
@@ -24,7 +24,7 @@ impl RoutingCore {
     /// Make `next` the current snapshot: stored first, then its generation announced, so a
     /// thread that sees the new generation finds the new snapshot. Callers hold the writer lock.
     fn publish(&self, next: Topology) {
-        let generation = self.topology.load().generation() + 1;
+        let generation = next_generation();
         self.topology.store(Arc::new(next.published_as(generation)));
         self.generation.store(generation, Ordering::Release);
     }
@@ -34,17 +34,9 @@ impl RoutingCore {
         let mut alloc = lock(&self.writer);
         let (next, needed) = alloc.add(&self.topology.load(), worker)?;
         write(&self.kv).ensure_rows(next.slot_bound());
-        let slots = next.ledger().slots();
-        if needed <= slots {
-            self.publish(next);
-            return Ok(());
-        }
-        // Outgrown: copy the ledger while every in-flight shard is held (no booking or release
-        // can run, so none is lost from the copy), and publish the copy with the snapshot.
-        let shards: Vec<_> = self.inflight.iter().map(|s| lock(s)).collect();
-        let grown = Arc::new(next.ledger().grown(needed.max(slots * 2)));
-        self.publish(next.with_ledger(grown));
-        drop(shards);
+        // In place: bookings and releases on other rows go on meanwhile.
+        self.ledger.ensure(needed);
+        self.publish(next);
         Ok(())
     }
 
@@ -83,31 +75,37 @@ impl RoutingCore {
         let mut cached_blocks = 0;
         {
             // The new snapshot first: bookings after this see the worker gone. Then every
-            // in-flight shard at once (in order), so no booking or release runs while the freed
-            // slots are cleared; the writer lock keeps them from being handed out again until
-            // that is done, and the KV write lock from taking events for them.
+            // directory shard and every in-flight shard at once (in lock order), so no booking
+            // or release runs while the freed slots are cleared; the writer lock keeps them from
+            // being handed out again until that is done, and the KV write lock from taking
+            // events for them.
             self.publish(next);
+            let mut directories: Vec<_> = self.callers.iter().map(|s| lock(s)).collect();
             let mut shards: Vec<_> = self.inflight.iter().map(|s| lock(s)).collect();
             for shard in shards.iter_mut() {
                 let ids: Vec<RequestId> = shard
+                    .bookings
                     .iter()
                     .filter(|(_, b)| b.row.worker_id == worker_id)
                     .map(|(&id, _)| id)
                     .collect();
                 for id in ids {
-                    if let Some(booking) = shard.remove(&id) {
+                    if let Some(booking) = shard.bookings.remove(&id) {
+                        if id & DRAWN_ID_BIT == 0 {
+                            directories[(id % SHARDS as u64) as usize].remove(&id);
+                        }
                         gone.push((id, booking));
                     }
                 }
             }
             let mut kv = write(&self.kv);
-            let ledger = self.topology.load().ledger().clone();
             for &slot in &freed {
-                ledger.reset(slot);
+                self.ledger.reset(slot);
                 cached_blocks += kv.clear_row(slot);
             }
             drop(kv);
             drop(shards);
+            drop(directories);
         }
         drop(alloc);
         for (id, booking) in &gone {
