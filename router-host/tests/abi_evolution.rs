@@ -61,6 +61,12 @@ fn build(variant: &str, api: Api, panic_abort: bool) -> PathBuf {
     let _guard = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
     let root = abi_root();
     let work = root.join("work").join(variant);
+    // The frozen 1.0.0 copy is the package `plugin-api`; this workspace's is `kvroute-plugin-api`.
+    let package = if matches!(api, Api::Current) {
+        "kvroute-plugin-api"
+    } else {
+        "plugin-api"
+    };
     let api_dir = match api {
         Api::Frozen => fixtures_dir().join("plugin-api-1.0.0"),
         Api::Current => Path::new(MANIFEST_DIR).join("../plugin-api"),
@@ -87,7 +93,7 @@ fn build(variant: &str, api: Api, panic_abort: bool) -> PathBuf {
         format!(
             "[package]\nname = \"fixture-{variant}\"\nversion = \"0.1.0\"\nedition = \"2021\"\npublish = false\n\n\
              [lib]\nname = \"{lib}\"\ncrate-type = [\"cdylib\"]\npath = \"{}\"\n\n\
-             [dependencies]\nplugin-api = {{ path = \"{}\" }}\n\n[workspace]\n",
+             [dependencies]\nplugin-api = {{ package = \"{package}\", path = \"{}\" }}\n\n[workspace]\n",
             fixtures_dir().join("versioned-plugin/lib.rs").display(),
             api_dir.display()
         ),
