@@ -25,6 +25,21 @@ pub struct BuiltinSettings {
     pub decode_active_request_weight: f64,
 }
 
+/// Policy types shipped with the host as plugins, each with the plugin name (`export_plugin!`'s
+/// `name`) of the plugin that ships it. Another library exporting one of these names shadows the
+/// shipped policy: allowed, but warned about ([`crate::policies::ShadowedType`]). A built-in's
+/// name ([`Builtin::type_name`]) cannot be exported by any library.
+pub const SHIPPED_PLUGIN_TYPES: &[(&str, &str)] =
+    &[("dynamo-two-tier-cost-fn", "two-tier-cost-fn")];
+
+/// The plugin that ships policy type `type_name`, if it is a shipped one.
+pub fn shipped_plugin_of(type_name: &str) -> Option<&'static str> {
+    SHIPPED_PLUGIN_TYPES
+        .iter()
+        .find(|(name, _)| *name == type_name)
+        .map(|(_, plugin)| *plugin)
+}
+
 /// The built-in policy types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Builtin {

@@ -44,7 +44,7 @@ pub enum LoadError {
     #[error("plugin file {}: {message}", .path.display())]
     Unreadable { path: PathBuf, message: String },
 
-    #[error("plugin file {}: cannot be loaded: {message}", .path.display())]
+    #[error("plugin file {}: cannot be loaded: {}", .path.display(), printable(.message))]
     Open { path: PathBuf, message: String },
 
     #[error("plugin file {}: not a policy library (it does not export the router policy root module)", .path.display())]
@@ -64,7 +64,7 @@ pub enum LoadError {
         host: String,
     },
 
-    #[error("plugin file {}: its plugin-api types do not match this host's (plugin built against plugin-api {plugin_api}, host has {host_api}): {summary}", .path.display())]
+    #[error("plugin file {}: its plugin-api types do not match this host's (plugin built against plugin-api {}, host has {host_api}): {}", .path.display(), printable(.plugin_api), printable(.summary))]
     LayoutMismatch {
         path: PathBuf,
         plugin_api: String,
@@ -74,7 +74,7 @@ pub enum LoadError {
         detail: String,
     },
 
-    #[error("plugin file {}: root module failed to initialise: {message}", .path.display())]
+    #[error("plugin file {}: root module failed to initialise: {}", .path.display(), printable(.message))]
     RootModule { path: PathBuf, message: String },
 
     #[error("plugin file {}: sha256 mismatch: configured {expected}, file has {actual}; refusing to load it", .path.display())]
@@ -84,11 +84,79 @@ pub enum LoadError {
         actual: String,
     },
 
-    #[error("plugin file {}: refusing to load: {problem}; or set `allow_insecure_permissions: true` on this plugin (`--allow-insecure-permissions` for `router-host describe`)", .path.display())]
-    InsecurePermissions { path: PathBuf, problem: String },
+    #[error("plugin file {}: refusing to load: {problem}; or {}", .path.display(), .bypass.remedy())]
+    InsecurePermissions {
+        path: PathBuf,
+        problem: String,
+        /// How the command that loads the file skips the check (named in the message).
+        bypass: PermissionBypass,
+    },
 
-    #[error("plugin file {}: plugin `{plugin}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display())]
+    #[error("plugin file {}: plugin `{}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display(), printable(.plugin))]
     PanicAbort { path: PathBuf, plugin: String },
+}
+
+/// How the user skips the ownership and permission checks, which depends on the command that
+/// loads the file; a refusal names the one that fits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PermissionBypass {
+    /// `allow_insecure_permissions: true` on the plugin's entry in the router YAML (the host,
+    /// `check`, `select`, `replay`).
+    #[default]
+    ConfigKey,
+    /// The `--allow-insecure-permissions` flag of `router-host describe`.
+    DescribeFlag,
+}
+
+impl PermissionBypass {
+    fn remedy(self) -> &'static str {
+        match self {
+            PermissionBypass::ConfigKey => {
+                "set `allow_insecure_permissions: true` on this plugin to skip these checks"
+            }
+            PermissionBypass::DescribeFlag => {
+                "skip these checks with `--allow-insecure-permissions` for `router-host describe`"
+            }
+        }
+    }
+}
+
+/// Text a plugin supplied (its name, version, type summaries, parameter docs, error messages),
+/// made safe to print on a terminal: control characters (newlines and tabs included, as `\n` and
+/// `\t`), terminal escapes (`\u{1b}`) and invisible format characters such as bidirectional
+/// overrides are escaped the way [`str::escape_debug`] escapes them; quotes, backslashes and
+/// every printable character (non-ASCII letters too) are kept. The one helper every message and
+/// every `check`/`describe` line that shows plugin text goes through.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(needs_escape) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if needs_escape(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Whether [`printable`] escapes `c`: an ASCII control character, or a non-ASCII character that
+/// `str::escape_debug` escapes when it is not the first character (C1 controls, format
+/// characters such as U+202E, unassigned code points; not combining marks, which
+/// `char::escape_debug` would escape too).
+fn needs_escape(c: char) -> bool {
+    if c.is_ascii() {
+        return c.is_ascii_control();
+    }
+    let mut buf = [0u8; 5];
+    buf[0] = b'a';
+    let len = 1 + c.encode_utf8(&mut buf[1..]).len();
+    match std::str::from_utf8(&buf[..len]) {
+        Ok(text) => !text.escape_debug().eq(text.chars()),
+        Err(_) => true,
+    }
 }
 
 /// What probably went wrong when no `lib<name>.so` exists: a crate built as `rlib` only leaves a
@@ -108,10 +176,20 @@ fn not_found_hint(tried: &[PathBuf]) -> String {
     }
 }
 
-/// `path` exists but is not a regular file: what it is instead.
+/// `path` is not a regular file: what it is instead, or why it cannot be looked at (a symlink
+/// loop, a file where a directory should be, no permission); `None` when nothing is there.
 fn not_a_file(path: &Path) -> Option<LoadError> {
     use std::os::unix::fs::FileTypeExt;
-    let kind = std::fs::metadata(path).ok()?.file_type();
+    let kind = match std::fs::metadata(path) {
+        Ok(meta) => meta.file_type(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            return Some(LoadError::Unreadable {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })
+        }
+    };
     let kind = if kind.is_dir() {
         "a directory"
     } else if kind.is_fifo() {
@@ -310,7 +388,7 @@ impl Loader {
             match (&self.mapped_sha256[index], verify.sha256) {
                 (Some(mapped), Some(expected)) => {
                     if !verify.allow_insecure_permissions {
-                        check_permissions(path, &open_file(path)?)?;
+                        check_permissions(path, &open_file(path)?, PermissionBypass::ConfigKey)?;
                     }
                     if !mapped.eq_ignore_ascii_case(expected) {
                         return Err(LoadError::HashMismatch {
@@ -325,7 +403,12 @@ impl Loader {
             tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
             return Ok(index);
         }
-        let (library, mapped_sha256) = map_checked(prepare_as(&canonical, path, verify)?)?;
+        let (library, mapped_sha256) = map_checked(prepare_as(
+            &canonical,
+            path,
+            verify,
+            PermissionBypass::ConfigKey,
+        )?)?;
         tracing::info!(
             path = %library.path.display(),
             plugin = %library.plugin_name,
@@ -358,18 +441,21 @@ impl Loader {
 /// checks and the load can never be the one that runs. With a `sha256`, the descriptor is that of
 /// a sealed in-memory copy of the file (see [`prepare`]): the hash is of exactly the bytes that
 /// get mapped, even if the file is rewritten in place meanwhile.
+///
+/// A refusal by the permission check names `allow_insecure_permissions: true` (the YAML key) as
+/// the way to skip it; [`open_library_with`] names another.
 pub fn open_library(path: &Path, verify: Verify<'_>) -> Result<PolicyLibrary, LoadError> {
-    open_library_as(path, path, verify)
+    open_library_with(path, verify, PermissionBypass::ConfigKey)
 }
 
-/// [`open_library`] of `path`, the file that `given` (the path as configured, which may go
-/// through symlinks) resolves to; the permission check walks `given`.
-fn open_library_as(
+/// [`open_library`], for a command whose way to skip the permission check is `bypass` (the one a
+/// refusal names).
+pub fn open_library_with(
     path: &Path,
-    given: &Path,
     verify: Verify<'_>,
+    bypass: PermissionBypass,
 ) -> Result<PolicyLibrary, LoadError> {
-    map_prepared(prepare_as(path, given, verify)?)
+    map_prepared(prepare_as(path, path, verify, bypass)?)
 }
 
 /// A plugin file that passed the supply-chain checks, not yet mapped: the first half of
@@ -402,10 +488,17 @@ impl Prepared {
 /// it into a sealed memory file and hash that copy.
 #[doc(hidden)]
 pub fn prepare(path: &Path, verify: Verify<'_>) -> Result<Prepared, LoadError> {
-    prepare_as(path, path, verify)
+    prepare_as(path, path, verify, PermissionBypass::ConfigKey)
 }
 
-fn prepare_as(path: &Path, given: &Path, verify: Verify<'_>) -> Result<Prepared, LoadError> {
+/// [`prepare`] of `path`, the file that `given` (the path as configured, which may go through
+/// symlinks) resolves to; the permission check walks `given`.
+fn prepare_as(
+    path: &Path,
+    given: &Path,
+    verify: Verify<'_>,
+    bypass: PermissionBypass,
+) -> Result<Prepared, LoadError> {
     if !path.is_file() {
         return Err(not_a_file(path).unwrap_or_else(|| LoadError::NotFound {
             name: path.display().to_string(),
@@ -414,7 +507,7 @@ fn prepare_as(path: &Path, given: &Path, verify: Verify<'_>) -> Result<Prepared,
     }
     let file = open_file(path)?;
     if !verify.allow_insecure_permissions {
-        check_permissions(given, &file)?;
+        check_permissions(given, &file, bypass)?;
     }
     let Some(expected) = verify.sha256 else {
         return Ok(Prepared {
@@ -459,14 +552,15 @@ fn map_checked(prepared: Prepared) -> Result<(PolicyLibrary, Option<String>), Lo
         }
         None => path.to_path_buf(),
     };
-    open_now(&pinned).map_err(|e| with_path(e, path))?;
+    open_now(&pinned).map_err(|e| with_path(e, &pinned, path))?;
     // The loader now knows the library by the name `/proc/self/fd/N`; closing the descriptor
     // would let the next plugin file reuse N and be mistaken for this one. Libraries are never
     // unloaded, so the descriptor is kept for the life of the process too.
     std::mem::forget(file);
-    let header = lib_header_from_path(&pinned).map_err(|e| library_error(path, e))?;
+    let header = lib_header_from_path(&pinned)
+        .map_err(|e| with_path(library_error(path, e), &pinned, path))?;
     let module: PolicyLibraryRef = init_root_module(header).map_err(|e| {
-        let err = library_error(path, e);
+        let err = with_path(library_error(path, e), &pinned, path);
         if let LoadError::LayoutMismatch { detail, .. } = &err {
             tracing::debug!(path = %path.display(), "full abi_stable layout report:\n{detail}");
         }
@@ -528,7 +622,7 @@ fn check_file(
     verify: Verify<'_>,
 ) -> Result<(), LoadError> {
     if !verify.allow_insecure_permissions {
-        check_permissions(given, file)?;
+        check_permissions(given, file, PermissionBypass::ConfigKey)?;
     }
     if let Some(expected) = verify.sha256 {
         check_sha256(path, file, expected)?;
@@ -687,15 +781,69 @@ fn pinned_path(file: &std::fs::File) -> Option<PathBuf> {
     path.exists().then_some(path)
 }
 
-/// Report errors against the configured path, not the `/proc/self/fd` alias.
-fn with_path(err: LoadError, path: &Path) -> LoadError {
+/// Report errors against the configured path, not the `/proc/self/fd/N` alias the library was
+/// opened as: the error's path becomes `path`, and the alias is taken out of the loader's own
+/// text (`dlerror`, abi_stable's reports), which names the file it was given.
+fn with_path(err: LoadError, pinned: &Path, path: &Path) -> LoadError {
+    let fix = |text: String| name_the_file(&text, pinned, path);
     match err {
         LoadError::Open { message, .. } => LoadError::Open {
             path: path.to_path_buf(),
-            message,
+            message: fix(message),
+        },
+        LoadError::RootModule { message, .. } => LoadError::RootModule {
+            path: path.to_path_buf(),
+            message: fix(message),
+        },
+        LoadError::LayoutMismatch {
+            plugin_api,
+            host_api,
+            summary,
+            detail,
+            ..
+        } => LoadError::LayoutMismatch {
+            path: path.to_path_buf(),
+            plugin_api,
+            host_api,
+            summary: fix(summary),
+            detail: fix(detail),
         },
         other => other,
     }
+}
+
+/// `text` with the descriptor alias `pinned` (`/proc/self/fd/N`) replaced by `path`; where the
+/// alias starts a `dlerror` clause (`/proc/self/fd/3: invalid ELF header`) it is dropped instead,
+/// since every message already starts with `plugin file PATH:`. `/proc/self/fd/31` is not an
+/// occurrence of `/proc/self/fd/3`.
+fn name_the_file(text: &str, pinned: &Path, path: &Path) -> String {
+    let alias = pinned.to_string_lossy();
+    if pinned == path || alias.is_empty() {
+        return text.to_string();
+    }
+    let real = path.display().to_string();
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(alias.as_ref()) {
+        let after = &rest[at + alias.len()..];
+        out.push_str(&rest[..at]);
+        if after.starts_with(|c: char| c.is_ascii_digit()) {
+            // Another descriptor: keep it as it is.
+            out.push_str(&alias);
+        } else if let Some(clause) = after.strip_prefix(": ") {
+            let starts_clause = out.is_empty() || out.ends_with(": ") || out.ends_with('\n');
+            if starts_clause {
+                rest = clause;
+                continue;
+            }
+            out.push_str(&real);
+        } else {
+            out.push_str(&real);
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Most symlinks followed while checking one path (Linux's own limit).
@@ -711,9 +859,16 @@ const MAX_SYMLINKS: usize = 40;
 /// the sticky bit, and every directory, symlink and the file must be owned by the running user
 /// or root. The sticky exception (`/tmp`, mode 1777) is sound because of the ownership rule: in
 /// a sticky directory only an entry's owner (or the directory's owner, or root) can rename or
-/// remove it, and every entry looked up is owned by us or root, as is the directory itself.
-/// The walk must end at the file that was opened (same device and inode).
-fn check_permissions(path: &Path, file: &std::fs::File) -> Result<(), LoadError> {
+/// remove it, and every entry looked up is owned by us or root, as is the directory itself;
+/// the one thing another user could have done there, create the name first as a hard link to a
+/// file of ours or root's, is refused by [`check_not_planted`] (docs/reliability.md, "The sticky
+/// rule"). The walk must end at the file that was opened (same device and inode). A refusal
+/// names `bypass`, the way to skip these checks in the command that is loading the file.
+fn check_permissions(
+    path: &Path,
+    file: &std::fs::File,
+    bypass: PermissionBypass,
+) -> Result<(), LoadError> {
     let unreadable = |e: std::io::Error| LoadError::Unreadable {
         path: path.to_path_buf(),
         message: e.to_string(),
@@ -721,6 +876,7 @@ fn check_permissions(path: &Path, file: &std::fs::File) -> Result<(), LoadError>
     let refuse = |problem: String| LoadError::InsecurePermissions {
         path: path.to_path_buf(),
         problem,
+        bypass,
     };
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
@@ -792,6 +948,7 @@ fn walk_checked(path: &Path, me: u32) -> Result<std::fs::Metadata, WalkError> {
             check_entry(&what, &dir, &dir_meta, me, true).map_err(WalkError::Refused)?;
             let what = format!("the symlink ({})", next.display());
             check_entry(&what, &next, &meta, me, false).map_err(WalkError::Refused)?;
+            check_not_planted(&what, &dir, &dir_meta, &meta).map_err(WalkError::Refused)?;
             links += 1;
             if links > MAX_SYMLINKS {
                 return Err(WalkError::Io(std::io::Error::other(format!(
@@ -814,6 +971,8 @@ fn walk_checked(path: &Path, me: u32) -> Result<std::fs::Metadata, WalkError> {
         };
         check_entry(&what, &dir, &dir_meta, me, true).map_err(WalkError::Refused)?;
         if pending.is_empty() {
+            let what = format!("the file ({})", next.display());
+            check_not_planted(&what, &dir, &dir_meta, &meta).map_err(WalkError::Refused)?;
             return Ok(meta);
         }
         dir = next;
@@ -834,30 +993,74 @@ fn check_entry(
     let mode = meta.mode() & 0o7777;
     let uid = meta.uid();
     let shown = path.display();
+    let symlink = meta.file_type().is_symlink();
     if uid != me && uid != 0 {
+        let fix = if symlink {
+            // `chown` without `-h` would change the file the symlink points to.
+            format!("`chown -h {me} {shown}`, or configure the file it points to instead")
+        } else if directory {
+            format!(
+                "`chown {me} {shown}`, or move the plugin to a directory only you (and root) \
+                 can write"
+            )
+        } else {
+            format!(
+                "`chown {me} {shown}`, or copy it (`cp`) to a directory only you (and root) \
+                 can write: the copy is yours"
+            )
+        };
         return Err(format!(
             "{what} is owned by uid {uid}, not by the running user (uid {me}) or root (mode \
-             {mode:o}); fix: `chown {me} {shown}`, or keep the plugin somewhere only you and \
-             root can change"
+             {mode:o}); fix: {fix}"
         ));
     }
     // A symlink's own mode means nothing (and is 777).
-    if meta.file_type().is_symlink() {
+    if symlink {
         return Ok(());
     }
     let sticky = mode & 0o1000 != 0;
     if mode & 0o022 != 0 && !(directory && sticky) {
-        let hint = if directory {
-            " (a shared directory is accepted only with the sticky bit, like /tmp)"
+        let fix = if directory {
+            format!(
+                "`chmod go-w {shown}`, or move the plugin to a directory only you (and root) can \
+                 write (a directory others can write is accepted only if it is sticky, mode \
+                 1777 like /tmp: see docs/reliability.md, Plugin file checks)"
+            )
         } else {
-            ""
+            format!("`chmod go-w {shown}`")
         };
         return Err(format!(
             "{what} is writable by group or others (mode {mode:o}) and owned by uid {uid}; fix: \
-             `chmod go-w {shown}`{hint}"
+             {fix}"
         ));
     }
     Ok(())
+}
+
+/// In a sticky directory that others can write (`/tmp`), nobody else can rename or remove our
+/// entries, but anyone could have created the name first as a hard link to a file that belongs
+/// to us or root (another plugin, an old build, any root-owned library), which passes every
+/// ownership and mode check. A file we put there ourselves has one link; refuse a file or
+/// symlink with more. `what` describes the entry (`meta`), found in `dir` (`dir_meta`).
+fn check_not_planted(
+    what: &str,
+    dir: &Path,
+    dir_meta: &std::fs::Metadata,
+    meta: &std::fs::Metadata,
+) -> Result<(), String> {
+    let shared = dir_meta.mode() & 0o022 != 0;
+    if !shared || meta.is_dir() || meta.nlink() <= 1 {
+        return Ok(());
+    }
+    Err(format!(
+        "{what} has {} hard links and is in {}, a sticky directory that others can write \
+         (mode {:o}): anyone who can write there could have made that name a hard link to a \
+         file of yours or root's; fix: move the plugin to a directory only you (and root) can \
+         write, or give it a copy of its own there (`cp`, not `ln`)",
+        meta.nlink(),
+        dir.display(),
+        dir_meta.mode() & 0o7777
+    ))
 }
 
 /// Lowercase hex SHA-256 of a file's contents.
@@ -993,4 +1196,61 @@ fn layout_summary(detail: &str) -> String {
 /// The root-module name the host expects, for messages.
 pub fn root_module_name() -> &'static str {
     <PolicyLibraryRef as RootModule>::NAME
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn printable_escapes_controls_and_invisible_format_characters_only() {
+        // Plain text, quotes, backslashes, non-ASCII letters and combining marks stay as they are.
+        for kept in [
+            "plain",
+            "caf\u{e9} e\u{301} \u{65e5}\u{672c}",
+            "\"q\" 'a' \\ `b`",
+            "",
+        ] {
+            assert!(
+                matches!(printable(kept), std::borrow::Cow::Borrowed(_)),
+                "{kept:?}"
+            );
+        }
+        assert_eq!(printable("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(printable("one\r\ntwo\tthree"), "one\\r\\ntwo\\tthree");
+        assert_eq!(printable("\u{7}\u{0}\u{7f}"), "\\u{7}\\0\\u{7f}");
+        // C1 controls (U+009B is CSI on some terminals), bidi overrides, zero-width characters.
+        assert_eq!(printable("\u{9b}31m"), "\\u{9b}31m");
+        assert_eq!(printable("x\u{202e}y\u{200b}z"), "x\\u{202e}y\\u{200b}z");
+        // A combining mark keeps its place even at the start.
+        assert_eq!(printable("\u{301}a"), "\u{301}a");
+    }
+
+    #[test]
+    fn the_descriptor_alias_is_replaced_by_the_real_path() {
+        let pinned = Path::new("/proc/self/fd/3");
+        let path = Path::new("/opt/p/libx.so");
+        let fix = |text: &str| name_the_file(text, pinned, path);
+        // A clause that starts with the alias: the message already names the file.
+        assert_eq!(
+            fix("dlopen failed: /proc/self/fd/3: invalid ELF header"),
+            "dlopen failed: invalid ELF header"
+        );
+        assert_eq!(fix("/proc/self/fd/3: file too short"), "file too short");
+        // Elsewhere it becomes the path; another descriptor is left alone.
+        assert_eq!(
+            fix("libdep.so: undefined symbol: f (needed by /proc/self/fd/3)"),
+            "libdep.so: undefined symbol: f (needed by /opt/p/libx.so)"
+        );
+        assert_eq!(
+            fix("at /proc/self/fd/31: x, then /proc/self/fd/3"),
+            "at /proc/self/fd/31: x, then /opt/p/libx.so"
+        );
+        assert_eq!(fix("no alias here"), "no alias here");
+        // Without procfs the file was opened by its own path: nothing to replace.
+        assert_eq!(
+            name_the_file("/opt/p/libx.so: bad", path, path),
+            "/opt/p/libx.so: bad"
+        );
+    }
 }

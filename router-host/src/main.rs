@@ -11,8 +11,11 @@ mod replay_cli;
 
 use router_host::config::RouterConfig;
 use router_host::host::Host;
-use router_host::loader::{open_library, PolicyTypeDoc, SearchPath, Verify};
-use router_host::router::Router;
+use router_host::loader::{
+    open_library_with, printable, PermissionBypass, PolicyTypeDoc, SearchPath, Verify,
+};
+use router_host::policies::{shadowed_types, Catalog};
+use router_host::router::{OnHang, Router, RouterOptions};
 use router_host::scenario::{self, Scenario};
 
 #[derive(Parser)]
@@ -177,16 +180,21 @@ fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
         writeln!(
             out,
             "  {} {} (plugin-api {}) at {}",
-            lib.plugin_name,
-            lib.plugin_version,
-            lib.api_version,
+            printable(&lib.plugin_name),
+            printable(&lib.plugin_version),
+            printable(&lib.api_version),
             lib.path.display()
         )?;
     }
     writeln!(out, "policy types:")?;
     for (name, origin, doc) in router.catalog().types() {
         let from = router.catalog().origin_name(origin);
-        writeln!(out, "  {name} [{from}]: {}", doc.summary)?;
+        writeln!(out, "  {name} [{from}]: {}", printable(&doc.summary))?;
+        for shadow in router.catalog().shadowed() {
+            if shadow.type_name == name {
+                writeln!(out, "    warning: {shadow}")?;
+            }
+        }
     }
     writeln!(out, "instances:")?;
     for instance in router.instances() {
@@ -219,20 +227,24 @@ fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `key = value` for every parameter given, then `key = default (default)` for the rest.
+/// `key = value` for every parameter given, then `key = default (default)` for the rest (plugin
+/// text escaped with [`printable`]).
 fn resolved_parameters(parameters_json: &str, doc: Option<&PolicyTypeDoc>) -> Vec<String> {
     let given: serde_json::Map<String, serde_json::Value> =
         serde_json::from_str(parameters_json).unwrap_or_default();
-    let mut lines: Vec<String> = given.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+    let mut lines: Vec<String> = given
+        .iter()
+        .map(|(k, v)| format!("{} = {v}", printable(k)))
+        .collect();
     if let Some(doc) = doc {
         for p in &doc.parameters {
             if !given.contains_key(&p.name) {
                 let default = if p.default.is_empty() {
                     "(required)".to_string()
                 } else {
-                    format!("{} (default)", p.default)
+                    format!("{} (default)", printable(&p.default))
                 };
-                lines.push(format!("{} = {default}", p.name));
+                lines.push(format!("{} = {default}", printable(&p.name)));
             }
         }
     }
@@ -244,16 +256,26 @@ fn describe(plugin: &Path, allow_insecure_permissions: bool) -> anyhow::Result<E
         sha256: None,
         allow_insecure_permissions,
     };
-    let library = open_library(plugin, verify)?;
+    let library = open_library_with(plugin, verify, PermissionBypass::DescribeFlag)?;
     let mut out = Stdout::lock();
     writeln!(
         out,
         "{} {} (plugin-api {}) at {}",
-        library.plugin_name,
-        library.plugin_version,
-        library.api_version,
+        printable(&library.plugin_name),
+        printable(&library.plugin_version),
+        printable(&library.api_version),
         library.path.display()
     )?;
+    // What `check` and the host would say about these type names.
+    if let Err(refused) = Catalog::check_library(&library) {
+        writeln!(
+            out,
+            "warning: a config that lists this library fails: {refused}"
+        )?;
+    }
+    for shadow in shadowed_types(&library) {
+        writeln!(out, "warning: {shadow}")?;
+    }
     for doc in &library.types {
         print_type(&mut out, doc)?;
     }
@@ -261,8 +283,15 @@ fn describe(plugin: &Path, allow_insecure_permissions: bool) -> anyhow::Result<E
     Ok(ExitCode::SUCCESS)
 }
 
+/// One policy type's documentation; every string comes from the plugin and is escaped with
+/// [`printable`].
 fn print_type(out: &mut impl Write, doc: &PolicyTypeDoc) -> std::io::Result<()> {
-    writeln!(out, "\npolicy type `{}`: {}", doc.name, doc.summary)?;
+    writeln!(
+        out,
+        "\npolicy type `{}`: {}",
+        printable(&doc.name),
+        printable(&doc.summary)
+    )?;
     if doc.parameters.is_empty() {
         return writeln!(out, "  parameters: none");
     }
@@ -271,19 +300,27 @@ fn print_type(out: &mut impl Write, doc: &PolicyTypeDoc) -> std::io::Result<()> 
         let default = if p.default.is_empty() {
             "required".to_string()
         } else {
-            format!("default {}", p.default)
+            format!("default {}", printable(&p.default))
         };
         writeln!(
             out,
             "    {} ({}, {}): {}",
-            p.name, p.type_name, default, p.meaning
+            printable(&p.name),
+            printable(&p.type_name),
+            default,
+            printable(&p.meaning)
         )?;
     }
     Ok(())
 }
 
 fn select(args: &ConfigArgs, scenario_file: &Path) -> anyhow::Result<ExitCode> {
-    let (config, router) = match load(args) {
+    // One thread decides every request: if a policy call hangs, the watchdog ends the process
+    // (naming the instance and the call) rather than letting it wait forever.
+    let options = RouterOptions {
+        on_hang: OnHang::Exit { code: EXIT_HUNG },
+    };
+    let (config, router) = match load_with(args, options) {
         Ok(loaded) => loaded,
         Err(err) => return Ok(unusable(err)),
     };

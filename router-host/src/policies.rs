@@ -16,7 +16,8 @@ use router_core::striped::StripedCounter;
 
 use crate::builtin::{Builtin, BuiltinSettings};
 use crate::config::{InstanceConfig, OnError};
-use crate::loader::{PolicyLibrary, PolicyTypeDoc};
+use crate::loader::{printable, PolicyLibrary, PolicyTypeDoc};
+use crate::watchdog::{Call, Hang, OnHang, Watch, WatchSpec};
 
 /// Where a policy type comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +32,56 @@ pub enum TypeOrigin {
 pub struct Catalog {
     libraries: Vec<PolicyLibrary>,
     types: BTreeMap<String, (TypeOrigin, PolicyTypeDoc)>,
+    /// Plugin types named like a policy shipped with the host, from another plugin.
+    shadowed: Vec<ShadowedType>,
+}
+
+/// A policy type that a library exports under the name of a policy shipped with the host
+/// ([`crate::builtin::SHIPPED_PLUGIN_TYPES`]) while the library is not the plugin that ships it
+/// (its plugin name differs): instances of that type run the library's code, not the shipped
+/// policy. Allowed (an operator may mean it), but warned about at load and shown by `check` and
+/// `describe`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShadowedType {
+    pub type_name: String,
+    /// The library's path.
+    pub library: PathBuf,
+    /// The plugin name the library reports.
+    pub plugin_name: String,
+    /// The plugin name of the shipped plugin that exports `type_name`.
+    pub shipped_plugin: &'static str,
+}
+
+impl std::fmt::Display for ShadowedType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = printable(&self.type_name);
+        write!(
+            f,
+            "policy type `{name}` from {} (plugin `{}`) shadows the shipped policy of that name \
+             (plugin `{}`): instances of type `{name}` run this library's code, not the shipped \
+             policy; rename the type in the plugin unless it is meant to replace the shipped one",
+            self.library.display(),
+            printable(&self.plugin_name),
+            self.shipped_plugin
+        )
+    }
+}
+
+/// The types of `library` that shadow a shipped policy ([`ShadowedType`]).
+pub fn shadowed_types(library: &PolicyLibrary) -> Vec<ShadowedType> {
+    library
+        .types
+        .iter()
+        .filter_map(|doc| {
+            let shipped_plugin = crate::builtin::shipped_plugin_of(&doc.name)?;
+            (library.plugin_name != shipped_plugin).then(|| ShadowedType {
+                type_name: doc.name.clone(),
+                library: library.path.clone(),
+                plugin_name: library.plugin_name.clone(),
+                shipped_plugin,
+            })
+        })
+        .collect()
 }
 
 /// Startup errors about policy types and instances.
@@ -45,6 +96,13 @@ pub enum PolicyError {
     #[error("library {library} exports policy type `{type_name}` twice")]
     DuplicateTypeInLibrary { library: String, type_name: String },
     #[error(
+        "library {library} exports policy type `{type_name}`, which is the name of a built-in \
+         policy type (built-ins: {}); a plugin cannot replace a built-in, so the library is \
+         refused: rename the type in the plugin",
+        builtin_names()
+    )]
+    BuiltinTypeName { library: String, type_name: String },
+    #[error(
         "library {library} exports a policy type named {}, which is not a valid type name: \
          it must be 1 to {MAX_TYPE_NAME_LEN} characters from A-Z, a-z, 0-9, `_`, `.`, `:` and `-`",
         escaped_name(.type_name)
@@ -56,7 +114,7 @@ pub enum PolicyError {
         type_name: String,
         known: Vec<String>,
     },
-    #[error("instance `{instance}` (type `{type_name}`, from {origin}): {}{message}", key_prefix(.key))]
+    #[error("instance `{instance}` (type `{type_name}`, from {origin}): {}{}", key_prefix(.key), printable(.message))]
     InvalidParameters {
         instance: String,
         type_name: String,
@@ -64,7 +122,7 @@ pub enum PolicyError {
         key: String,
         message: String,
     },
-    #[error("instance `{instance}` (type `{type_name}`, from {origin}): constructor {}: {message}", if *.panicked { "panicked" } else { "failed" })]
+    #[error("instance `{instance}` (type `{type_name}`, from {origin}): constructor {}: {}", if *.panicked { "panicked" } else { "failed" }, printable(.message))]
     CreateFailed {
         instance: String,
         type_name: String,
@@ -85,8 +143,17 @@ fn key_prefix(key: &str) -> String {
     if key.is_empty() {
         String::new()
     } else {
-        format!("parameter `{key}`: ")
+        format!("parameter `{}`: ", printable(key))
     }
+}
+
+/// "`default`, `round-robin`, `random`".
+fn builtin_names() -> String {
+    Builtin::ALL
+        .iter()
+        .map(|b| format!("`{}`", b.type_name()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Longest policy type name a library may export, in bytes.
@@ -110,8 +177,9 @@ fn escaped_name(name: &str) -> String {
     }
 }
 
-/// Add the types of library `index` (at `path`) to `types`, refusing an invalid name, a name the
-/// library exports twice and a name already taken (`origin_name` names the taker).
+/// Add the types of library `index` (at `path`) to `types`, refusing an invalid name, a built-in's
+/// name, a name the library exports twice and a name already taken (`origin_name` names the
+/// taker).
 fn register_library_types(
     types: &mut BTreeMap<String, (TypeOrigin, PolicyTypeDoc)>,
     index: usize,
@@ -123,6 +191,12 @@ fn register_library_types(
     for doc in docs {
         if !is_valid_type_name(&doc.name) {
             return Err(PolicyError::InvalidTypeName {
+                library: library(),
+                type_name: doc.name.clone(),
+            });
+        }
+        if Builtin::from_type_name(&doc.name).is_some() {
+            return Err(PolicyError::BuiltinTypeName {
                 library: library(),
                 type_name: doc.name.clone(),
             });
@@ -150,19 +224,16 @@ fn register_library_types(
 
 impl Catalog {
     /// Built-ins plus every type of every library. A name that is not a valid type name
-    /// ([`is_valid_type_name`]), one exported twice by one library, or one exported by two
-    /// libraries (or named like a built-in) is an error naming the library (both, for two).
+    /// ([`is_valid_type_name`]), one named like a built-in, one exported twice by one library, or
+    /// one exported by two libraries is an error naming the library (both, for two). A type that
+    /// shadows a shipped policy ([`ShadowedType`]) is logged as a warning and kept in
+    /// [`Self::shadowed`].
     pub fn new(libraries: Vec<PolicyLibrary>) -> Result<Self, PolicyError> {
-        let mut types = BTreeMap::new();
-        for builtin in Builtin::ALL {
-            types.insert(
-                builtin.type_name().to_string(),
-                (TypeOrigin::Builtin(builtin), builtin.doc()),
-            );
-        }
+        let mut types = builtin_types();
         let mut catalog = Catalog {
             libraries,
             types: BTreeMap::new(),
+            shadowed: Vec::new(),
         };
         for (index, library) in catalog.libraries.iter().enumerate() {
             register_library_types(&mut types, index, &library.path, &library.types, |o| {
@@ -170,7 +241,32 @@ impl Catalog {
             })?;
         }
         catalog.types = types;
+        catalog.shadowed = catalog.libraries.iter().flat_map(shadowed_types).collect();
+        for shadow in &catalog.shadowed {
+            tracing::warn!(
+                path = %shadow.library.display(),
+                type_name = %shadow.type_name,
+                "{shadow}"
+            );
+        }
         Ok(catalog)
+    }
+
+    /// The check [`Self::new`] makes of one library's type names, for a library that is only
+    /// being described: `Err` is the error a host loading it alone would fail with.
+    pub fn check_library(library: &PolicyLibrary) -> Result<(), PolicyError> {
+        register_library_types(
+            &mut builtin_types(),
+            0,
+            &library.path,
+            &library.types,
+            |_| "built-in".to_string(),
+        )
+    }
+
+    /// Plugin types that shadow a policy shipped with the host, in library order.
+    pub fn shadowed(&self) -> &[ShadowedType] {
+        &self.shadowed
     }
 
     /// "built-in" or the library's path.
@@ -268,14 +364,24 @@ impl Catalog {
             on_error: config.on_error,
             pick_budget: config.pick_budget,
             quarantine_after: config.quarantine_after.max(1),
+            hang_after: config.hang_after,
             inputs,
             policy,
-            stats: Default::default(),
+            stats,
             poisoned: AtomicBool::new(false),
             quarantined: AtomicBool::new(false),
             consecutive_slow: AtomicU32::new(0),
+            watch,
         })
     }
+}
+
+/// The built-in types, the start of every catalog.
+fn builtin_types() -> BTreeMap<String, (TypeOrigin, PolicyTypeDoc)> {
+    Builtin::ALL
+        .into_iter()
+        .map(|b| (b.type_name().to_string(), (TypeOrigin::Builtin(b), b.doc())))
+        .collect()
 }
 
 /// Host settings passed to every instance at creation.
@@ -283,6 +389,8 @@ impl Catalog {
 pub struct HostSettings {
     pub block_size: u32,
     pub builtin: BuiltinSettings,
+    /// What the watchdog does after it marked one of the instances hung.
+    pub on_hang: OnHang,
 }
 
 /// Counters per instance, readable while the host runs.
@@ -543,6 +651,23 @@ mod tests {
             err,
             "policy type `probe` is exported by two libraries: /lib0.so and /lib1.so"
         );
+    }
+
+    #[test]
+    fn a_type_named_like_a_built_in_is_refused_as_such_not_as_a_second_library() {
+        for builtin in Builtin::ALL {
+            let mut types = builtin_types();
+            let err = register(&mut types, 0, "/lib0.so", &["ok", builtin.type_name()]);
+            assert_eq!(
+                err.unwrap_err(),
+                format!(
+                    "library /lib0.so exports policy type `{}`, which is the name of a built-in \
+                     policy type (built-ins: `default`, `round-robin`, `random`); a plugin cannot \
+                     replace a built-in, so the library is refused: rename the type in the plugin",
+                    builtin.type_name()
+                )
+            );
+        }
     }
 
     #[test]
