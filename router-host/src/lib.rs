@@ -5,6 +5,7 @@
 //! ([`eligibility`]), calls the configured policy ([`router`]) and runs the request lifecycle
 //! around it: session bindings ([`sessions`]), load booking and completion ([`host`]), with
 //! prompt overlap from the KV-overlap index fed by engines' cache events ([`kv_index`]).
+//! [`watchdog`] notices a policy call that never returns and takes its instance out of service.
 //! [`replay`] drives all of it against simulated engines.
 //!
 //! Architecture, invariants and the crate map are in `docs/architecture.md`.
@@ -19,3 +20,4 @@ pub mod policies;
 pub mod replay;
 pub mod router;
 pub mod scenario;
+pub mod watchdog;

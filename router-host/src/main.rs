@@ -161,9 +161,17 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
 }
 
 fn load(args: &ConfigArgs) -> anyhow::Result<(RouterConfig, Router)> {
+    load_with(args, RouterOptions::default())
+}
+
+/// `select` and `replay` exit with this status when a policy call hangs (docs/reliability.md): the run has
+/// one thread, and it is the one stuck in the plugin.
+pub(crate) const EXIT_HUNG: i32 = 3;
+
+fn load_with(args: &ConfigArgs, options: RouterOptions) -> anyhow::Result<(RouterConfig, Router)> {
     let config = RouterConfig::from_file(&args.config)?;
     let search = SearchPath::new(args.plugin_dirs.clone(), Some(&args.config));
-    let router = Router::from_config(&config, &search)
+    let router = Router::from_config_with(&config, &search, options)
         .with_context(|| format!("config {}", args.config.display()))?;
     Ok((config, router))
 }
@@ -339,15 +347,16 @@ fn select(args: &ConfigArgs, scenario_file: &Path) -> anyhow::Result<ExitCode> {
         }
     }
     let mut host = Host::new(router, scenario.cluster.clone(), &config);
-    let outcomes = scenario::run(&mut host, &scenario);
     let mut out = Stdout::lock();
     let mut all_routed = true;
-    for (index, outcome) in outcomes.iter().enumerate() {
+    // Each line is written and flushed as soon as its request is decided (stdout may be a pipe),
+    // so a run that stops (a hung policy) shows how far it got.
+    scenario::run_streaming(&mut host, &scenario, |host, index, outcome| {
         all_routed &= outcome.routed().is_some();
-        let line = scenario::outcome_json(&host, index, outcome);
+        let line = scenario::outcome_json(host, index, &outcome);
         writeln!(out, "{line}")?;
-    }
-    out.flush()?;
+        out.flush()
+    })?;
     Ok(if all_routed {
         ExitCode::SUCCESS
     } else {

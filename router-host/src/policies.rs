@@ -2,9 +2,10 @@
 //! configured instances created from them at startup.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use abi_stable::std_types::{RResult, RSlice, RStr};
 use plugin_api::abi::{
@@ -302,6 +303,16 @@ impl Catalog {
             });
         };
         let origin_name = self.origin_name(*origin);
+        // Registered before `create`, so a constructor that never returns is noticed too.
+        let stats = crossbeam_utils::CachePadded::new(InstanceStats::default());
+        let watch = Watch::register(WatchSpec {
+            name: &config.name,
+            type_name: &config.type_name,
+            origin: &origin_name,
+            hang_after: config.hang_after,
+            on_hang: settings.on_hang,
+            hangs: stats.hangs.clone(),
+        });
         let created = match origin {
             TypeOrigin::Builtin(builtin) => builtin
                 .create(&config.parameters_json, &settings.builtin)
@@ -316,6 +327,7 @@ impl Catalog {
                     log: host_log(),
                     extensions: RSlice::EMPTY,
                 };
+                let _call = watch.begin(Call::Create, Some(Instant::now()), None);
                 match (library.module.create())(
                     RStr::from_str(&config.type_name),
                     RStr::from_str(&config.parameters_json),
@@ -403,6 +415,8 @@ pub struct InstanceStats {
     pub out_of_range: AtomicU64,
     pub fallbacks: AtomicU64,
     pub slow_picks: AtomicU64,
+    /// Calls found running past `hang_after` (counted by the watchdog, which shares it).
+    pub hangs: Arc<AtomicU64>,
 }
 
 /// A plain copy of [`InstanceStats`].
@@ -414,6 +428,7 @@ pub struct InstanceCounters {
     pub out_of_range: u64,
     pub fallbacks: u64,
     pub slow_picks: u64,
+    pub hangs: u64,
 }
 
 impl InstanceStats {
@@ -426,6 +441,7 @@ impl InstanceStats {
             out_of_range: get(&self.out_of_range),
             fallbacks: get(&self.fallbacks),
             slow_picks: get(&self.slow_picks),
+            hangs: get(&self.hangs),
         }
     }
 }
@@ -444,6 +460,8 @@ pub struct PolicyInstance {
     pub pick_budget: Duration,
     /// Consecutive over-budget picks that quarantine the instance.
     pub quarantine_after: u32,
+    /// A call still running after this long marks the instance hung (see [`crate::watchdog`]).
+    pub hang_after: Duration,
     pub inputs: Inputs,
     pub(crate) policy: PolicyBox,
     /// On cache lines of its own: counters written per pick must not evict the fields every
@@ -454,6 +472,9 @@ pub struct PolicyInstance {
     /// Set after `quarantine_after` consecutive slow picks: it is no longer called.
     pub(crate) quarantined: AtomicBool,
     pub(crate) consecutive_slow: AtomicU32,
+    /// Registered with the watchdog, which marks it hung; every call is marked in this
+    /// thread's watchdog slot while it runs.
+    pub(crate) watch: Watch,
 }
 
 impl PolicyInstance {
@@ -465,6 +486,22 @@ impl PolicyInstance {
         self.quarantined.load(Ordering::Relaxed)
     }
 
+    /// Whether the watchdog found one of its calls running past `hang_after`: it is no longer
+    /// called.
+    pub fn is_hung(&self) -> bool {
+        self.watch.is_hung()
+    }
+
+    /// The call that made it hung, how long it had run and its request, once it is hung.
+    pub fn hang(&self) -> Option<&Hang> {
+        self.watch.hang()
+    }
+
+    /// Not poisoned, quarantined or hung: hooks are called only then.
+    pub(crate) fn in_service(&self) -> bool {
+        !self.is_poisoned() && !self.is_quarantined() && !self.is_hung()
+    }
+
     /// The policy object itself, as loaded. Calling it directly bypasses poisoning, quarantine,
     /// the pick budget and the row bounds check: for benchmarks and tools, never for routing.
     pub fn policy(&self) -> &PolicyBox {
@@ -472,7 +509,7 @@ impl PolicyInstance {
     }
 
     /// Whether the instance may be called: not poisoned (counted as an error, as before), not
-    /// quarantined. The one place an instance's health is decided.
+    /// quarantined, not hung. The one place an instance's health is decided.
     pub(crate) fn callable(&self) -> Result<(), PolicyFailure> {
         if self.is_poisoned() {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);
@@ -481,7 +518,22 @@ impl PolicyInstance {
         if self.is_quarantined() {
             return Err(PolicyFailure::Quarantined);
         }
+        if self.is_hung() {
+            return Err(self.watch.failure());
+        }
         Ok(())
+    }
+
+    /// Mark this thread as in `call` of this instance until the guard is dropped (the watchdog
+    /// reads it). `started`: the caller's clock reading just before the call, if it took one.
+    #[inline]
+    pub(crate) fn watch_call(
+        &self,
+        call: Call,
+        started: Option<Instant>,
+        request: Option<u64>,
+    ) -> crate::watchdog::CallGuard {
+        self.watch.begin(call, started, request)
     }
 
     /// Count a failed pick; a panic poisons the instance. Returns the failure.

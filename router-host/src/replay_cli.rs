@@ -10,20 +10,30 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
+use router_host::loader::LoadError;
 use router_host::replay::engine::{EngineSpec, KvCapacity};
 use router_host::replay::synth::{self, SynthParams};
 use router_host::replay::trace::{Workload, DEFAULT_TRACE_BLOCK_SIZE};
-use router_host::replay::{plot, prepare_file, prepare_text, replay, Setup, EXAMPLE_CONFIGS};
+use router_host::replay::{
+    plot, prepare_file, prepare_text, replay, ReplayError, RunConfig, Setup, EXAMPLE_CONFIGS,
+};
+use router_host::router::{OnHang, Router, RouterOptions, StartupError};
 
 /// Replay a trace (or the built-in multi-turn workload) through one or more router configs on
 /// simulated engines, and compare cache reuse, latency, load balance and decision cost.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
-    /// Router YAML to compare (repeatable). Default: the configs of examples/replay/ (default,
-    /// two-tier, two-tier-sticky, round-robin), built into the binary. Engine flags below override
-    /// each config's `engine:` block.
-    #[arg(long = "config", short = 'c', value_name = "FILE")]
+    /// Router config to compare (repeatable; reported in the order given): a YAML FILE, or
+    /// `builtin:NAME` for a config built into the binary (the files of examples/replay/):
+    /// default, two-tier, two-tier-sticky, round-robin, random, two-tier-admission. Without
+    /// --config: the first four. Engine flags below override each config's `engine:` block.
+    #[arg(long = "config", short = 'c', value_name = "FILE|builtin:NAME")]
     pub configs: Vec<PathBuf>,
+    /// Also replay the built-in configs that run without --config (builtin:default,
+    /// builtin:two-tier, builtin:two-tier-sticky, builtin:round-robin), before the --config ones:
+    /// `-c mine.yaml --with-builtin` compares your config with the shipped ones.
+    #[arg(long)]
+    pub with_builtin: bool,
     /// Mooncake-format JSONL trace. Default: a generated multi-turn workload (flags below).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
@@ -196,19 +206,33 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         },
         engine: args.engine_spec(),
         plugin_dirs: args.plugin_dirs.clone(),
+        // One thread replays everything: a hung policy call ends the process, naming the
+        // instance and the call, instead of waiting forever.
+        router_options: RouterOptions {
+            on_hang: OnHang::Exit {
+                code: crate::EXIT_HUNG,
+            },
+        },
     };
     // Load and validate every config before replaying any.
-    let configs = if args.configs.is_empty() {
-        EXAMPLE_CONFIGS
-            .iter()
-            .map(|(label, text)| prepare_text(label, text, &setup, workload.block_size))
-            .collect::<Result<Vec<_>, _>>()?
-    } else {
-        args.configs
-            .iter()
-            .map(|path| prepare_file(path, &setup, workload.block_size))
-            .collect::<Result<Vec<_>, _>>()?
-    };
+    let chosen = chosen_configs(args)?;
+    let configs = chosen
+        .iter()
+        .map(|choice| match choice {
+            Choice::File(path) => {
+                prepare_file(path, &setup, workload.block_size).map_err(|err| file_error(path, err))
+            }
+            Choice::Builtin(b) => prepare_text(b.label, b.text, &setup, workload.block_size)
+                .map_err(anyhow::Error::from),
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Every plugin loaded and every instance created now, so a config that cannot start fails
+    // before the ones given before it have run (the replay builds its own routers again).
+    for (choice, config) in chosen.iter().zip(&configs) {
+        if let Err(err) = Router::from_config(&config.router, &config.search) {
+            return Err(startup_error(choice, config, err));
+        }
+    }
     let mut bar = Progress::new(
         configs.iter().map(|c| c.label.clone()).collect(),
         workload.requests.len(),
@@ -243,6 +267,179 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         simulated as f64 / wall.max(1e-9)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// How `-c` names a config built into the binary.
+const BUILTIN_PREFIX: &str = "builtin:";
+
+/// The files of examples/replay/ built in besides [`EXAMPLE_CONFIGS`] (the ones that run without
+/// `--config`): `(label, YAML text)`.
+const MORE_BUILTIN_CONFIGS: &[(&str, &str)] = &[
+    (
+        "examples/replay/random.yaml",
+        include_str!("../../examples/replay/random.yaml"),
+    ),
+    (
+        "examples/replay/two-tier-admission.yaml",
+        include_str!("../../examples/replay/two-tier-admission.yaml"),
+    ),
+];
+
+/// A config built into the binary, named by `-c builtin:NAME`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BuiltinConfig {
+    /// `NAME`: the file's stem.
+    name: &'static str,
+    /// Its file in the repository: its label in the report and the JSON, however it was chosen.
+    label: &'static str,
+    text: &'static str,
+}
+
+/// Every built-in config: first the [`EXAMPLE_CONFIGS`] (what runs without `--config`, and what
+/// `--with-builtin` adds), then the rest of examples/replay/.
+fn builtin_configs() -> Vec<BuiltinConfig> {
+    EXAMPLE_CONFIGS
+        .iter()
+        .chain(MORE_BUILTIN_CONFIGS)
+        .map(|&(label, text)| BuiltinConfig {
+            name: label
+                .strip_prefix("examples/replay/")
+                .and_then(|file| file.strip_suffix(".yaml"))
+                .unwrap_or(label),
+            label,
+            text,
+        })
+        .collect()
+}
+
+fn names(configs: &[BuiltinConfig]) -> String {
+    configs
+        .iter()
+        .map(|b| b.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One config to replay, as chosen on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Choice {
+    File(PathBuf),
+    Builtin(BuiltinConfig),
+}
+
+/// The configs to replay, in order: the defaults (without `--config`, or with
+/// `--with-builtin`), then every `--config`.
+fn chosen_configs(args: &ReplayArgs) -> anyhow::Result<Vec<Choice>> {
+    let builtins = builtin_configs();
+    let defaults = &builtins[..EXAMPLE_CONFIGS.len()];
+    let mut chosen = Vec::new();
+    if args.with_builtin || args.configs.is_empty() {
+        chosen.extend(defaults.iter().copied().map(Choice::Builtin));
+    }
+    for given in &args.configs {
+        let Some(name) = given.to_str().and_then(|s| s.strip_prefix(BUILTIN_PREFIX)) else {
+            chosen.push(Choice::File(given.clone()));
+            continue;
+        };
+        let Some(builtin) = builtins.iter().find(|b| b.name == name) else {
+            anyhow::bail!(
+                "--config {BUILTIN_PREFIX}{name}: no built-in config named `{name}`; the built-in \
+                 configs are {} (give a file named `{BUILTIN_PREFIX}...` as ./{BUILTIN_PREFIX}...)",
+                names(&builtins)
+            );
+        };
+        let choice = Choice::Builtin(*builtin);
+        if chosen.contains(&choice) {
+            if args.with_builtin && defaults.contains(builtin) {
+                anyhow::bail!(
+                    "--config {BUILTIN_PREFIX}{name}: --with-builtin already adds it (it adds {}); \
+                     give each config once",
+                    names(defaults)
+                );
+            }
+            anyhow::bail!("--config {BUILTIN_PREFIX}{name} is given twice; give each config once");
+        }
+        chosen.push(choice);
+    }
+    Ok(chosen)
+}
+
+/// A config file that cannot be used. A file that does not exist but is named like a built-in
+/// config (`-c examples/replay/two-tier.yaml` outside the checkout) gets a pointer to it.
+fn file_error(path: &Path, err: ReplayError) -> anyhow::Error {
+    let err = anyhow::Error::from(err);
+    let builtins = builtin_configs();
+    let named_like = path
+        .file_stem()
+        .filter(|_| !path.exists())
+        .and_then(|stem| builtins.iter().find(|b| stem == b.name));
+    match named_like {
+        Some(b) => anyhow::anyhow!(
+            "{err:#}; `{0}` is also a built-in config: `-c {BUILTIN_PREFIX}{0}` runs it from any \
+             directory",
+            b.name
+        ),
+        None => err,
+    }
+}
+
+/// A config whose plugins or instances cannot be set up. For a built-in config whose plugin is
+/// not found (router-host installed or copied without it), say which file it needs and how to
+/// point at it.
+fn startup_error(choice: &Choice, config: &RunConfig, err: StartupError) -> anyhow::Error {
+    let Choice::Builtin(builtin) = choice else {
+        return ReplayError::Startup {
+            label: config.label.clone(),
+            source: Box::new(err),
+        }
+        .into();
+    };
+    let missing = match &err {
+        StartupError::Plugin { source, .. } => match source.as_ref() {
+            LoadError::NotFound { name, .. } => Some(format!("lib{name}.so")),
+            _ => None,
+        },
+        StartupError::Policy(_) => None,
+    };
+    let name = builtin.name;
+    let err = anyhow::Error::from(err);
+    let Some(file) = missing else {
+        return anyhow::anyhow!("config {BUILTIN_PREFIX}{name}: {err:#}");
+    };
+    let next_to = match std::env::current_exe() {
+        Ok(exe) => format!("next to {}", exe.display()),
+        Err(_) => "next to the router-host executable".to_string(),
+    };
+    let example = match built_in_checkout(&file) {
+        Some(dir) => format!(
+            "--plugin-dir {} holds one, in the checkout this router-host was built from",
+            dir.display()
+        ),
+        None => "for example --plugin-dir /path/to/router/target/release".to_string(),
+    };
+    anyhow::anyhow!(
+        "config {BUILTIN_PREFIX}{name}: {err:#}; {BUILTIN_PREFIX}{name} needs {file}, the plugin \
+         shipped with router-host (`cargo build --release` in the router repository builds it \
+         into target/release, next to router-host): pass --plugin-dir with the directory that \
+         holds it ({example}), or copy it {next_to}"
+    )
+}
+
+/// `target/<profile>` of the checkout this binary was built from, if it still holds `file`: this
+/// build's profile first.
+fn built_in_checkout(file: &str) -> Option<PathBuf> {
+    let target = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()?
+        .join("target");
+    let profiles = if cfg!(debug_assertions) {
+        ["debug", "release"]
+    } else {
+        ["release", "debug"]
+    };
+    profiles
+        .iter()
+        .map(|profile| target.join(profile))
+        .find(|dir| dir.join(file).is_file())
 }
 
 /// Write `path` whole or not at all: into a temporary file in the same directory, renamed over
@@ -344,5 +541,98 @@ impl Progress {
         if self.drawn {
             let _ = write!(std::io::stderr(), "\r\x1b[2K");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_names_are_the_documented_ones_and_every_config_prepares() {
+        let builtins = builtin_configs();
+        assert_eq!(
+            names(&builtins),
+            "default, two-tier, two-tier-sticky, round-robin, random, two-tier-admission"
+        );
+        let setup = Setup::new(4, 1);
+        for b in &builtins {
+            prepare_text(b.label, b.text, &setup, 512)
+                .unwrap_or_else(|e| panic!("builtin:{}: {e}", b.name));
+        }
+    }
+
+    #[test]
+    fn the_config_help_lists_every_builtin_name() {
+        use clap::Args as _;
+        let command = ReplayArgs::augment_args(clap::Command::new("replay"));
+        let help = command
+            .get_arguments()
+            .find(|a| a.get_id() == "configs")
+            .and_then(|a| a.get_help())
+            .map(|h| h.to_string())
+            .unwrap_or_default();
+        let listed = help.replace([',', '.', ':', '(', ')'], " ");
+        for b in builtin_configs() {
+            assert!(
+                listed.split_whitespace().any(|word| word == b.name),
+                "`{}` is missing from the --config help: {help}",
+                b.name
+            );
+        }
+    }
+
+    #[test]
+    fn builtin_names_parse_in_order_and_bad_ones_are_errors() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            replay: ReplayArgs,
+        }
+        let chosen = |args: &[&str]| {
+            let cli = Cli::try_parse_from(std::iter::once("replay").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())?;
+            chosen_configs(&cli.replay).map_err(|e| e.to_string())
+        };
+        let labels = |args: &[&str]| -> Vec<String> {
+            chosen(args)
+                .unwrap()
+                .iter()
+                .map(|c| match c {
+                    Choice::File(path) => path.display().to_string(),
+                    Choice::Builtin(b) => b.name.to_string(),
+                })
+                .collect()
+        };
+        assert_eq!(
+            labels(&[]),
+            ["default", "two-tier", "two-tier-sticky", "round-robin"]
+        );
+        assert_eq!(
+            labels(&["-c", "mine.yaml", "--with-builtin", "-c", "builtin:random"]),
+            [
+                "default",
+                "two-tier",
+                "two-tier-sticky",
+                "round-robin",
+                "mine.yaml",
+                "random"
+            ]
+        );
+        assert_eq!(
+            labels(&["-c", "builtin:round-robin", "-c", "./builtin:x.yaml"]),
+            ["round-robin", "./builtin:x.yaml"]
+        );
+        assert_eq!(
+            chosen(&["-c", "builtin:random", "-c", "builtin:random"]).unwrap_err(),
+            "--config builtin:random is given twice; give each config once"
+        );
+        assert!(chosen(&["--with-builtin", "-c", "builtin:default"])
+            .unwrap_err()
+            .starts_with("--config builtin:default: --with-builtin already adds it"));
+        assert!(chosen(&["-c", "builtin:"])
+            .unwrap_err()
+            .starts_with("--config builtin:: no built-in config named ``;"));
     }
 }

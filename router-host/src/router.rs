@@ -8,6 +8,12 @@
 //! default over the same rows) or an error (`on_error: fail`). `explain`, asked for only after a
 //! successful pick, cannot undo it: a failing or panicking `explain` is counted (a panic poisons
 //! the instance) and the request keeps its row without an explanation.
+//!
+//! Every call into a policy (`create`, `pick`, `explain`, the hooks) is marked in the calling
+//! thread's [`crate::watchdog`] slot while it runs. A call that runs past its instance's
+//! `hang_after` marks the instance hung: it refuses every later call like a poisoned one (its
+//! requests get the fallback, its hooks are skipped), and the Router's [`OnHang`] choice says
+//! whether the process keeps serving or exits.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -27,6 +33,17 @@ use crate::eligibility::eligible_rows;
 use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
 use crate::model::{Cluster, RequestRole, RowId, Signals};
 use crate::policies::{Catalog, HostSettings, PolicyError, PolicyInstance};
+use crate::watchdog::Call;
+pub use crate::watchdog::{Hang, OnHang};
+
+/// Choices of whoever builds a [`Router`] that are not configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RouterOptions {
+    /// What happens once a policy call runs past its instance's `hang_after`: by default the
+    /// instance is taken out of service and the host keeps serving. Single-threaded tools, whose
+    /// only thread would be the stuck one, choose [`OnHang::Exit`].
+    pub on_hang: OnHang,
+}
 
 /// Why the host could not start.
 #[derive(Debug, thiserror::Error)]
@@ -55,8 +72,19 @@ pub struct Router {
 
 impl Router {
     /// Load every plugin, build the catalog, create every instance (so bad parameters fail here,
-    /// before any request) and wire the roles.
+    /// before any request) and wire the roles. A hung policy call is only taken out of service
+    /// ([`RouterOptions::default`]).
     pub fn from_config(config: &RouterConfig, search: &SearchPath) -> Result<Router, StartupError> {
+        Router::from_config_with(config, search, RouterOptions::default())
+    }
+
+    /// [`Router::from_config`] with the builder's own [`RouterOptions`] (they apply from the first
+    /// `create` on).
+    pub fn from_config_with(
+        config: &RouterConfig,
+        search: &SearchPath,
+        options: RouterOptions,
+    ) -> Result<Router, StartupError> {
         let mut loader = Loader::new();
         for (index, spec) in config.plugins.iter().enumerate() {
             let plugin_error = |source| StartupError::Plugin {
@@ -78,14 +106,17 @@ impl Router {
                 prefill_load_scale: config.default_selector.prefill_load_scale,
                 decode_active_request_weight: config.default_selector.decode_active_request_weight,
             },
+            on_hang: options.on_hang,
         };
+        let pick_budget = std::time::Duration::from_millis(1);
         let default_config = InstanceConfig {
             name: DEFAULT_INSTANCE.to_string(),
             type_name: Builtin::Default.type_name().to_string(),
             parameters_json: "{}".to_string(),
             on_error: OnError::Fail,
-            pick_budget: std::time::Duration::from_millis(1),
+            pick_budget,
             quarantine_after: u32::MAX,
+            hang_after: crate::config::default_hang_after(pick_budget),
             line: None,
         };
         let mut instances = vec![catalog.instantiate(&default_config, &settings)?];
@@ -183,11 +214,14 @@ impl Router {
             origin: instance.origin.clone(),
             failure: failure.clone(),
         };
-        // The transition into poison or quarantine was logged when it happened.
-        if matches!(
-            failure,
-            PolicyFailure::Poisoned | PolicyFailure::Quarantined
-        ) {
+        // The transition into poison, quarantine or hung was logged when it happened.
+        let repeated = match &failure {
+            PolicyFailure::Poisoned | PolicyFailure::Quarantined => true,
+            // Every call after the hang gets the same failure; the hang itself was logged.
+            PolicyFailure::Hung { .. } => true,
+            _ => false,
+        };
+        if repeated {
             tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
         } else {
             tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
@@ -247,7 +281,10 @@ impl Router {
         let view = scratch.columns.view(instance.inputs);
         instance.stats.picks.add(1);
         let started = Instant::now();
-        let picked = instance.policy.pick(&ctx, &view);
+        let picked = {
+            let _call = instance.watch_call(Call::Pick, Some(started), request.id);
+            instance.policy.pick(&ctx, &view)
+        };
         let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         instance.record_pick_time(pick_ns);
         let outcome = match picked {
@@ -259,7 +296,9 @@ impl Router {
             RResult::RErr(failure) => Err(instance.failed_in_plugin("pick", failure)),
         };
         let explanation = match (&outcome, selection.explain) {
-            (Ok(_), true) => explain(instance, &ctx, &view),
+            // A pick that came back after the watchdog gave up on it keeps its row, but the
+            // instance is not called again.
+            (Ok(_), true) if !instance.is_hung() => explain(instance, &ctx, &view, request.id),
             _ => None,
         };
         let candidates = narrowed.len();
@@ -276,9 +315,13 @@ impl Router {
 impl Router {
     /// Tell the instance that decided (or fell back for) a request where it was booked. Hooks
     /// exist since plugin-api 1.1; for a 1.0 plugin this is a no-op.
+    /// Not called for an instance that is poisoned, quarantined or hung.
     pub fn notify_dispatch(&self, id: InstanceId, event: &DispatchEvent<'_>) {
         let instance = &self.instances[id];
-        if !instance.is_poisoned() && !instance.is_quarantined() {
+        if instance.in_service() {
+            // No clock reading here (this is the request path): the watchdog times a hook from
+            // when it first sees it running.
+            let _call = instance.watch_call(Call::OnDispatch, None, Some(event.request_id));
             instance.policy.on_dispatch(event);
         }
     }
@@ -286,7 +329,8 @@ impl Router {
     /// Tell the instance that a request it was notified about finished.
     pub fn notify_complete(&self, id: InstanceId, event: &CompleteEvent<'_>) {
         let instance = &self.instances[id];
-        if !instance.is_poisoned() && !instance.is_quarantined() {
+        if instance.in_service() {
+            let _call = instance.watch_call(Call::OnComplete, None, Some(event.request_id));
             instance.policy.on_complete(event);
         }
     }
@@ -299,8 +343,13 @@ fn explain(
     instance: &PolicyInstance,
     ctx: &RawRequestContext<'_>,
     view: &plugin_api::abi::RawCandidateView<'_>,
+    request: Option<u64>,
 ) -> Option<Explanation> {
-    let failure = match instance.policy.explain(ctx, view) {
+    let explained = {
+        let _call = instance.watch_call(Call::Explain, Some(Instant::now()), request);
+        instance.policy.explain(ctx, view)
+    };
+    let failure = match explained {
         RResult::ROk(ROption::RSome(raw)) => return Some(explanation_from_abi(raw)),
         RResult::ROk(ROption::RNone) => return None,
         RResult::RErr(failure) => instance.failed_in_plugin("explain", failure),

@@ -61,11 +61,11 @@ pub struct WorkerUpdate {
 /// Why a scenario file is unusable.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
-    #[error("scenario {file}: cannot read: {source}")]
+    // The cause is in the message, not a `source`: printed with its chain it would say it twice.
+    #[error("scenario {file}: cannot read: {reason}")]
     Read {
         file: String,
-        #[source]
-        source: std::io::Error,
+        reason: std::io::Error,
     },
     #[error("scenario {file}: line {line} column {column}: {message}")]
     Parse {
@@ -74,12 +74,8 @@ pub enum ScenarioError {
         column: usize,
         message: String,
     },
-    #[error("scenario {file}: workers: {source}")]
-    Workers {
-        file: String,
-        #[source]
-        source: ClusterError,
-    },
+    #[error("scenario {file}: workers: {reason}")]
+    Workers { file: String, reason: ClusterError },
     #[error("scenario {file}: larger than {max} bytes")]
     TooLarge { file: String, max: u64 },
     #[error("scenario {file}: requests[{request}]: {message}")]
@@ -261,9 +257,9 @@ impl Scenario {
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
         use std::io::Read;
         let file = path.display().to_string();
-        let read_error = |source| ScenarioError::Read {
+        let read_error = |reason| ScenarioError::Read {
             file: file.clone(),
-            source,
+            reason,
         };
         let mut text = String::new();
         std::fs::File::open(path)
@@ -308,9 +304,9 @@ impl Scenario {
                 total_kv_blocks: w.total_kv_blocks,
             })
             .collect();
-        let cluster = Cluster::new(workers).map_err(|source| ScenarioError::Workers {
+        let cluster = Cluster::new(workers).map_err(|reason| ScenarioError::Workers {
             file: file.to_string(),
-            source,
+            reason,
         })?;
         let mut requests = Vec::with_capacity(raw.requests.len());
         for (index, r) in raw.requests.into_iter().enumerate() {
@@ -447,10 +443,30 @@ impl OverlapSource for OverlapOnly<'_> {
 /// Drive `host` through the scenario: before each request apply its completions and worker
 /// updates and let queued requests drain, then submit it. One outcome per request, in order.
 pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
+    let mut outcomes = Vec::with_capacity(scenario.requests.len());
+    let Ok(()) = run_streaming(host, scenario, |_, _, outcome| {
+        outcomes.push(outcome);
+        Ok::<(), std::convert::Infallible>(())
+    });
+    outcomes
+}
+
+/// [`run`], handing each request's outcome to `emit` (with its index) as soon as it is final,
+/// in request order: right after the request is decided, unless it (or an earlier one) waits in
+/// an admission queue; then when those leave it, or at the end. `select` prints each line this
+/// way, so a request that never comes back shows where the run stopped. An error from `emit`
+/// stops the run and is returned.
+pub fn run_streaming<E>(
+    host: &mut Host,
+    scenario: &Scenario,
+    mut emit: impl FnMut(&Host, usize, Outcome) -> Result<(), E>,
+) -> Result<(), E> {
     let n = scenario.requests.len();
     let mut outcomes = vec![Outcome::StillQueued; n];
     let mut dispatched: Vec<Option<RequestId>> = vec![None; n];
     let mut queued: HashMap<TicketId, usize> = HashMap::new();
+    let mut waiting = vec![false; n];
+    let mut emitted = 0;
     for (index, step) in scenario.requests.iter().enumerate() {
         for &earlier in &step.complete {
             if let Some(id) = dispatched[earlier] {
@@ -472,6 +488,7 @@ pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
             let Some(origin) = queued.remove(&d.ticket) else {
                 continue;
             };
+            waiting[origin] = false;
             outcomes[origin] = match d.result {
                 Ok(routed) => {
                     dispatched[origin] = Some(routed.id);
@@ -493,12 +510,21 @@ pub fn run(host: &mut Host, scenario: &Scenario) -> Vec<Outcome> {
             }
             Ok(Submitted::Queued(ticket)) => {
                 queued.insert(ticket.id(), index);
+                waiting[index] = true;
                 Outcome::StillQueued
             }
             Err(err) => Outcome::Failed(err),
         };
+        while emitted <= index && !waiting[emitted] {
+            let outcome = std::mem::replace(&mut outcomes[emitted], Outcome::StillQueued);
+            emit(host, emitted, outcome)?;
+            emitted += 1;
+        }
     }
-    outcomes
+    for (index, outcome) in outcomes.into_iter().enumerate().skip(emitted) {
+        emit(host, index, outcome)?;
+    }
+    Ok(())
 }
 
 /// The `select` output line for one request (contract in `docs/select.md`).

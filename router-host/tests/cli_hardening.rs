@@ -351,3 +351,34 @@ fn output_files_are_replaced_whole_and_leave_no_temporary_file() {
         .file_type()
         .is_char_device());
 }
+
+#[test]
+fn a_directory_as_a_scenario_gives_the_os_reason_once() {
+    let dir = temp_dir("scenario-dir");
+    let config = round_robin(&dir);
+    let run = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &[
+            "select",
+            "--config",
+            config.to_str().unwrap(),
+            "--scenario",
+            dir.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(run.code, Some(2), "unusable input: {}", run.stderr);
+    assert_eq!(
+        run.stderr.matches("Is a directory").count(),
+        1,
+        "stderr: {}",
+        run.stderr
+    );
+    assert!(
+        run.stderr
+            .contains(&format!("scenario {}: cannot read:", dir.display())),
+        "stderr: {}",
+        run.stderr
+    );
+}

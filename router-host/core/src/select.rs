@@ -61,6 +61,12 @@ pub enum PolicyFailure {
     Poisoned,
     #[error("policy is quarantined after repeated picks over its time budget")]
     Quarantined,
+    #[error("policy hung in {call}: it ran for {ran_ms} ms, past the instance's hang_after_ms of {hang_after_ms}; the instance is out of service")]
+    Hung {
+        call: &'static str,
+        ran_ms: u64,
+        hang_after_ms: u64,
+    },
     #[error("policy returned row index {index}, but only {rows} rows were given")]
     OutOfRange { index: usize, rows: usize },
     #[error("host passed an inconsistent view: {0}")]

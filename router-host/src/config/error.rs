@@ -173,6 +173,19 @@ pub enum ConfigErrorKind {
         /// The class name.
         name: String,
     },
+    /// An instance's `hang_after_ms` is not longer than its pick budget.
+    #[error(
+        "instance `{instance}`: hang_after_ms {hang_after_ms} must be longer than the pick budget \
+         (pick_budget_us {pick_budget_us}): a call counts as hung only far past its budget"
+    )]
+    HangAfterWithinBudget {
+        /// The instance name.
+        instance: String,
+        /// The `hang_after_ms` given.
+        hang_after_ms: u64,
+        /// The instance's pick budget in microseconds (given or default).
+        pick_budget_us: u64,
+    },
     /// An instance's `parameters` is not a mapping.
     #[error("instance `{instance}`: `parameters` must be a mapping, found {found}")]
     ParametersNotMapping {

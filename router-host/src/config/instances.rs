@@ -8,9 +8,12 @@ use serde::Deserialize;
 use super::error::{ConfigError, ConfigErrorKind};
 use super::json::{describe, to_json};
 use super::locate::{key, render_path, Seg};
-use super::numbers::{de_pick_budget, de_quarantine_after, narrow_or};
+use super::numbers::{de_hang_after, de_pick_budget, de_quarantine_after, narrow_or};
 use super::strings::{de_instance_name, de_on_error, de_type_name};
-use super::{Builder, Names, DEFAULT_INSTANCE, DEFAULT_PICK_BUDGET, DEFAULT_QUARANTINE_AFTER};
+use super::{
+    default_hang_after, Builder, Names, DEFAULT_INSTANCE, DEFAULT_PICK_BUDGET,
+    DEFAULT_QUARANTINE_AFTER,
+};
 
 /// The `worker_selection` block: one instance name per role, and the instances.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,6 +72,10 @@ pub struct InstanceConfig {
     pub pick_budget: Duration,
     /// Consecutive budget breaches after which the instance is quarantined to its fallback.
     pub quarantine_after: u32,
+    /// A call (`create`, `pick`, `explain`, a hook) still running after this long is a hang: the
+    /// watchdog takes the instance out of service. `hang_after_ms`, default
+    /// [`default_hang_after`]`(pick_budget)`; always longer than `pick_budget`.
+    pub hang_after: Duration,
     /// 1-based line of the entry in the file (best effort).
     pub line: Option<usize>,
 }
@@ -116,6 +123,8 @@ struct RawInstance {
     pick_budget_us: Option<u64>,
     #[serde(default, deserialize_with = "de_quarantine_after")]
     quarantine_after: Option<u64>,
+    #[serde(default, deserialize_with = "de_hang_after")]
+    hang_after_ms: Option<u64>,
 }
 
 impl Builder<'_> {
@@ -160,16 +169,35 @@ impl Builder<'_> {
         for (index, instance) in raw_instances.into_iter().enumerate() {
             let path = [key("worker_selection"), key("instances"), Seg::Index(index)];
             let parameters_json = self.parameters(&path, &instance.name, instance.parameters)?;
+            let pick_budget = instance
+                .pick_budget_us
+                .map_or(DEFAULT_PICK_BUDGET, Duration::from_micros);
+            let hang_after = match instance.hang_after_ms {
+                None => default_hang_after(pick_budget),
+                Some(ms) if Duration::from_millis(ms) > pick_budget => Duration::from_millis(ms),
+                Some(ms) => {
+                    let mut key_path = path.to_vec();
+                    key_path.push(key("hang_after_ms"));
+                    return Err(self.error(
+                        &key_path,
+                        ConfigErrorKind::HangAfterWithinBudget {
+                            instance: instance.name,
+                            hang_after_ms: ms,
+                            pick_budget_us: u64::try_from(pick_budget.as_micros())
+                                .unwrap_or(u64::MAX),
+                        },
+                    ));
+                }
+            };
             instances.push(InstanceConfig {
                 line: self.entry_line(&path),
                 name: instance.name,
                 type_name: instance.type_name,
                 parameters_json,
                 on_error: instance.on_error.unwrap_or_default(),
-                pick_budget: instance
-                    .pick_budget_us
-                    .map_or(DEFAULT_PICK_BUDGET, Duration::from_micros),
+                pick_budget,
                 quarantine_after: narrow_or(instance.quarantine_after, DEFAULT_QUARANTINE_AFTER),
+                hang_after,
             });
         }
         Ok(WorkerSelectionConfig {

@@ -82,6 +82,18 @@ pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
 pub const DEFAULT_PICK_BUDGET: Duration = Duration::from_micros(1000);
 /// Default number of consecutive over-budget picks after which an instance is quarantined.
 pub const DEFAULT_QUARANTINE_AFTER: u32 = 3;
+/// The default `hang_after_ms` is this many pick budgets...
+pub const HANG_AFTER_BUDGETS: u32 = 100;
+/// ...but never less than this.
+pub const MIN_DEFAULT_HANG_AFTER: Duration = Duration::from_secs(1);
+
+/// The default `hang_after_ms` of an instance with this pick budget: `max(100 x budget, 1 s)`,
+/// 1 s for the default budget (docs/configuration.md explains the choice).
+pub fn default_hang_after(pick_budget: Duration) -> Duration {
+    pick_budget
+        .saturating_mul(HANG_AFTER_BUDGETS)
+        .max(MIN_DEFAULT_HANG_AFTER)
+}
 /// Default idle timeout of a session binding (`ttl_secs: 600`).
 pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(600);
 /// Largest accepted `session_affinity.ttl_secs` (ten years), so that `now + ttl` cannot overflow

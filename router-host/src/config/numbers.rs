@@ -128,6 +128,10 @@ pub(super) fn de_pick_budget<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u
     de_uint(d, 1, u64::MAX)
 }
 
+pub(super) fn de_hang_after<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, u64::MAX)
+}
+
 pub(super) fn de_quarantine_after<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<u64>, D::Error> {

@@ -616,3 +616,72 @@ fn deep_block_nesting_is_refused_before_the_yaml_parser_runs() {
     let wide = "a:\n  b: 1\n".repeat(1000);
     assert_eq!(nesting_too_deep(&wide), None);
 }
+
+#[test]
+fn hang_after_defaults_to_a_hundred_budgets_but_at_least_a_second() {
+    assert_eq!(
+        default_hang_after(DEFAULT_PICK_BUDGET),
+        Duration::from_secs(1)
+    );
+    assert_eq!(
+        default_hang_after(Duration::from_millis(50)),
+        Duration::from_secs(5)
+    );
+    assert_eq!(
+        default_hang_after(Duration::from_secs(u64::MAX)),
+        Duration::MAX
+    );
+    let config = parse(
+        "worker_selection:\n  instances:\n\
+         \x20   - {name: a, type: t}\n\
+         \x20   - {name: b, type: t, pick_budget_us: 20000}\n\
+         \x20   - {name: c, type: t, pick_budget_us: 20000, hang_after_ms: 21}\n\
+         \x20   - {name: d, type: t, hang_after_ms: ~}\n",
+    );
+    let hang_after: Vec<Duration> = config
+        .worker_selection
+        .instances
+        .iter()
+        .map(|i| i.hang_after)
+        .collect();
+    assert_eq!(
+        hang_after,
+        [
+            Duration::from_secs(1),
+            Duration::from_secs(2),
+            Duration::from_millis(21),
+            Duration::from_secs(1),
+        ]
+    );
+}
+
+#[test]
+fn hang_after_must_be_a_positive_integer_longer_than_the_pick_budget() {
+    let message =
+        parse_err("worker_selection: {instances: [{name: a, type: t, hang_after_ms: 0}]}");
+    assert!(
+        message.contains("worker_selection.instances[0].hang_after_ms: invalid value: integer `0`"),
+        "{message}"
+    );
+    let message =
+        parse_err("worker_selection: {instances: [{name: a, type: t, hang_after_ms: \"1s\"}]}");
+    assert!(message.contains("hang_after_ms: invalid type"), "{message}");
+    // Not longer than the budget: the key is named, with the line of the value.
+    let message = parse_err(
+        "worker_selection:\n  instances:\n\
+         \x20   - name: a\n\
+         \x20     type: t\n\
+         \x20     pick_budget_us: 5000\n\
+         \x20     hang_after_ms: 5\n",
+    );
+    assert_eq!(
+        message,
+        "config <string>: line 6 column 22: worker_selection.instances[0].hang_after_ms: \
+         instance `a`: hang_after_ms 5 must be longer than the pick budget (pick_budget_us 5000): \
+         a call counts as hung only far past its budget"
+    );
+    // The default budget (1 ms) counts too.
+    let message =
+        parse_err("worker_selection: {instances: [{name: a, type: t, hang_after_ms: 1}]}");
+    assert!(message.contains("(pick_budget_us 1000)"), "{message}");
+}

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use crate::config::{ConfigError, RouterConfig};
 use crate::loader::SearchPath;
 use crate::model::ClusterError;
-use crate::router::StartupError;
+use crate::router::{RouterOptions, StartupError};
 
 pub use engine::{EngineParams, EngineSpec, KvCapacity};
 pub use report::{ConfigReport, Report};
@@ -66,12 +66,9 @@ pub enum ReplayError {
         #[source]
         source: Box<StartupError>,
     },
-    #[error("config {label}: simulated workers: {source}")]
-    Cluster {
-        label: String,
-        #[source]
-        source: ClusterError,
-    },
+    // The cause is in the message, not a `source`: printed with its chain it would say it twice.
+    #[error("config {label}: simulated workers: {reason}")]
+    Cluster { label: String, reason: ClusterError },
 }
 
 /// Settings shared by every config of one replay.
@@ -82,6 +79,8 @@ pub struct Setup {
     pub engine: EngineSpec,
     /// `--plugin-dir` directories.
     pub plugin_dirs: Vec<PathBuf>,
+    /// How each config's `Router` is built (the CLI exits on a hung policy call).
+    pub router_options: RouterOptions,
 }
 
 impl Setup {
@@ -90,6 +89,7 @@ impl Setup {
             shape: Shape { workers, dp_size },
             engine: EngineSpec::default(),
             plugin_dirs: Vec::new(),
+            router_options: RouterOptions::default(),
         }
     }
 }
@@ -149,6 +149,7 @@ fn prepare(
         search,
         engine,
         block_size_replaced,
+        router_options: setup.router_options,
     })
 }
 

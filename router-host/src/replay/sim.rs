@@ -13,7 +13,7 @@ use crate::config::RouterConfig;
 use crate::host::{Host, RouteError, Routed, SessionOutcome, Submitted, TicketId};
 use crate::loader::SearchPath;
 use crate::model::{Cluster, Request, Worker};
-use crate::router::Router;
+use crate::router::{Router, RouterOptions};
 use crate::sessions::{DispatchOutcome, ManualClock};
 
 use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
@@ -54,6 +54,7 @@ pub struct RunConfig {
     pub engine: EngineParams,
     /// The config's own `block_size`, when it differed from the workload's.
     pub block_size_replaced: Option<u32>,
+    pub router_options: RouterOptions,
 }
 
 /// Session binding outcomes of dispatched requests (the report prints them as they are).
@@ -123,12 +124,11 @@ pub fn run(
     config: &RunConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<RunOutput, ReplayError> {
-    let router = Router::from_config(&config.router, &config.search).map_err(|source| {
-        ReplayError::Startup {
+    let router = Router::from_config_with(&config.router, &config.search, config.router_options)
+        .map_err(|source| ReplayError::Startup {
             label: config.label.clone(),
             source: Box::new(source),
-        }
-    })?;
+        })?;
     let policy = {
         let instance = router.instance(router.instance_for(crate::model::RequestRole::Aggregated));
         format!("{} ({})", instance.name, instance.type_name)
@@ -140,9 +140,9 @@ pub fn run(
             ..Worker::new(u64::from(w)).with_ranks(0, shape.dp_size)
         })
         .collect();
-    let cluster = Cluster::new(workers).map_err(|source| ReplayError::Cluster {
+    let cluster = Cluster::new(workers).map_err(|reason| ReplayError::Cluster {
         label: config.label.clone(),
-        source,
+        reason,
     })?;
     let clock = Arc::new(ManualClock::new(Duration::ZERO));
     let host = Host::with_clock(router, cluster, &config.router, clock.clone());

@@ -1,0 +1,481 @@
+//! Hangs (issue 11): a policy call that never returns. The watchdog marks the instance hung; a
+//! library host keeps serving (its requests go to the fallback, its hooks are no longer called),
+//! and `router-host select`, whose only thread is the stuck one, exits with status 3 naming the
+//! instance and the call.
+//!
+//! The fixture's `hangs` policy parks its thread for good in the callback it is told to. Those
+//! threads are leaked by design and never finish; the test process still exits, because a
+//! process ends when the harness's `main` returns, whatever its other threads are doing. Every
+//! wait below is bounded by a generous deadline, and no test asserts a duration other than
+//! "happened before the deadline" (or the watchdog's own report that a call ran past its
+//! threshold).
+
+mod common;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use router_host::config::RouterConfig;
+use router_host::host::{Host, NoOverlap};
+use router_host::loader::SearchPath;
+use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
+use router_host::router::{Decision, PolicyFailure, Router, Scratch, Selection};
+use router_host::watchdog::Call;
+
+/// How long anything here may take before the test gives up: far more than a hang threshold of
+/// 100 ms plus a few watchdog ticks needs, even on a loaded machine.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+const LOWEST: RowId = RowId {
+    worker_id: 7,
+    dp_rank: 0,
+};
+
+/// A config whose aggregated role uses instance `name`, of the fixture type `hangs` with
+/// `parameters` and a hang threshold of 100 ms. Every test names its instance differently, so
+/// its log lines are told apart from the other tests' (they share the process's log).
+fn config(name: &str, parameters: &str) -> RouterConfig {
+    let yaml = format!(
+        "plugins:\n  - path: {}\nworker_selection:\n  aggregated: {name}\n  instances:\n    \
+         - {{name: {name}, type: hangs, parameters: {{{parameters}}}, hang_after_ms: 100}}\n",
+        common::plugin("fixture_faulty").display()
+    );
+    RouterConfig::from_yaml_str(&yaml, None).expect("valid config")
+}
+
+fn router(name: &str, parameters: &str) -> Router {
+    Router::from_config(&config(name, parameters), &SearchPath::default()).expect("router starts")
+}
+
+fn cluster() -> Cluster {
+    Cluster::new(vec![Worker::new(9), Worker::new(7)]).expect("cluster")
+}
+
+fn request(id: u64) -> Request {
+    Request {
+        id: Some(id),
+        isl_tokens: 64,
+        ..Default::default()
+    }
+}
+
+fn select(router: &Router, id: u64, explain: bool) -> Decision {
+    let request = request(id);
+    let selection = if explain {
+        Selection::of(&request).explained()
+    } else {
+        Selection::of(&request)
+    };
+    router
+        .select(&cluster(), selection, &NoSignals, &mut Scratch::default())
+        .expect("a decision")
+}
+
+/// The instance serving the aggregated role.
+fn configured(router: &Router) -> usize {
+    router.instance_for(router_host::model::RequestRole::Aggregated)
+}
+
+/// Poll `done` until it holds; fail the test if it does not before the deadline.
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !done() {
+        assert!(Instant::now() < deadline, "gave up waiting: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The thread's result, failing the test if it has not finished before the deadline (it is then
+/// leaked, like the stuck ones).
+fn join_within<T>(what: &str, handle: JoinHandle<T>) -> T {
+    wait_for(what, || handle.is_finished());
+    match handle.join() {
+        Ok(value) => value,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+fn assert_hung_fallback(decision: &Decision, call: &str) {
+    assert_eq!(decision.decided_by, 0, "the built-in default decided");
+    match &decision.fallback {
+        Some(
+            failure @ PolicyFailure::Hung {
+                call: hung_in,
+                hang_after_ms,
+                ..
+            },
+        ) => {
+            assert_eq!(*hung_in, call, "{failure}");
+            assert_eq!(*hang_after_ms, 100, "{failure}");
+            let text = failure.to_string();
+            assert!(
+                text.starts_with(&format!("policy hung in {call}: it ran for ")),
+                "{text}"
+            );
+            assert!(
+                text.ends_with(
+                    "past the instance's hang_after_ms of 100; the instance is out of service"
+                ),
+                "{text}"
+            );
+        }
+        other => panic!("expected the hung instance's failure, got {other:?}"),
+    }
+}
+
+// ---- the watchdog's log line ----------------------------------------------------------------------
+
+/// Everything logged in this test process (the watchdog logs on its own thread, so a per-thread
+/// capture would not see it).
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        struct Sink;
+        impl Write for Sink {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                logs()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        // Set before any event of this process's tests is emitted (every test calls this first).
+        let _ = tracing_subscriber::fmt()
+            .with_writer(|| Sink)
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .try_init();
+        Mutex::new(Vec::new())
+    })
+}
+
+/// Logged lines that mention `needle`.
+fn log_lines_with(needle: &str) -> Vec<String> {
+    let text = logs().lock().unwrap_or_else(|e| e.into_inner()).clone();
+    String::from_utf8_lossy(&text)
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The one error line the watchdog logs when it marks instance `name` hung in `call`.
+fn assert_hang_logged_once(name: &str, call: &str) {
+    let needle = format!("instance={name} ");
+    let lines: Vec<String> = log_lines_with(&needle)
+        .into_iter()
+        .filter(|l| l.contains("policy instance hung"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    let line = &lines[0];
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(line.contains("libfixture_faulty.so"), "{line}");
+    assert!(line.contains(&format!("call=\"{call}\"")), "{line}");
+    assert!(
+        line.contains(&format!("its {call} has run for ")) && line.contains(" ran_ms="),
+        "{line}"
+    );
+}
+
+// ---- library: mark hung, keep serving ---------------------------------------------------------------
+
+#[test]
+fn a_pick_that_never_returns_marks_the_instance_hung_and_later_requests_fall_back() {
+    logs();
+    let router = Arc::new(router("stuck-pick", "at: pick, after: 1"));
+    let x = configured(&router);
+    // The first pick returns: the policy decides.
+    let d = select(&router, 1, false);
+    assert_eq!((d.decided_by, d.fallback.clone()), (x, None));
+
+    // The second never returns.
+    let stuck = std::thread::spawn({
+        let router = router.clone();
+        move || select(&router, 2, false)
+    });
+    wait_for("the instance is marked hung", || {
+        router.instance(x).is_hung()
+    });
+    assert!(!stuck.is_finished(), "the pick is still stuck");
+    let hang = router
+        .instance(x)
+        .hang()
+        .cloned()
+        .expect("the hang is recorded");
+    assert_eq!((hang.call, hang.request), (Call::Pick, Some(2)));
+    assert!(hang.ran > Duration::from_millis(100), "{hang:?}");
+
+    // Another thread is served, by the fallback, and is counted.
+    let served = std::thread::spawn({
+        let router = router.clone();
+        move || select(&router, 3, false)
+    });
+    let d = join_within("a request after the hang is served", served);
+    assert_hung_fallback(&d, "pick");
+    assert_eq!(d.row, LOWEST, "the default's choice on idle rows");
+    assert_eq!(d.instance, x, "still the configured instance's request");
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!(
+        (stats.picks, stats.fallbacks, stats.hangs, stats.errors),
+        (2, 1, 1, 0)
+    );
+    assert_hang_logged_once("stuck-pick", "pick");
+    // The stuck thread is lost by design: it is left parked.
+    drop(stuck);
+}
+
+#[test]
+fn an_explain_that_never_returns_marks_the_instance_hung() {
+    logs();
+    let router = Arc::new(router("stuck-explain", "at: explain"));
+    let x = configured(&router);
+    let stuck = std::thread::spawn({
+        let router = router.clone();
+        move || select(&router, 11, true)
+    });
+    wait_for("the instance is marked hung", || {
+        router.instance(x).is_hung()
+    });
+    assert!(!stuck.is_finished());
+    let hang = router
+        .instance(x)
+        .hang()
+        .cloned()
+        .expect("the hang is recorded");
+    assert_eq!((hang.call, hang.request), (Call::Explain, Some(11)));
+
+    let served = std::thread::spawn({
+        let router = router.clone();
+        move || select(&router, 12, true)
+    });
+    let d = join_within("a request after the hang is served", served);
+    assert_hung_fallback(&d, "explain");
+    assert_eq!(d.row, LOWEST);
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.picks, stats.fallbacks, stats.hangs), (1, 1, 1));
+    assert_hang_logged_once("stuck-explain", "explain");
+    drop(stuck);
+}
+
+/// A host whose instance `x` hangs in `hook`, and the thread stuck in it (for request id 7).
+fn host_stuck_in(hook: &str) -> (Arc<Host>, usize, JoinHandle<()>) {
+    let config = config(&format!("stuck-{hook}"), &format!("at: {hook}"));
+    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let host = Arc::new(Host::new(router, cluster(), &config));
+    let x = configured(host.router());
+    let stuck = std::thread::spawn({
+        let host = host.clone();
+        move || {
+            let routed = host.route(&request(7), &NoOverlap, false).expect("routed");
+            assert_eq!(routed.decision.fallback, None);
+            host.complete(routed.id);
+        }
+    });
+    wait_for("the instance is marked hung", || {
+        host.router().instance(x).is_hung()
+    });
+    assert!(!stuck.is_finished());
+    (host, x, stuck)
+}
+
+#[test]
+fn a_hook_that_never_returns_marks_the_instance_hung_and_is_not_called_again() {
+    logs();
+    for (hook, call) in [
+        ("dispatch", Call::OnDispatch),
+        ("complete", Call::OnComplete),
+    ] {
+        let (host, x, stuck) = host_stuck_in(hook);
+        let hang = host.router().instance(x).hang().cloned().expect("recorded");
+        assert_eq!((hang.call, hang.request), (call, Some(7)), "{hook}");
+        // The fixture blocks in every call of that hook: a request that gets through both hooks'
+        // places proves neither is called any more (and that no lock is held by the stuck one).
+        let served = std::thread::spawn({
+            let host = host.clone();
+            move || {
+                let routed = host.route(&request(8), &NoOverlap, false).expect("routed");
+                assert!(host.complete(routed.id));
+                routed.decision
+            }
+        });
+        let d = join_within("a request after the hang is served", served);
+        assert_hung_fallback(&d, call.as_str());
+        // Stuck in on_dispatch, request 7 stays booked on 7:0, so the default picks the idle
+        // row; stuck in on_complete, its load was already released.
+        let idle = if hook == "dispatch" {
+            RowId {
+                worker_id: 9,
+                dp_rank: 0,
+            }
+        } else {
+            LOWEST
+        };
+        assert_eq!(d.row, idle, "{hook}");
+        let stats = host.router().instance(x).stats.snapshot();
+        assert_eq!(
+            (stats.picks, stats.fallbacks, stats.hangs),
+            (1, 1, 1),
+            "{hook}"
+        );
+        assert_hang_logged_once(&format!("stuck-{hook}"), call.as_str());
+        drop(stuck);
+    }
+}
+
+#[test]
+fn a_constructor_that_never_returns_is_reported() {
+    logs();
+    let config = config("stuck-create", "at: create");
+    // Startup itself is what blocks; the host (library default) only reports it.
+    let starting = std::thread::spawn(move || {
+        let _ = Router::from_config(&config, &SearchPath::default());
+    });
+    wait_for("the hang in create is logged", || {
+        !log_lines_with("instance=stuck-create ").is_empty()
+    });
+    assert!(!starting.is_finished(), "startup is still stuck");
+    assert_hang_logged_once("stuck-create", "create");
+    drop(starting);
+}
+
+// ---- the CLI: exit 3, naming the instance and the call ------------------------------------------------
+
+/// Run `router-host` and wait for it, killing it and failing if it is still running at the
+/// deadline. Returns (exit code, stdout, stderr).
+fn run_cli_bounded(args: &[&str]) -> (i32, String, String) {
+    let mut child = Command::new(common::router_host_bin())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start router-host");
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        match child.try_wait().expect("wait for router-host") {
+            Some(_) => break,
+            None if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("router-host {args:?} was still running after {DEADLINE:?}: it hung");
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    let out = child.wait_with_output().expect("router-host output");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn select_cli(test: &str, instance: &str) -> (i32, Vec<serde_json::Value>, String) {
+    let dir = common::temp_dir(test);
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "plugins:\n  - path: {}\nworker_selection:\n  aggregated: stuck\n  instances:\n{instance}",
+            common::plugin("fixture_faulty").display()
+        ),
+    );
+    let scenario = common::write(
+        &dir,
+        "scenario.json",
+        r#"{"workers": [{"worker_id": 29}],
+            "requests": [{"isl_tokens": 16}, {"isl_tokens": 16}, {"isl_tokens": 16}]}"#,
+    );
+    let path = |p: &PathBuf| p.to_str().expect("utf-8 path").to_owned();
+    let (code, out, err) = run_cli_bounded(&[
+        "select",
+        "--config",
+        &path(&config),
+        "--scenario",
+        &path(&scenario),
+    ]);
+    let lines = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    (code, lines, err)
+}
+
+fn assert_cli_names(err: &str, call: &str) {
+    assert!(
+        err.contains("error: policy instance `stuck` (type `hangs`, from "),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("libfixture_faulty.so) hung in {call}")),
+        "{err}"
+    );
+    assert!(
+        err.contains("past its hang_after_ms of 200; exiting with status 3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn select_exits_3_naming_the_instance_when_a_pick_hangs_after_printing_what_it_decided() {
+    let (code, lines, err) = select_cli(
+        "hang-pick",
+        "    - {name: stuck, type: hangs, parameters: {at: pick, after: 1}, hang_after_ms: 200}\n",
+    );
+    assert_eq!(code, 3, "{err}");
+    assert_cli_names(&err, "pick");
+    // Request 0 was decided before the hang, and its line was flushed as it was decided.
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["request"], 0);
+    assert_eq!(lines[0]["instance"], "stuck");
+    assert_eq!(lines[0]["policy"], "hangs");
+}
+
+#[test]
+fn select_exits_3_naming_the_request_when_a_hook_hangs() {
+    let (code, lines, err) = select_cli(
+        "hang-dispatch",
+        "    - {name: stuck, type: hangs, parameters: {at: dispatch, after: 1}, hang_after_ms: 200}\n",
+    );
+    assert_eq!(code, 3, "{err}");
+    assert_cli_names(&err, "on_dispatch (request id ");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["request"], 0);
+}
+
+#[test]
+fn select_exits_3_when_a_constructor_hangs() {
+    let (code, lines, err) = select_cli(
+        "hang-create",
+        "    - {name: stuck, type: hangs, parameters: {at: create}, hang_after_ms: 200}\n",
+    );
+    assert_eq!(code, 3, "{err}");
+    assert_cli_names(&err, "create");
+    assert!(lines.is_empty(), "{lines:?}");
+}
+
+#[test]
+fn replay_exits_3_naming_the_instance_when_a_pick_hangs() {
+    let dir = common::temp_dir("hang-replay");
+    let config = common::write(
+        &dir,
+        "stuck.yaml",
+        &format!(
+            "plugins:\n  - path: {}\nworker_selection:\n  aggregated: stuck\n  instances:\n    - {{name: stuck, type: hangs, parameters: {{at: pick, after: 3}}, hang_after_ms: 200}}\n",
+            common::plugin("fixture_faulty").display()
+        ),
+    );
+    let config = config.to_str().expect("utf-8 path").to_owned();
+    let (code, out, err) = run_cli_bounded(&["replay", "-c", &config]);
+    assert_eq!(code, 3, "stdout: {out}\nstderr: {err}");
+    assert_cli_names(&err, "pick");
+}
