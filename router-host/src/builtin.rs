@@ -23,6 +23,69 @@ pub struct BuiltinSettings {
     pub disk_cache_hit_weight: f64,
     pub prefill_load_scale: f64,
     pub decode_active_request_weight: f64,
+    /// `default_selector.overlap_credit`: the credit per device-tier cached block.
+    pub overlap_credit: f64,
+    /// `default_selector.tie_break`.
+    pub tie_break: TieBreak,
+}
+
+impl Default for BuiltinSettings {
+    /// The host's defaults (docs/configuration.md, `default_selector`).
+    fn default() -> Self {
+        BuiltinSettings {
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            prefill_load_scale: 1.0,
+            decode_active_request_weight: 0.0,
+            overlap_credit: 1.0,
+            tie_break: TieBreak::LowestRow,
+        }
+    }
+}
+
+/// How the built-in `default` breaks an exact tie between rows of equal cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TieBreak {
+    /// The lowest `(worker_id, dp_rank)`: deterministic, but with idle rows every request lands
+    /// on the lowest ids.
+    #[default]
+    LowestRow,
+    /// The tied row that ranks first in an order drawn from the request (its prompt length,
+    /// block count and session id) and each row's id: the same request always breaks the same
+    /// way, whatever the row order, and different requests spread over the tied rows.
+    Spread,
+}
+
+impl TieBreak {
+    /// Every mode, in the order errors list their spellings.
+    pub const ALL: [TieBreak; 2] = [TieBreak::LowestRow, TieBreak::Spread];
+
+    /// The configuration spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            TieBreak::LowestRow => "lowest_row",
+            TieBreak::Spread => "spread",
+        }
+    }
+
+    /// The mode spelled `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for TieBreak {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for TieBreak {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        const NAMES: &[&str] = &[TieBreak::LowestRow.as_str(), TieBreak::Spread.as_str()];
+        let name = String::deserialize(d)?;
+        TieBreak::from_name(&name).ok_or_else(|| serde::de::Error::unknown_variant(&name, NAMES))
+    }
 }
 
 /// Policy types shipped with the host as plugins, each with the plugin name (`export_plugin!`'s
@@ -66,10 +129,12 @@ impl Builtin {
     pub fn doc(self) -> PolicyTypeDoc {
         let (summary, parameters) = match self {
             Builtin::Default => (
-                "Lowest prefill+decode cost after cache credit (design §7); narrows to an eligible soft target",
+                "Lowest prefill+decode cost after cache credit; narrows to an eligible soft target",
                 vec![
                     ParamDoc::optional("prefill_load_scale", "f64", "host default_selector.prefill_load_scale (1.0)", "weight of the uncached prefill blocks; finite, >= 0"),
                     ParamDoc::optional("decode_active_request_weight", "f64", "host default_selector.decode_active_request_weight (0.0)", "weight of active requests; finite, >= 0"),
+                    ParamDoc::optional("overlap_credit", "f64", "host default_selector.overlap_credit (1.0)", "credit per device-cached prompt block (1.0 = the block's prefill); finite, >= 0"),
+                    ParamDoc::optional("tie_break", "string", "host default_selector.tie_break (lowest_row)", "exact ties: lowest_row, or spread (drawn from the request and the row id)"),
                 ],
             ),
             Builtin::RoundRobin => (
@@ -102,6 +167,8 @@ impl Builtin {
                 struct P {
                     prefill_load_scale: Option<f64>,
                     decode_active_request_weight: Option<f64>,
+                    overlap_credit: Option<f64>,
+                    tie_break: Option<TieBreak>,
                 }
                 let p: P = params.parse()?;
                 let selector = DefaultSelector {
@@ -118,6 +185,12 @@ impl Builtin {
                             .unwrap_or(settings.decode_active_request_weight),
                         0.0,
                     )?,
+                    overlap_credit: check::finite_at_least(
+                        "overlap_credit",
+                        p.overlap_credit.unwrap_or(settings.overlap_credit),
+                        0.0,
+                    )?,
+                    tie_break: p.tie_break.unwrap_or(settings.tie_break),
                 };
                 plugin_api::export::into_policy_box(selector)
             }
@@ -146,16 +219,37 @@ impl Builtin {
     }
 }
 
-/// Design §7.
+/// The built-in `default` selector (docs/configuration.md): the lowest estimated cost of serving
+/// the request on a row, in prompt blocks.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DefaultSelector {
     pub host_weight: f64,
     pub disk_weight: f64,
     pub prefill_load_scale: f64,
     pub decode_active_request_weight: f64,
+    /// Credit per device-tier cached block, in prompt blocks (1.0: a cached block saves the
+    /// one block it would cost to prefill).
+    pub overlap_credit: f64,
+    pub tie_break: TieBreak,
 }
 
 impl DefaultSelector {
+    /// The selector with the host's default settings.
+    pub fn new(settings: &BuiltinSettings) -> Self {
+        DefaultSelector {
+            host_weight: settings.host_cache_hit_weight,
+            disk_weight: settings.disk_cache_hit_weight,
+            prefill_load_scale: settings.prefill_load_scale,
+            decode_active_request_weight: settings.decode_active_request_weight,
+            overlap_credit: settings.overlap_credit,
+            tie_break: settings.tie_break,
+        }
+    }
+
+    /// docs/configuration.md, `default`:
+    /// `prefill_load_scale * (max(0, (active_prefill_tokens + isl) / block_size - credit)
+    ///  - (overlap_credit - 1) * device) + decode_blocks
+    ///  + decode_active_request_weight * active_requests`.
     fn cost(&self, ctx: &Context<'_>, rows: &Rows<'_>, i: usize) -> f64 {
         let (Some(overlap), Some(load)) = (rows.overlap(), rows.load()) else {
             return 0.0;
@@ -164,30 +258,69 @@ impl DefaultSelector {
             + self.host_weight * overlap.host[i]
             + self.disk_weight * overlap.disk[i];
         let block_size = f64::from(ctx.block_size().max(1));
-        let prefill = ((load.active_prefill_tokens[i] as f64 + ctx.prompt_tokens() as f64)
+        let mut prefill = ((load.active_prefill_tokens[i] as f64 + ctx.prompt_tokens() as f64)
             / block_size
             - credit)
             .max(0.0);
+        // Device credit beyond 1.0 is a reuse bonus kept outside the clamp: a row holding the
+        // whole prompt still counts its backlog, and more cached blocks still win. (Skipped at
+        // exactly 1.0, so the formula, NaN handling included, is the 1.0 one.)
+        let bonus = self.overlap_credit - 1.0;
+        if bonus != 0.0 {
+            let device = overlap.device[i];
+            prefill -= bonus * if device.is_nan() { 0.0 } else { device };
+        }
         self.prefill_load_scale * prefill
             + load.decode_blocks[i] as f64
             + self.decode_active_request_weight * load.active_requests[i] as f64
     }
 
+    /// The order among rows of equal cost: lower wins. `request` is [`request_key`] of the
+    /// request (computed once per decision).
+    #[inline]
+    fn tie_key(&self, request: u64, id: RowId) -> (u64, RowId) {
+        match self.tie_break {
+            TieBreak::LowestRow => (0, id),
+            TieBreak::Spread => {
+                let row = (id.worker_id.rotate_left(32)) ^ u64::from(id.dp_rank);
+                (mix(request ^ mix(row.wrapping_add(GOLDEN_GAMMA))), id)
+            }
+        }
+    }
+
     fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
-        let mut best: Option<(usize, f64, RowId)> = None;
+        let request = match self.tie_break {
+            TieBreak::LowestRow => 0,
+            TieBreak::Spread => request_key(ctx),
+        };
+        let mut best: Option<(usize, f64, (u64, RowId))> = None;
         for i in 0..rows.len() {
             let cost = self.cost(ctx, rows, i);
-            let id = rows.row(i);
+            let key = self.tie_key(request, rows.row(i));
             let better = match best {
                 None => true,
-                Some((_, c, bid)) => cost < c || (cost == c && id < bid),
+                Some((_, c, bkey)) => cost < c || (cost == c && key < bkey),
             };
             if better {
-                best = Some((i, cost, id));
+                best = Some((i, cost, key));
             }
         }
         best.map(|(i, c, _)| (i, c))
     }
+}
+
+/// A 64-bit key of what the request context says about the request: its prompt length, its
+/// block count and its session id. Pick and explain see the same context, so they agree.
+fn request_key(ctx: &Context<'_>) -> u64 {
+    let mut h = mix(ctx.prompt_tokens() ^ ctx.request_blocks().rotate_left(40));
+    if let Some(session) = ctx.session_id() {
+        for chunk in session.as_bytes().chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            h = mix(h ^ u64::from_le_bytes(word));
+        }
+    }
+    h
 }
 
 impl Policy for DefaultSelector {
@@ -203,18 +336,25 @@ impl Policy for DefaultSelector {
 
     fn explain(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<Explanation> {
         let (i, cost) = self.best(ctx, rows)?;
-        Some(
-            Explanation::new(i, "lowest_cost")
-                .field("cost", cost)
-                .field("rows", rows.len() as f64)
-                .field("prefill_load_scale", self.prefill_load_scale)
-                .field(
-                    "decode_active_request_weight",
-                    self.decode_active_request_weight,
-                )
-                .field("host_cache_hit_weight", self.host_weight)
-                .field("disk_cache_hit_weight", self.disk_weight),
-        )
+        let mut e = Explanation::new(i, "lowest_cost")
+            .field("cost", cost)
+            .field("rows", rows.len() as f64)
+            .field("prefill_load_scale", self.prefill_load_scale)
+            .field(
+                "decode_active_request_weight",
+                self.decode_active_request_weight,
+            )
+            .field("host_cache_hit_weight", self.host_weight)
+            .field("disk_cache_hit_weight", self.disk_weight);
+        // Only when set away from their defaults, so an explanation under the default settings
+        // reads as it always did.
+        if self.overlap_credit != 1.0 {
+            e = e.field("overlap_credit", self.overlap_credit);
+        }
+        if self.tie_break != TieBreak::LowestRow {
+            e = e.label("tie_break", self.tie_break.as_str());
+        }
+        Some(e)
     }
 }
 
@@ -268,12 +408,7 @@ mod tests {
     use plugin_api::testing::{TestRequest, TestRow, TestRows};
 
     fn selector() -> DefaultSelector {
-        DefaultSelector {
-            host_weight: 0.75,
-            disk_weight: 0.25,
-            prefill_load_scale: 1.0,
-            decode_active_request_weight: 0.0,
-        }
+        DefaultSelector::new(&BuiltinSettings::default())
     }
 
     #[test]
@@ -328,12 +463,7 @@ mod tests {
 
     #[test]
     fn default_rejects_bad_parameters_by_key() {
-        let settings = BuiltinSettings {
-            host_cache_hit_weight: 0.75,
-            disk_cache_hit_weight: 0.25,
-            prefill_load_scale: 1.0,
-            decode_active_request_weight: 0.0,
-        };
+        let settings = BuiltinSettings::default();
         let err = Builtin::Default
             .create(r#"{"prefill_load_scale": -1}"#, &settings)
             .err()
@@ -344,6 +474,195 @@ mod tests {
             .err()
             .unwrap();
         assert_eq!(err.key(), "speed");
+    }
+
+    fn with(settings: BuiltinSettings) -> DefaultSelector {
+        DefaultSelector::new(&settings)
+    }
+
+    #[test]
+    fn overlap_credit_beyond_one_is_a_bonus_outside_the_clamp() {
+        let request = TestRequest::new(160, 16);
+        let credit = |overlap_credit| {
+            with(BuiltinSettings {
+                overlap_credit,
+                ..BuiltinSettings::default()
+            })
+        };
+        // 41 caches the whole prompt (10 blocks) but has 320 tokens (20 blocks) pending; 29 is
+        // cold and idle (cost 10). 41 costs 20 at 1.0, 10 at 2.0 (a tie: lowest row), 0 at 3.0.
+        let rows = TestRows::new(vec![
+            TestRow::new(29, 0),
+            TestRow::new(41, 0).device(10.0).prefill_tokens(320),
+        ]);
+        assert_eq!(
+            rows.pick_worker(&credit(1.0), &request).unwrap().worker_id,
+            29
+        );
+        let e = rows.explain(&credit(2.0), &request).unwrap();
+        assert_eq!((rows.row(e.row).worker_id, e.get("cost")), (29, Some(10.0)));
+        assert_eq!(e.get("overlap_credit"), Some(2.0));
+        assert_eq!(
+            rows.pick_worker(&credit(3.0), &request).unwrap().worker_id,
+            41
+        );
+        // Both rows cache the whole prompt; 29 has 10 blocks pending, 41 none. A credit clamped
+        // with the backlog (Dynamo's `overlap_score_credit`) prices both at 0 from 2.0 up and
+        // ties them; here the backlog still counts: 41 wins at every credit.
+        let cached = TestRows::new(vec![
+            TestRow::new(29, 0).device(10.0).prefill_tokens(160),
+            TestRow::new(41, 0).device(10.0),
+        ]);
+        for c in [1.0, 1.5, 2.0, 3.0, 10.0] {
+            assert_eq!(
+                cached.pick_worker(&credit(c), &request).unwrap().worker_id,
+                41,
+                "{c}"
+            );
+        }
+        // Below 1.0 a cached block saves less than its prefill: 0 credit ignores the cache.
+        let rows = TestRows::new(vec![
+            TestRow::new(29, 0),
+            TestRow::new(41, 0).device(6.0).decode_blocks(1),
+        ]);
+        assert_eq!(
+            rows.pick_worker(&credit(0.0), &request).unwrap().worker_id,
+            29
+        );
+        assert_eq!(
+            rows.pick_worker(&credit(1.0), &request).unwrap().worker_id,
+            41
+        );
+        // Only device blocks get it: 29's 4 device blocks cost 6 at 1.0 and 4 at 1.5, 41's 6
+        // host blocks (credit 4.5) 5.5 at both.
+        let rows = TestRows::new(vec![
+            TestRow::new(29, 0).device(4.0),
+            TestRow::new(41, 0).host(6.0),
+        ]);
+        assert_eq!(
+            rows.pick_worker(&credit(1.0), &request).unwrap().worker_id,
+            41
+        );
+        assert_eq!(
+            rows.pick_worker(&credit(1.5), &request).unwrap().worker_id,
+            29
+        );
+    }
+
+    #[test]
+    fn overlap_credit_of_one_is_the_original_formula_and_not_explained() {
+        let request = TestRequest::new(160, 16);
+        let rows = TestRows::new(vec![TestRow::new(29, 0).device(f64::NAN)]);
+        let e = rows.explain(&selector(), &request).unwrap();
+        // A NaN credit clamps to 0, as it always did.
+        assert_eq!(e.get("cost"), Some(0.0));
+        assert_eq!(e.get("overlap_credit"), None);
+        assert_eq!(e.get_label("tie_break"), None);
+    }
+
+    /// Four idle, cold rows: every request ties on all of them.
+    fn idle_rows() -> Vec<TestRow> {
+        (0..4).map(|w| TestRow::new(10 + w, 0)).collect()
+    }
+
+    #[test]
+    fn spread_breaks_ties_by_request_and_row_whatever_the_row_order() {
+        let spread = with(BuiltinSettings {
+            tie_break: TieBreak::Spread,
+            ..BuiltinSettings::default()
+        });
+        let mut counts = [0u32; 4];
+        for isl in 1..=400u64 {
+            let request = TestRequest::new(isl * 7, 16);
+            let mut order = idle_rows();
+            let first = TestRows::new(order.clone())
+                .pick_worker(&spread, &request)
+                .unwrap();
+            for shift in 1..4 {
+                order.rotate_left(1);
+                let rows = TestRows::new(order.clone());
+                assert_eq!(
+                    rows.pick_worker(&spread, &request).unwrap(),
+                    first,
+                    "{isl} {shift}"
+                );
+                // explain describes the row pick chose.
+                let e = rows.explain(&spread, &request).unwrap();
+                assert_eq!(rows.row(e.row), first);
+                assert_eq!(e.get_label("tie_break"), Some("spread"));
+            }
+            counts[(first.worker_id - 10) as usize] += 1;
+        }
+        // Spread: every row takes a fair share (100 expected each).
+        assert!(
+            counts.iter().all(|&c| (60..=140).contains(&c)),
+            "{counts:?}"
+        );
+        // Lowest row: all 400 on worker 10.
+        for isl in 1..=400u64 {
+            let request = TestRequest::new(isl * 7, 16);
+            let rows = TestRows::new(idle_rows());
+            assert_eq!(
+                rows.pick_worker(&selector(), &request).unwrap().worker_id,
+                10
+            );
+        }
+        // The session id takes part: the same prompt length from many sessions spreads too.
+        let mut seen = std::collections::BTreeSet::new();
+        for s in 0..64 {
+            let request = TestRequest::new(160, 16).session(&format!("session-{s:05}"));
+            seen.insert(
+                TestRows::new(idle_rows())
+                    .pick_worker(&spread, &request)
+                    .unwrap(),
+            );
+        }
+        assert_eq!(seen.len(), 4, "{seen:?}");
+        // Only exact ties: a cheaper row always wins.
+        let rows = TestRows::new(vec![
+            TestRow::new(10, 0).decode_blocks(1),
+            TestRow::new(11, 0),
+        ]);
+        for isl in 1..50u64 {
+            let request = TestRequest::new(isl, 16);
+            assert_eq!(rows.pick_worker(&spread, &request).unwrap().worker_id, 11);
+        }
+    }
+
+    #[test]
+    fn new_parameters_are_validated_by_key() {
+        let settings = BuiltinSettings::default();
+        let err = Builtin::Default
+            .create(r#"{"overlap_credit": -0.5}"#, &settings)
+            .err()
+            .unwrap();
+        assert_eq!(err.key(), "overlap_credit");
+        assert!(err.message().contains("-0.5"), "{}", err.message());
+        let err = Builtin::Default
+            .create(r#"{"tie_break": "random"}"#, &settings)
+            .err()
+            .unwrap();
+        assert_eq!(err.key(), "tie_break");
+        assert!(
+            err.message()
+                .contains("unknown variant `random`, expected `lowest_row` or `spread`"),
+            "{}",
+            err.message()
+        );
+        let err = Builtin::Default
+            .create(r#"{"tie_break": 1}"#, &settings)
+            .err()
+            .unwrap();
+        assert_eq!(err.key(), "tie_break");
+        assert!(Builtin::Default
+            .create(
+                r#"{"tie_break": "spread", "overlap_credit": 1.5}"#,
+                &settings
+            )
+            .is_ok());
+        for mode in TieBreak::ALL {
+            assert_eq!(TieBreak::from_name(mode.as_str()), Some(mode));
+        }
     }
 
     #[test]

@@ -23,8 +23,10 @@ use plugin_api::abi::{
     opt_str, CompleteEvent, DispatchEvent, RawAffinityTarget, RawExplanation, RawRequestContext,
 };
 use plugin_api::Explanation;
+use router_core::ledger::Charge;
 pub use router_core::select::{
-    Decision, InstanceId, Pick, PolicyFailure, Scratch, SelectError, Selection, Selector,
+    Decision, InstanceId, Pick, PolicyFailure, PrefillBooking, Scratch, SelectError, Selection,
+    Selector,
 };
 
 use crate::builtin::{Builtin, BuiltinSettings};
@@ -68,6 +70,8 @@ pub struct Router {
     roles: [InstanceId; 3],
     default_instance: InstanceId,
     settings: HostSettings,
+    /// How dispatch books prompt tokens (`booking.prefill`).
+    prefill_booking: PrefillBooking,
 }
 
 impl Router {
@@ -105,6 +109,8 @@ impl Router {
                 disk_cache_hit_weight: config.disk_cache_hit_weight,
                 prefill_load_scale: config.default_selector.prefill_load_scale,
                 decode_active_request_weight: config.default_selector.decode_active_request_weight,
+                overlap_credit: config.default_selector.overlap_credit,
+                tie_break: config.default_selector.tie_break,
             },
             on_hang: options.on_hang,
         };
@@ -145,6 +151,7 @@ impl Router {
             roles,
             default_instance: 0,
             settings,
+            prefill_booking: config.booking.prefill,
         })
     }
 
@@ -173,6 +180,25 @@ impl Router {
     /// `ceil(isl / block_size)`.
     pub fn request_blocks(&self, isl_tokens: u64) -> u64 {
         isl_tokens.div_ceil(u64::from(self.settings.block_size.max(1)))
+    }
+
+    /// How dispatch books prompt tokens (`booking.prefill`, docs/routing-contract.md §7).
+    pub fn prefill_booking(&self) -> PrefillBooking {
+        self.prefill_booking
+    }
+
+    /// What a request of `isl_tokens` books on its row: its prompt tokens under
+    /// [`Router::prefill_booking`] (`cached_blocks` = the row's device overlap, read only in
+    /// `uncached` mode) and `request_blocks` decode blocks.
+    pub fn charge(&self, isl_tokens: u64, cached_blocks: &dyn Fn() -> f64) -> Charge {
+        Charge {
+            prefill_tokens: self.prefill_booking.prefill_tokens(
+                isl_tokens,
+                self.settings.block_size,
+                cached_blocks,
+            ),
+            decode_blocks: self.request_blocks(isl_tokens),
+        }
     }
 
     /// Decide one request (see the module docs). Books nothing.
@@ -398,6 +424,10 @@ impl Selector for Router {
 
     fn request_blocks(&self, isl_tokens: u64) -> u64 {
         Router::request_blocks(self, isl_tokens)
+    }
+
+    fn charge(&self, isl_tokens: u64, cached_blocks: &dyn Fn() -> f64) -> Charge {
+        Router::charge(self, isl_tokens, cached_blocks)
     }
 
     fn notify_dispatch(&self, instance: InstanceId, event: &DispatchEvent<'_>) {

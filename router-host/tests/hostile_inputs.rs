@@ -234,7 +234,8 @@ fn nan_and_infinities_in_instance_parameters_name_the_instance_and_the_key() {
 fn unknown_keys_are_refused_at_every_level_of_the_config() {
     for (text, expected) in [
         ("bogus: 1", "line 1 column 1: unknown field `bogus`, expected one of `block_size`"),
-        ("default_selector: {bogus: 1}", "default_selector: unknown field `bogus`, expected `prefill_load_scale` or `decode_active_request_weight`"),
+        ("default_selector: {bogus: 1}", "default_selector: unknown field `bogus`, expected one of `prefill_load_scale`, `decode_active_request_weight`, `overlap_credit`, `tie_break`"),
+        ("booking: {bogus: 1}", "booking: unknown field `bogus`, expected `prefill`"),
         ("plugins: [{name: x, bogus: 1}]", "plugins[0]: unknown field `bogus`, expected one of `path`, `name`, `sha256`, `allow_insecure_permissions`"),
         ("worker_selection: {bogus: 1}", "worker_selection: unknown field `bogus`, expected one of `aggregated`, `prefill`, `decode`, `instances`"),
         ("worker_selection: {instances: [{name: a, type: t, bogus: 1}]}", "worker_selection.instances[0]: unknown field `bogus`, expected one of `name`, `type`, `parameters`"),

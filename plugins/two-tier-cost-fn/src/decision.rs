@@ -4,7 +4,7 @@
 
 use plugin_api::{AffinityTarget, PickError, RowId, Rows};
 
-use crate::params::ResolvedParams;
+use crate::params::{LoadSignal, ResolvedParams};
 
 /// Which rule chose a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +109,15 @@ pub struct Columns<'a> {
     device: &'a [f64],
     host: &'a [f64],
     active: &'a [u64],
+    prefill: &'a [u64],
+}
+
+/// What the request asks of a row, for [`LoadSignal::PrefillBacklog`]: its prompt tokens and
+/// tokens per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Prompt {
+    pub tokens: u64,
+    pub block_size: u32,
 }
 
 impl<'a> Columns<'a> {
@@ -126,6 +135,7 @@ impl<'a> Columns<'a> {
             device: overlap.device,
             host: overlap.host,
             active: load.active_requests,
+            prefill: load.active_prefill_tokens,
         })
     }
 
@@ -145,6 +155,7 @@ impl<'a> Columns<'a> {
             device: &self.device[..n],
             host: &self.host[..n],
             active: &self.active[..n],
+            prefill: &self.prefill[..n],
         }
     }
 
@@ -161,10 +172,22 @@ impl<'a> Columns<'a> {
         self.active[i]
     }
 
-    /// Least-loaded order: fewer active requests first, then lowest `(worker_id, dp_rank)`.
+    /// Least-loaded order: with [`LoadSignal::ActiveRequests`] fewer active requests first; with
+    /// [`LoadSignal::PrefillBacklog`] fewer prompt tokens to prefill before this request's first
+    /// token (the row's `active_prefill_tokens` plus the prompt tokens it does not cache) first,
+    /// then fewer active requests; then the lowest `(worker_id, dp_rank)`.
     #[inline]
-    fn load_key(&self, i: usize) -> (u64, RowId) {
-        (self.active[i], self.row(i))
+    fn load_key(&self, i: usize, eff: f64, signal: LoadSignal, prompt: Prompt) -> LoadKey {
+        let backlog = match signal {
+            LoadSignal::ActiveRequests => 0,
+            LoadSignal::PrefillBacklog => {
+                // `as` saturates (and a NaN `eff` was already made 0).
+                let cached = (eff.max(0.0).floor() as u64)
+                    .saturating_mul(u64::from(prompt.block_size.max(1)));
+                self.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens))
+            }
+        };
+        (backlog, self.active[i], self.row(i))
     }
 
     /// `device + weight * host`. A NaN (no meaningful overlap) counts as nothing cached, which
@@ -186,25 +209,35 @@ pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
     load.saturating_sub(min) > abs && load as f64 > rel * min as f64
 }
 
+/// Least-loaded order of a row: `(prefill backlog, active requests, row)`; the backlog is 0
+/// under [`LoadSignal::ActiveRequests`].
+type LoadKey = (u64, u64, RowId);
+
 /// Running statistics of one pass over a row set. The load keys of the current winners are
-/// kept, not re-read: each row costs one key read and two comparisons.
+/// kept, not re-read: each row costs one key read and a few comparisons.
 struct Scan {
+    /// Least-loaded by the load signal: the fallback tier's row.
     least_loaded: usize,
-    least_key: (u64, RowId),
+    least_key: LoadKey,
+    /// Fewest active requests (then lowest row): the load tier's row. The same row as
+    /// `least_loaded` under [`LoadSignal::ActiveRequests`].
+    least_active: usize,
+    least_active_key: (u64, RowId),
     max_active: u64,
     best_row: usize,
-    best_key: (u64, RowId),
+    best_key: LoadKey,
     best_eff: f64,
 }
 
 impl Scan {
     #[inline]
-    fn first(i: usize, eff: f64, cols: &Columns<'_>) -> Scan {
-        let key = cols.load_key(i);
+    fn first(i: usize, eff: f64, key: LoadKey) -> Scan {
         Scan {
             least_loaded: i,
             least_key: key,
-            max_active: key.0,
+            least_active: i,
+            least_active_key: (key.1, key.2),
+            max_active: key.1,
             best_row: i,
             best_key: key,
             best_eff: eff,
@@ -212,13 +245,16 @@ impl Scan {
     }
 
     #[inline]
-    fn add(&mut self, i: usize, eff: f64, cols: &Columns<'_>) {
-        let key = cols.load_key(i);
+    fn add(&mut self, i: usize, eff: f64, key: LoadKey) {
         if key < self.least_key {
             self.least_loaded = i;
             self.least_key = key;
         }
-        self.max_active = self.max_active.max(key.0);
+        if (key.1, key.2) < self.least_active_key {
+            self.least_active = i;
+            self.least_active_key = (key.1, key.2);
+        }
+        self.max_active = self.max_active.max(key.1);
         // Highest overlap wins; among equal overlap, the least-loaded row.
         if eff > self.best_eff || (eff == self.best_eff && key < self.best_key) {
             self.best_row = i;
@@ -234,19 +270,23 @@ pub fn run_tiers(
     params: &ResolvedParams,
     cols: &Columns<'_>,
     request_blocks: u64,
+    prompt: Prompt,
     in_set: impl Fn(usize) -> bool,
 ) -> Option<TierDecision> {
     let cols = &cols.exact();
     let n = cols.len();
     let weight = params.host_cache_weight;
+    let signal = params.load_signal;
     let first = (0..n).find(|&i| in_set(i))?;
-    let mut scan = Scan::first(first, cols.effective_overlap(first, weight), cols);
+    let eff = cols.effective_overlap(first, weight);
+    let mut scan = Scan::first(first, eff, cols.load_key(first, eff, signal, prompt));
     for i in first + 1..n {
         if in_set(i) {
-            scan.add(i, cols.effective_overlap(i, weight), cols);
+            let eff = cols.effective_overlap(i, weight);
+            scan.add(i, eff, cols.load_key(i, eff, signal, prompt));
         }
     }
-    let min_active = scan.least_key.0;
+    let min_active = scan.least_active_key.0;
     let cache_ratio = if request_blocks == 0 {
         0.0
     } else {
@@ -259,7 +299,7 @@ pub fn run_tiers(
         params.balance_rel_threshold,
     );
     let (row, tier) = if imbalanced {
-        (scan.least_loaded, Tier::LoadImbalance)
+        (scan.least_active, Tier::LoadImbalance)
     } else if cache_ratio > params.cache_threshold {
         (scan.best_row, Tier::Cache)
     } else {
@@ -282,9 +322,10 @@ pub fn decide(
     params: &ResolvedParams,
     cols: &Columns<'_>,
     request_blocks: u64,
+    prompt: Prompt,
     target: Option<AffinityTarget>,
 ) -> Result<Decision, PickError> {
-    let all = run_tiers(params, cols, request_blocks, |_| true)
+    let all = run_tiers(params, cols, request_blocks, prompt, |_| true)
         .ok_or_else(|| PickError::new("no rows to pick from"))?;
     let only_all = |soft_affinity| Decision {
         row: all.row,
@@ -295,7 +336,7 @@ pub fn decide(
     let Some(target) = target.filter(|_| params.respect_soft_affinity) else {
         return Ok(only_all(SoftAffinity::None));
     };
-    let Some(kept) = run_tiers(params, cols, request_blocks, |i| {
+    let Some(kept) = run_tiers(params, cols, request_blocks, prompt, |i| {
         target.matches(cols.row(i))
     }) else {
         return Ok(only_all(SoftAffinity::NotEligible));

@@ -21,8 +21,8 @@ use plugin_api::{
     Policy, PolicyType, RowId, Rows,
 };
 
-pub use decision::{Decision, SoftAffinity, Tier, TierDecision};
-pub use params::{ResolvedParams, TwoTierParams, WeightSource};
+pub use decision::{Decision, Prompt, SoftAffinity, Tier, TierDecision};
+pub use params::{LoadSignal, ResolvedParams, TwoTierParams, WeightSource};
 
 use decision::Columns;
 
@@ -54,10 +54,15 @@ impl TwoTierCostFn {
     /// The decision `pick` returns and `explain` describes.
     pub fn decide(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<Decision, PickError> {
         let cols = Columns::from_rows(rows)?;
+        let prompt = Prompt {
+            tokens: ctx.prompt_tokens(),
+            block_size: ctx.block_size(),
+        };
         decision::decide(
             &self.params,
             &cols,
             ctx.request_blocks(),
+            prompt,
             ctx.affinity_target(),
         )
     }
@@ -148,6 +153,7 @@ fn log_resolved(instance: &str, p: &ResolvedParams) {
         soft_affinity_load_gate = p.soft_affinity_load_gate,
         soft_affinity_gate_abs = p.soft_affinity_gate_abs,
         soft_affinity_gate_rel = p.soft_affinity_gate_rel,
+        load_signal = p.load_signal.as_str(),
         "two-tier policy instance created with resolved parameters"
     );
 }

@@ -23,6 +23,30 @@ pub struct TwoTierParams {
     pub soft_affinity_gate_abs: Option<u64>,
     /// Absent: `balance_rel_threshold`.
     pub soft_affinity_gate_rel: Option<f64>,
+    pub load_signal: LoadSignal,
+}
+
+/// What "least-loaded" means in the cache tier and the fallback tier (the load tier and the
+/// soft-affinity gate always compare active requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadSignal {
+    /// Fewest active requests (Dynamo's two-tier).
+    #[default]
+    ActiveRequests,
+    /// Fewest prompt tokens to prefill before the request's first token: the row's
+    /// `active_prefill_tokens` plus the request's prompt tokens the row does not cache; then
+    /// fewest active requests.
+    PrefillBacklog,
+}
+
+impl LoadSignal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadSignal::ActiveRequests => "active_requests",
+            LoadSignal::PrefillBacklog => "prefill_backlog",
+        }
+    }
 }
 
 impl Default for TwoTierParams {
@@ -36,6 +60,7 @@ impl Default for TwoTierParams {
             soft_affinity_load_gate: false,
             soft_affinity_gate_abs: None,
             soft_affinity_gate_rel: None,
+            load_signal: LoadSignal::ActiveRequests,
         }
     }
 }
@@ -70,6 +95,7 @@ pub struct ResolvedParams {
     pub soft_affinity_load_gate: bool,
     pub soft_affinity_gate_abs: u64,
     pub soft_affinity_gate_rel: f64,
+    pub load_signal: LoadSignal,
 }
 
 impl TwoTierParams {
@@ -105,6 +131,7 @@ impl TwoTierParams {
                 .soft_affinity_gate_abs
                 .unwrap_or(self.balance_abs_threshold),
             soft_affinity_gate_rel,
+            load_signal: self.load_signal,
         })
     }
 }
@@ -174,6 +201,13 @@ pub fn docs() -> Vec<ParamDoc> {
             "f64 or absent",
             "absent (balance_rel_threshold)",
             "ratio to the least-loaded row above which the gate releases; finite, >= 1.0",
+        ),
+        ParamDoc::optional(
+            "load_signal",
+            "string",
+            "active_requests",
+            "least-loaded in the cache and fallback tiers: active_requests, or prefill_backlog \
+             (pending prefill tokens plus the prompt tokens the row does not cache)",
         ),
     ]
 }

@@ -9,6 +9,7 @@ use plugin_api::abi::{CompleteEvent, DispatchEvent, PickFailure, PickFailureKind
 use plugin_api::{Columns, Explanation, Inputs};
 
 use crate::eligibility::EligibilityError;
+use crate::ledger::Charge;
 use crate::model::{AffinityTarget, Cluster, Request, RowId, Signals};
 
 /// Decides one request over a cluster snapshot; shared by every routing thread.
@@ -27,6 +28,19 @@ pub trait Selector: Send + Sync {
     /// Blocks a prompt of `isl_tokens` occupies (`ceil(isl / block_size)`).
     fn request_blocks(&self, isl_tokens: u64) -> u64;
 
+    /// What dispatching a request of `isl_tokens` books on its row (docs/routing-contract.md
+    /// §7). `cached_blocks` returns the chosen row's device-tier overlap, the same value the
+    /// decision read; call it only when the booking depends on it (it may walk the KV index).
+    ///
+    /// The default books the whole prompt ([`PrefillBooking::Prompt`]).
+    fn charge(&self, isl_tokens: u64, cached_blocks: &dyn Fn() -> f64) -> Charge {
+        let _ = cached_blocks;
+        Charge {
+            prefill_tokens: isl_tokens,
+            decode_blocks: self.request_blocks(isl_tokens),
+        }
+    }
+
     /// Tell `instance` where a request it decided was booked.
     fn notify_dispatch(&self, instance: InstanceId, event: &DispatchEvent<'_>);
 
@@ -35,6 +49,63 @@ pub trait Selector: Send + Sync {
 
     /// A name for `instance` in logs and errors.
     fn instance_name(&self, instance: InstanceId) -> &str;
+}
+
+/// How a dispatched request's prompt is booked as pending prefill (`active_prefill_tokens`,
+/// docs/routing-contract.md §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillBooking {
+    /// The whole prompt, `isl_tokens`, whatever the row caches (the behaviour of 1.0 hosts).
+    #[default]
+    Prompt,
+    /// The prompt tokens the row has to compute: `isl_tokens` minus the row's device-tier
+    /// overlap at decision time (`min(isl_tokens, overlap_blocks * block_size)`).
+    Uncached,
+}
+
+impl PrefillBooking {
+    /// Every mode, in the order errors list their spellings.
+    pub const ALL: [PrefillBooking; 2] = [PrefillBooking::Prompt, PrefillBooking::Uncached];
+
+    /// The configuration spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            PrefillBooking::Prompt => "prompt",
+            PrefillBooking::Uncached => "uncached",
+        }
+    }
+
+    /// The mode spelled `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.as_str() == name)
+    }
+
+    /// Prompt tokens booked for a prompt of `isl_tokens` on a row holding `cached_blocks`
+    /// leading blocks of it (asked only in [`PrefillBooking::Uncached`] mode). A fractional,
+    /// negative or NaN overlap counts whole blocks only, at least 0; a cached partial last block
+    /// counts as the prompt's remaining tokens, so a fully cached prompt books 0.
+    pub fn prefill_tokens(
+        self,
+        isl_tokens: u64,
+        block_size: u32,
+        cached_blocks: &dyn Fn() -> f64,
+    ) -> u64 {
+        match self {
+            PrefillBooking::Prompt => isl_tokens,
+            PrefillBooking::Uncached => {
+                // `as` saturates: NaN and negatives become 0, +infinity u64::MAX.
+                let blocks = cached_blocks().floor() as u64;
+                let cached = blocks.saturating_mul(u64::from(block_size.max(1)));
+                isl_tokens - cached.min(isl_tokens)
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for PrefillBooking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// Why one request got no row.
@@ -236,4 +307,55 @@ impl Scratch {
 fn fill<T: Copy + Default>(column: &mut Vec<T>, len: usize) {
     column.truncate(len);
     column.resize(len, T::default());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrefillBooking;
+
+    #[test]
+    fn prompt_booking_books_the_whole_prompt_without_asking_for_overlap() {
+        let asked = std::cell::Cell::new(false);
+        let overlap = || {
+            asked.set(true);
+            3.0
+        };
+        assert_eq!(
+            PrefillBooking::Prompt.prefill_tokens(1000, 16, &overlap),
+            1000
+        );
+        assert!(!asked.get(), "prompt booking never walks the KV index");
+    }
+
+    #[test]
+    fn uncached_booking_subtracts_whole_cached_blocks() {
+        let uncached = |isl, block_size, blocks: f64| {
+            PrefillBooking::Uncached.prefill_tokens(isl, block_size, &|| blocks)
+        };
+        // 1000 tokens of 16: 63 blocks, the last one partial (8 tokens).
+        assert_eq!(uncached(1000, 16, 0.0), 1000);
+        assert_eq!(uncached(1000, 16, 10.0), 840);
+        assert_eq!(uncached(1000, 16, 62.0), 8);
+        // The cached partial last block: nothing left to book.
+        assert_eq!(uncached(1000, 16, 63.0), 0);
+        assert_eq!(uncached(1000, 16, 1e9), 0);
+        assert_eq!(uncached(1000, 16, f64::INFINITY), 0);
+        // Fractions count whole blocks; what no row can hold counts as nothing cached.
+        assert_eq!(uncached(1000, 16, 2.9), 968);
+        assert_eq!(uncached(1000, 16, -4.0), 1000);
+        assert_eq!(uncached(1000, 16, f64::NAN), 1000);
+        // A block size of 0 (never configured, but not a division) counts as 1.
+        assert_eq!(uncached(1000, 0, 10.0), 990);
+        assert_eq!(uncached(u64::MAX, u32::MAX, 1e30), 0);
+    }
+
+    #[test]
+    fn booking_modes_are_spelled_for_the_config() {
+        for mode in PrefillBooking::ALL {
+            assert_eq!(PrefillBooking::from_name(mode.as_str()), Some(mode));
+            assert_eq!(mode.to_string(), mode.as_str());
+        }
+        assert_eq!(PrefillBooking::from_name("full"), None);
+        assert_eq!(PrefillBooking::default(), PrefillBooking::Prompt);
+    }
 }

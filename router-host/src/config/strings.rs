@@ -7,7 +7,9 @@ use serde::de::{self, Unexpected, Visitor};
 use serde::Deserializer;
 
 use super::error::excerpt;
-use super::{AdmissionMode, AffinityMode, OnError, DEFAULT_INSTANCE, MAX_NAME_LEN};
+use super::{
+    AdmissionMode, AffinityMode, OnError, PrefillBooking, TieBreak, DEFAULT_INSTANCE, MAX_NAME_LEN,
+};
 
 /// A settings enum written as a plain string: its spellings and the value of each. The
 /// config's own enums get it from `spelled!`; the core's modes from their `ALL`, `as_str` and
@@ -41,7 +43,7 @@ macro_rules! spelled_in_core {
     )+};
 }
 
-spelled_in_core!(AdmissionMode, AffinityMode);
+spelled_in_core!(AdmissionMode, AffinityMode, PrefillBooking, TieBreak);
 
 /// Accepts a unit variant of `T` written as a plain string; null means "absent" unless
 /// `required`. Without it, `serde_yaml` reports a sequence or mapping given for an enum as
@@ -100,6 +102,16 @@ pub(super) fn de_admission<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<AdmissionMode>, D::Error> {
     de_variant(d, "`any_eligible` or `chosen_row`", false)
+}
+
+pub(super) fn de_prefill_booking<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<PrefillBooking>, D::Error> {
+    de_variant(d, "`prompt` or `uncached`", false)
+}
+
+pub(super) fn de_tie_break<'de, D: Deserializer<'de>>(d: D) -> Result<Option<TieBreak>, D::Error> {
+    de_variant(d, "`lowest_row` or `spread`", false)
 }
 
 pub(super) fn de_affinity_mode<'de, D: Deserializer<'de>>(d: D) -> Result<AffinityMode, D::Error> {

@@ -127,7 +127,8 @@ fn full_config_parses() {
         config.default_selector,
         DefaultSelectorConfig {
             prefill_load_scale: 2.0,
-            decode_active_request_weight: 0.125
+            decode_active_request_weight: 0.125,
+            ..DefaultSelectorConfig::default()
         }
     );
 

@@ -130,7 +130,7 @@ impl RoutingCore {
     ) -> Result<Routed, RouteError> {
         let plan = self.plan(topology, request, explain)?;
         let decision = self.decide(topology, &plan, source)?;
-        self.dispatch(topology, request, decision, plan, Duration::ZERO)
+        self.dispatch(topology, request, decision, plan, source, Duration::ZERO)
     }
 
     /// [`RoutingCore::route`] with overlap from the request's blocks in the core's KV index.
@@ -257,7 +257,7 @@ impl RoutingCore {
                 decision
             }
         };
-        self.dispatch(topology, request, decision, plan, waited)
+        self.dispatch(topology, request, decision, plan, source, waited)
             .map(Some)
     }
 
@@ -346,18 +346,17 @@ impl RoutingCore {
     }
 
     /// Book the decision and record it; then the session binding and the instance's hook.
-    pub(super) fn dispatch(
+    /// `source` is the overlap the decision read: the charge may depend on the chosen row's.
+    pub(super) fn dispatch<O: OverlapSource + ?Sized>(
         &self,
         snapshot: &Topology,
         request: &Request,
         decision: Decision,
         plan: Plan<'_>,
+        source: &O,
         queued_for: Duration,
     ) -> Result<Routed, RouteError> {
-        let charge = Charge {
-            prefill_tokens: request.isl_tokens,
-            decode_blocks: self.selector.request_blocks(request.isl_tokens),
-        };
+        let charge = self.charge(request, decision.row, source);
         // With session affinity the lease already holds the id: share it rather than copy it.
         let session = match &plan.lease {
             Some(lease) => Some(lease.shared_session_id()),
@@ -437,6 +436,18 @@ impl RoutingCore {
             session: session_outcome,
             queued_for,
         })
+    }
+
+    /// What booking `request` on `row` adds to it (docs/routing-contract.md §7): the selector's
+    /// rule, reading the row's device overlap from `source` only if the rule asks for it.
+    fn charge<O: OverlapSource + ?Sized>(
+        &self,
+        request: &Request,
+        row: RowId,
+        source: &O,
+    ) -> Charge {
+        self.selector
+            .charge(request.isl_tokens, &|| source.overlap(row).device)
     }
 
     /// The slot of `row` and its in-flight shard, locked, on the newest snapshot: while a shard
