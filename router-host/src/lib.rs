@@ -20,4 +20,5 @@ pub mod policies;
 pub mod replay;
 pub mod router;
 pub mod scenario;
+pub mod serve;
 pub mod watchdog;

@@ -66,11 +66,26 @@ enum Command {
     /// Replay a trace (or the built-in multi-turn workload) through router configs on simulated
     /// engines and compare cache reuse, latency, load balance and decision cost.
     Replay(Box<replay_cli::ReplayArgs>),
+    /// Run the live OpenAI-compatible routing proxy in front of the engines in `workers:`
+    /// (docs/serve.md). SIGHUP reloads the config; SIGTERM or SIGINT drains and exits 0.
+    Serve {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Address to listen on, IP:PORT (overrides `serve.listen`; port 0 picks a free one).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    // The proxy logs one line per request at info; the one-shot tools only warnings.
+    let quiet = if matches!(cli.command, Command::Serve { .. }) {
+        "info"
+    } else {
+        "warn"
+    };
+    init_logging(cli.verbose, quiet);
     match run(cli.command) {
         Ok(code) => code,
         Err(err) => {
@@ -132,9 +147,9 @@ fn unusable(err: anyhow::Error) -> ExitCode {
     ExitCode::from(2)
 }
 
-fn init_logging(verbose: u8) {
+fn init_logging(verbose: u8, quiet: &str) {
     let default = match verbose {
-        0 => "warn",
+        0 => quiet,
         1 => "info",
         _ => "debug",
     };
@@ -157,7 +172,53 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         } => describe(&plugin, allow_insecure_permissions),
         Command::Select { config, scenario } => select(&config, &scenario),
         Command::Replay(args) => replay_cli::run(&args),
+        Command::Serve { config, listen } => serve(&config, listen),
     }
+}
+
+/// `serve`: load everything, listen, and route until SIGTERM/SIGINT; SIGHUP reloads.
+fn serve(args: &ConfigArgs, listen: Option<std::net::SocketAddr>) -> anyhow::Result<ExitCode> {
+    use router_host::serve::{ServeOptions, Server};
+    use tokio::signal::unix::{signal, SignalKind};
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("serve")
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let options = ServeOptions {
+            config: args.config.clone(),
+            plugin_dirs: args.plugin_dirs.clone(),
+            listen,
+        };
+        let server = Server::bind(options).await?;
+        let handle = server.handle();
+        let mut hangup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        eprintln!(
+            "router-host serve: listening on http://{} (config {})",
+            server.local_addr(),
+            args.config.display()
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = hangup.recv() => {
+                        // Logged (and counted) by the reload itself, success or not.
+                        let _ = handle.reload().await;
+                    }
+                    _ = terminate.recv() => break,
+                    _ = interrupt.recv() => break,
+                }
+            }
+            handle.shutdown();
+        });
+        server.run().await?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn load(args: &ConfigArgs) -> anyhow::Result<(RouterConfig, Router)> {

@@ -164,6 +164,14 @@ pub enum ConfigErrorKind {
         /// Line of the first definition, when known.
         first_line: Option<usize>,
     },
+    /// Two `workers:` entries share an id.
+    #[error("duplicate worker id {id}{}", first_defined(*first_line))]
+    DuplicateWorker {
+        /// The repeated id.
+        id: u64,
+        /// Line of the first entry with it, when known.
+        first_line: Option<usize>,
+    },
     /// A policy class sets no threshold.
     #[error(
         "policy class `{name}` sets neither `prefill_busy_threshold` nor \

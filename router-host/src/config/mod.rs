@@ -17,8 +17,9 @@
 //!
 //! Layout: this file holds the top-level settings, the entry points and the assembly of the
 //! sections. Each section has its own file: `plugins.rs`, `instances.rs` (`worker_selection`),
-//! `sessions.rs` (`session_affinity`), `admission.rs` (`policy_classes`) and `json.rs` (values
-//! carried as JSON: instance `parameters` and `engine`). The scalar validators are in
+//! `sessions.rs` (`session_affinity`), `admission.rs` (`policy_classes`), `workers.rs` and
+//! `serve.rs` (the engines and settings of `router-host serve`) and `json.rs` (values carried as
+//! JSON: instance `parameters` and `engine`). The scalar validators are in
 //! `numbers.rs` and `strings.rs`, the limits checked before parsing in `limits.rs`, the error
 //! types and messages in `error.rs`, and the re-reading of the text for locations in
 //! `locate.rs`.
@@ -40,22 +41,32 @@ mod limits;
 mod locate;
 mod numbers;
 mod plugins;
+mod serve;
 mod sessions;
 mod strings;
 #[cfg(test)]
 mod tests;
+mod workers;
 
 pub use admission::PolicyClassConfig;
 pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
 pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
 pub use limits::{MAX_BLOCK_DEPTH, MAX_CONFIG_BYTES, MAX_FLOW_DEPTH};
 pub use plugins::{PluginSource, PluginSpec};
+pub use serve::{
+    HealthConfig, ServeConfig, ServeTimeouts, TokenizerConfig, DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SESSION_BODY_FIELDS, DEFAULT_SESSION_HEADERS,
+};
 // The modes are the core's own types; `strings.rs` reads their spellings.
 pub use router_core::admission::AdmissionMode;
 pub use router_core::sessions::BindingMode as AffinityMode;
 // One default for the number of session bindings: the session table's own.
 pub use router_core::sessions::DEFAULT_MAX_BINDINGS;
 pub use sessions::SessionAffinityConfig;
+pub use workers::{WorkerConfig, MAX_DP_SIZE};
+// `booking.prefill` is the core's own mode; `default_selector.tie_break` the built-in's.
+pub use crate::builtin::TieBreak;
+pub use router_core::select::PrefillBooking;
 
 use admission::RawPolicyClass;
 use error::{line_column, yaml_error};
@@ -64,7 +75,10 @@ use limits::{nesting_too_deep, read_capped, TooDeep};
 use locate::{key, locate, render_path, Seg};
 use numbers::{de_block_size, de_weight};
 use plugins::RawPlugin;
+use serve::RawServe;
 use sessions::RawSessionAffinity;
+use strings::{de_prefill_booking, de_tie_break};
+use workers::RawWorker;
 
 /// The instance name reserved for the built-in selector (docs/configuration.md, `default`).
 pub const DEFAULT_INSTANCE: &str = "default";
@@ -78,6 +92,8 @@ pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
 pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 1.0;
 /// Default `default_selector.decode_active_request_weight`.
 pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
+/// Default `default_selector.overlap_credit`.
+pub const DEFAULT_OVERLAP_CREDIT: f64 = 1.0;
 /// Default per-pick time budget of a policy instance (`pick_budget_us: 1000`).
 pub const DEFAULT_PICK_BUDGET: Duration = Duration::from_micros(1000);
 /// Default number of consecutive over-budget picks after which an instance is quarantined.
@@ -123,6 +139,8 @@ pub struct RouterConfig {
     pub disk_cache_hit_weight: f64,
     /// Weights of the built-in `default` selector.
     pub default_selector: DefaultSelectorConfig,
+    /// What a dispatched request books (docs/routing-contract.md §7).
+    pub booking: BookingConfig,
     /// Plugins to load, in file order.
     pub plugins: Vec<PluginSpec>,
     /// Which policy instance serves which role, and the instances.
@@ -133,6 +151,11 @@ pub struct RouterConfig {
     pub policy_classes: Vec<PolicyClassConfig>,
     /// Opaque settings for the replay simulator (a JSON object), not validated here.
     pub engine: Option<serde_json::Value>,
+    /// The engines `router-host serve` routes to, in file order (ids unique); empty when the
+    /// file has no `workers:` (fine for `select` and `replay`, refused by `serve`).
+    pub workers: Vec<WorkerConfig>,
+    /// `serve:` settings; `None` when the file has no `serve:` (then `serve` uses the defaults).
+    pub serve: Option<ServeConfig>,
 }
 
 impl Default for RouterConfig {
@@ -143,11 +166,14 @@ impl Default for RouterConfig {
             host_cache_hit_weight: DEFAULT_HOST_CACHE_HIT_WEIGHT,
             disk_cache_hit_weight: DEFAULT_DISK_CACHE_HIT_WEIGHT,
             default_selector: DefaultSelectorConfig::default(),
+            booking: BookingConfig::default(),
             plugins: Vec::new(),
             worker_selection: WorkerSelectionConfig::default(),
             session_affinity: None,
             policy_classes: Vec::new(),
             engine: None,
+            workers: Vec::new(),
+            serve: None,
         }
     }
 }
@@ -159,6 +185,10 @@ pub struct DefaultSelectorConfig {
     pub prefill_load_scale: f64,
     /// Weight of `active_requests` in the cost.
     pub decode_active_request_weight: f64,
+    /// Credit per device-tier cached prompt block, in blocks (1.0: its prefill).
+    pub overlap_credit: f64,
+    /// How rows of equal cost are told apart.
+    pub tie_break: TieBreak,
 }
 
 impl Default for DefaultSelectorConfig {
@@ -166,8 +196,17 @@ impl Default for DefaultSelectorConfig {
         DefaultSelectorConfig {
             prefill_load_scale: DEFAULT_PREFILL_LOAD_SCALE,
             decode_active_request_weight: DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
+            overlap_credit: DEFAULT_OVERLAP_CREDIT,
+            tie_break: TieBreak::LowestRow,
         }
     }
+}
+
+/// What a dispatched request books on its row (docs/routing-contract.md §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BookingConfig {
+    /// Prompt tokens booked as pending prefill: the whole prompt (default) or its uncached part.
+    pub prefill: PrefillBooking,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -259,6 +298,8 @@ struct RawConfig {
     #[serde(default)]
     default_selector: Option<RawDefaultSelector>,
     #[serde(default)]
+    booking: Option<RawBooking>,
+    #[serde(default)]
     plugins: Option<Vec<RawPlugin>>,
     #[serde(default)]
     worker_selection: Option<RawWorkerSelection>,
@@ -268,6 +309,10 @@ struct RawConfig {
     policy_classes: Option<Vec<RawPolicyClass>>,
     #[serde(default)]
     engine: Option<serde_yaml::Value>,
+    #[serde(default)]
+    workers: Option<Vec<RawWorker>>,
+    #[serde(default)]
+    serve: Option<RawServe>,
 }
 
 #[derive(Deserialize)]
@@ -277,6 +322,17 @@ struct RawDefaultSelector {
     prefill_load_scale: Option<f64>,
     #[serde(default, deserialize_with = "de_weight")]
     decode_active_request_weight: Option<f64>,
+    #[serde(default, deserialize_with = "de_weight")]
+    overlap_credit: Option<f64>,
+    #[serde(default, deserialize_with = "de_tie_break")]
+    tie_break: Option<TieBreak>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a `booking` mapping")]
+struct RawBooking {
+    #[serde(default, deserialize_with = "de_prefill_booking")]
+    prefill: Option<PrefillBooking>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,13 +372,20 @@ impl Builder<'_> {
                 decode_active_request_weight: ds
                     .decode_active_request_weight
                     .unwrap_or(DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT),
+                overlap_credit: ds.overlap_credit.unwrap_or(DEFAULT_OVERLAP_CREDIT),
+                tie_break: ds.tie_break.unwrap_or_default(),
             })
             .unwrap_or_default();
+        let booking = BookingConfig {
+            prefill: raw.booking.and_then(|b| b.prefill).unwrap_or_default(),
+        };
         let plugins = self.plugins(raw.plugins.unwrap_or_default())?;
         let worker_selection = self.worker_selection(raw.worker_selection)?;
         let session_affinity = raw.session_affinity.map(RawSessionAffinity::into_config);
         let policy_classes = self.policy_classes(raw.policy_classes.unwrap_or_default())?;
         let engine = self.engine(raw.engine)?;
+        let workers = self.workers(raw.workers.unwrap_or_default())?;
+        let serve = self.serve(raw.serve);
         Ok(RouterConfig {
             source: self.source.map(Path::to_path_buf),
             block_size: raw.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
@@ -333,11 +396,14 @@ impl Builder<'_> {
                 .disk_cache_hit_weight
                 .unwrap_or(DEFAULT_DISK_CACHE_HIT_WEIGHT),
             default_selector,
+            booking,
             plugins,
             worker_selection,
             session_affinity,
             policy_classes,
             engine,
+            workers,
+            serve,
         })
     }
 }

@@ -113,7 +113,11 @@ impl<'de> Visitor<'de> for UintVisitor {
     null_is_absent!();
 }
 
-fn de_uint<'de, D: Deserializer<'de>>(d: D, min: u64, max: u64) -> Result<Option<u64>, D::Error> {
+pub(super) fn de_uint<'de, D: Deserializer<'de>>(
+    d: D,
+    min: u64,
+    max: u64,
+) -> Result<Option<u64>, D::Error> {
     d.deserialize_any(UintVisitor { min, max })
 }
 

@@ -1,0 +1,215 @@
+//! Errors: what can stop the server from starting or reloading ([`ServeError`]), and what a
+//! client is told when its request is refused ([`ApiError`], an OpenAI-style JSON body).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use crate::config::ConfigError;
+use crate::router::StartupError;
+
+/// Why `serve` could not start, or a reload was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("config {file}: {source}")]
+    Startup {
+        file: PathBuf,
+        #[source]
+        source: Box<StartupError>,
+    },
+    #[error("config {file}: workers: `serve` needs at least one engine in `workers:` (each with `id` and `url`)")]
+    NoWorkers { file: PathBuf },
+    #[error("config {file}: workers: {reason}")]
+    Cluster { file: PathBuf, reason: String },
+    #[error("config {file}: workers[{index}].url: `{url}` is not a usable URL: {reason}")]
+    WorkerUrl {
+        file: PathBuf,
+        index: usize,
+        url: String,
+        reason: String,
+    },
+    #[error("config {file}: serve.tokenizer.path: {reason}")]
+    Tokenizer { file: PathBuf, reason: String },
+    #[error("config {file}: block_size: {reason}")]
+    BlockSize { file: PathBuf, reason: String },
+    #[error("cannot build the upstream HTTP client: {0}")]
+    Client(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("server failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the reload task stopped before it finished: {0}")]
+    ReloadTask(String),
+}
+
+/// The `type` of an OpenAI-style error body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// 4xx: the request itself is wrong.
+    InvalidRequest,
+    /// 413.
+    TooLarge,
+    /// 429: shed load.
+    RateLimited,
+    /// 503: no worker can take it now.
+    Unavailable,
+    /// 502/504: the engine failed.
+    Upstream,
+    /// 500: a fault of the router.
+    Internal,
+}
+
+impl ErrorKind {
+    fn type_name(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidRequest | ErrorKind::TooLarge => "invalid_request_error",
+            ErrorKind::RateLimited => "rate_limit_error",
+            ErrorKind::Unavailable => "service_unavailable",
+            ErrorKind::Upstream => "upstream_error",
+            ErrorKind::Internal => "internal_error",
+        }
+    }
+}
+
+/// A refused request: status, OpenAI-style body, and the outcome label metrics count it under.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: ErrorKind,
+    pub message: String,
+    /// The body field at fault (`param` in the body), if any.
+    pub param: Option<&'static str>,
+    /// A machine-readable code (`code` in the body).
+    pub code: &'static str,
+    pub retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: ErrorKind::InvalidRequest,
+            message: message.into(),
+            param: None,
+            code,
+            retry_after: None,
+        }
+    }
+
+    pub fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    pub fn too_large(limit: u64) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: ErrorKind::TooLarge,
+            message: format!("request body is larger than {limit} bytes (serve.max_body_bytes)"),
+            param: None,
+            code: "body_too_large",
+            retry_after: None,
+        }
+    }
+
+    pub fn unsupported_media(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ..ApiError::bad_request("unsupported_media_type", message)
+        }
+    }
+
+    pub fn queue_timeout(message: impl Into<String>, retry_after: Duration) -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: ErrorKind::RateLimited,
+            message: message.into(),
+            param: None,
+            code: "queue_timeout",
+            retry_after: Some(retry_after),
+        }
+    }
+
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: ErrorKind::Unavailable,
+            message: message.into(),
+            param: None,
+            code,
+            retry_after: Some(Duration::from_secs(1)),
+        }
+    }
+
+    pub fn upstream(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind: ErrorKind::Upstream,
+            message: message.into(),
+            param: None,
+            code: "upstream_error",
+            retry_after: None,
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: ErrorKind::Internal,
+            message: message.into(),
+            param: None,
+            code: "internal_error",
+            retry_after: None,
+        }
+    }
+
+    /// The outcome label of `router_requests_total`.
+    pub fn outcome(&self) -> &'static str {
+        match self.kind {
+            ErrorKind::InvalidRequest | ErrorKind::TooLarge => "rejected",
+            ErrorKind::RateLimited => "queue_timeout",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Upstream => "failed",
+            ErrorKind::Internal => "error",
+        }
+    }
+
+    /// The JSON body: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind.type_name(),
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body().to_string();
+        let mut response = (self.status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+            if let Ok(value) = HeaderValue::from_str(&secs.to_string()) {
+                headers.insert(header::RETRY_AFTER, value);
+            }
+        }
+        response
+    }
+}

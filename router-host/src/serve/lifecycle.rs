@@ -1,0 +1,327 @@
+//! A request's edges mapped onto the routing core, with guards so that nothing leaks whatever
+//! way a request ends (docs/serve.md, "Lifecycle"):
+//!
+//! - booked at dispatch ([`Flight::new`], after `submit_indexed` dispatched it);
+//! - prefill released at the first upstream body chunk ([`Flight::first_byte`]);
+//! - `finish(COMPLETED)` at the end of the upstream body, `finish(FAILED)` on an upstream error
+//!   or timeout, and `finish(CANCELLED)` when the [`Flight`] is dropped unfinished: the client
+//!   went away (hyper drops the handler future or the response body);
+//! - a queued request whose client goes away is taken out of its queue ([`Queued`]'s drop).
+//!
+//! Every release also asks the core to re-evaluate its queues (capacity was freed).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use futures_util::Stream;
+use plugin_api::abi::CompletionCode;
+use prometheus_client::metrics::gauge::Gauge;
+
+use super::state::Generation;
+use super::App;
+use crate::host::{RequestId, RouteError, Routed, Ticket};
+use crate::model::RowId;
+
+/// What the per-request log line and the metrics say about a decision.
+#[derive(Debug, Clone)]
+pub struct DecisionInfo {
+    pub row: RowId,
+    /// The configured instance.
+    pub instance: String,
+    /// The type of the instance that decided (the built-in default on fallback).
+    pub policy: String,
+    /// The deciding policy's stable reason (`none` when it gives no explanation).
+    pub reason: String,
+    pub fallback: Option<String>,
+    /// What dispatch did to the session binding (`-` without a session or affinity).
+    pub session: String,
+    pub queued: Duration,
+}
+
+/// One dispatched request until it ends: releases its booking exactly once.
+pub struct Flight {
+    app: Arc<App>,
+    generation: Arc<Generation>,
+    id: RequestId,
+    pub info: DecisionInfo,
+    endpoint: &'static str,
+    gauge: Gauge,
+    prefilled: bool,
+    done: bool,
+    /// Whether this attempt's end is the request's end (false for an attempt being retried).
+    final_attempt: bool,
+    started: Instant,
+}
+
+impl Flight {
+    pub fn new(
+        app: Arc<App>,
+        generation: Arc<Generation>,
+        routed: &Routed,
+        info: DecisionInfo,
+        endpoint: &'static str,
+        started: Instant,
+    ) -> Flight {
+        let gauge = app.metrics.inflight(info.row.worker_id, info.row.dp_rank);
+        gauge.inc();
+        app.flights
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Flight {
+            app,
+            generation,
+            id: routed.id,
+            info,
+            endpoint,
+            gauge,
+            prefilled: false,
+            done: false,
+            final_attempt: true,
+            started,
+        }
+    }
+
+    /// The first upstream byte arrived: the prompt is prefilled.
+    pub fn first_byte(&mut self) {
+        if !self.prefilled && !self.done {
+            self.prefilled = true;
+            self.generation.host.prefill_complete(self.id);
+            drain(&self.generation);
+        }
+    }
+
+    /// This attempt failed and the request will be retried elsewhere: release it as FAILED
+    /// without counting the request as ended.
+    pub fn retried(mut self, why: &str) {
+        self.final_attempt = false;
+        tracing::warn!(
+            worker = self.info.row.worker_id,
+            dp_rank = self.info.row.dp_rank,
+            error = why,
+            "upstream failed before its first byte; retrying on another row"
+        );
+        self.end(CompletionCode::FAILED, "failed");
+    }
+
+    /// The request ended with `code`; `outcome` is its metrics label.
+    pub fn finish(mut self, code: CompletionCode, outcome: &'static str) {
+        self.end(code, outcome);
+    }
+
+    fn end(&mut self, code: CompletionCode, outcome: &'static str) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        self.generation.host.finish(self.id, code);
+        self.gauge.dec();
+        self.app
+            .flights
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        drain(&self.generation);
+        if self.final_attempt {
+            self.app.metrics.request(self.endpoint, outcome);
+            let info = &self.info;
+            tracing::info!(
+                endpoint = self.endpoint,
+                outcome,
+                worker = info.row.worker_id,
+                dp_rank = info.row.dp_rank,
+                instance = %info.instance,
+                policy = %info.policy,
+                reason = %info.reason,
+                fallback = info.fallback.as_deref().unwrap_or("-"),
+                session = %info.session,
+                queued_ms = info.queued.as_millis() as u64,
+                duration_ms = self.started.elapsed().as_millis() as u64,
+                config = self.generation.number,
+                "request"
+            );
+        }
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        // Dropped unfinished: the client went away before the end of the body.
+        self.end(CompletionCode::CANCELLED, "cancelled");
+    }
+}
+
+/// Re-evaluate queued requests after capacity was freed (only when some are waiting).
+pub fn drain(generation: &Generation) {
+    let core = generation.host.core();
+    if core.admission_stats().waiting > 0 {
+        core.drain(true);
+    }
+}
+
+/// The upstream body relayed to the client, driving the [`Flight`]'s edges: the first chunk
+/// releases the prefill, the end completes it, an upstream error or an idle gap longer than
+/// `serve.timeouts.stream_idle_ms` fails it; dropped early (client gone), it is cancelled.
+pub struct Relay {
+    inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    flight: Option<Flight>,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_timeout: Duration,
+    /// The engine answered 2xx: the end of the body completes the request; otherwise (an error
+    /// relayed to the client) it fails it.
+    ok: bool,
+}
+
+impl Relay {
+    pub fn new(
+        response: reqwest::Response,
+        flight: Flight,
+        idle_timeout: Duration,
+        ok: bool,
+    ) -> Relay {
+        Relay {
+            inner: Box::pin(response.bytes_stream()),
+            flight: Some(flight),
+            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle_timeout,
+            ok,
+        }
+    }
+
+    fn fail(&mut self, kind: &str, message: String) -> Poll<Option<Result<Bytes, std::io::Error>>> {
+        if let Some(flight) = self.flight.take() {
+            flight
+                .app
+                .metrics
+                .upstream_error(flight.info.row.worker_id, kind);
+            tracing::warn!(
+                worker = flight.info.row.worker_id,
+                error = %message,
+                "upstream body failed"
+            );
+            flight.finish(CompletionCode::FAILED, "failed");
+        }
+        Poll::Ready(Some(Err(std::io::Error::other(message))))
+    }
+}
+
+impl Stream for Relay {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.flight.is_none() {
+            return Poll::Ready(None);
+        }
+        match self.inner.as_mut().poll_next(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                if let Some(flight) = self.flight.as_mut() {
+                    flight.first_byte();
+                }
+                let deadline = tokio::time::Instant::now() + self.idle_timeout;
+                self.idle.as_mut().reset(deadline);
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Some(Err(err))) => self.fail("body", format!("upstream body: {err}")),
+            Poll::Ready(None) => {
+                let ok = self.ok;
+                if let Some(mut flight) = self.flight.take() {
+                    flight.first_byte();
+                    if ok {
+                        flight.finish(CompletionCode::COMPLETED, "completed");
+                    } else {
+                        flight.finish(CompletionCode::FAILED, "upstream_error");
+                    }
+                }
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if self.idle.as_mut().poll(cx).is_ready() {
+                    let ms = self.idle_timeout.as_millis();
+                    return self.fail(
+                        "idle",
+                        format!(
+                            "upstream sent nothing for {ms} ms (serve.timeouts.stream_idle_ms)"
+                        ),
+                    );
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// A request waiting in an admission queue; dropped while still waiting (the client went away),
+/// it is taken out of the queue. If the core had already taken it out to dispatch it, the
+/// outcome is awaited in the background and a booking it got is released as cancelled.
+pub struct Queued {
+    app: Arc<App>,
+    generation: Arc<Generation>,
+    ticket: Option<Ticket>,
+    endpoint: &'static str,
+}
+
+impl Queued {
+    pub fn new(
+        app: Arc<App>,
+        generation: Arc<Generation>,
+        ticket: Ticket,
+        endpoint: &'static str,
+    ) -> Queued {
+        Queued {
+            app,
+            generation,
+            ticket: Some(ticket),
+            endpoint,
+        }
+    }
+
+    pub fn ticket(&mut self) -> Option<&mut Ticket> {
+        self.ticket.as_mut()
+    }
+
+    /// The request left the queue and its outcome was taken: nothing to clean up.
+    pub fn disarm(&mut self) {
+        self.ticket = None;
+    }
+
+    /// Take it out of the queue now: `true` if it was still queued (it booked nothing).
+    pub fn cancel(&mut self) -> bool {
+        match &self.ticket {
+            Some(ticket) if self.generation.host.core().cancel(ticket.id()) => {
+                self.ticket = None;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        let Some(ticket) = self.ticket.take() else {
+            return;
+        };
+        self.app.metrics.queue_outcome("cancelled");
+        self.app.metrics.request(self.endpoint, "cancelled");
+        if self.generation.host.core().cancel(ticket.id()) {
+            tracing::debug!(
+                ticket = ticket.id(),
+                "client gone while queued: removed from the queue"
+            );
+            return;
+        }
+        // Being dispatched right now: release whatever it gets.
+        let generation = self.generation.clone();
+        let release = move |outcome: Option<Result<Routed, RouteError>>| {
+            if let Some(Ok(routed)) = outcome {
+                generation.host.finish(routed.id, CompletionCode::CANCELLED);
+                drain(&generation);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move { release(ticket.await) });
+            }
+            Err(_) => release(ticket.wait()),
+        }
+    }
+}

@@ -1,0 +1,474 @@
+//! `GET /metrics`: Prometheus (OpenMetrics text) metrics of the proxy.
+//!
+//! Two kinds: counters and histograms the request path updates as things happen ([`Metrics`]),
+//! and values read from the current configuration at scrape time ([`StateCollector`]: booked
+//! load per row, queue depth, per-instance policy counters, engine health). The names and labels
+//! are listed in docs/serve.md.
+
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use super::health::HealthTable;
+use super::state::Current;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub endpoint: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    pub stage: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RowLabels {
+    pub worker: String,
+    pub dp_rank: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub instance: String,
+    pub policy: String,
+    pub reason: String,
+    pub fallback: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamLabels {
+    pub worker: String,
+    pub kind: String,
+}
+
+type HistogramFamily<S> = Family<S, Histogram, fn() -> Histogram>;
+
+fn overhead_histogram() -> Histogram {
+    // 10 us .. ~5 s.
+    Histogram::new(exponential_buckets(0.000_01, 2.0, 20))
+}
+
+fn labels(outcome: &str) -> OutcomeLabels {
+    OutcomeLabels {
+        outcome: outcome.to_owned(),
+    }
+}
+
+/// Everything the request path counts.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub overhead: HistogramFamily<StageLabels>,
+    pub inflight: Family<RowLabels, Gauge>,
+    pub decisions: Family<DecisionLabels, Counter>,
+    pub queue_wait: Histogram,
+    pub queue: Family<OutcomeLabels, Counter>,
+    pub sessions: Family<OutcomeLabels, Counter>,
+    pub retries: Counter,
+    pub upstream_errors: Family<UpstreamLabels, Counter>,
+    pub tokenize_fallbacks: Counter,
+    pub reloads: Family<OutcomeLabels, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    pub fn new(current: Arc<Current>, health: Arc<HealthTable>) -> Metrics {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "router_requests",
+            "Requests by endpoint and outcome (completed, failed, cancelled, rejected, \
+             unavailable, queue_timeout, error)",
+            requests.clone(),
+        );
+        let overhead: HistogramFamily<StageLabels> =
+            Family::new_with_constructor(overhead_histogram);
+        registry.register(
+            "router_overhead_seconds",
+            "Time the router adds before the upstream request is sent: stage tokenize, decide \
+             (admission and the policy call), total (received to sent, queue wait excluded)",
+            overhead.clone(),
+        );
+        let inflight = Family::<RowLabels, Gauge>::default();
+        registry.register(
+            "router_inflight_requests",
+            "Requests dispatched to a row and not finished",
+            inflight.clone(),
+        );
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "router_decisions",
+            "Routing decisions by configured instance, deciding policy type, the policy's \
+             reason and whether the built-in default decided as a fallback",
+            decisions.clone(),
+        );
+        let queue_wait = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        registry.register(
+            "router_queue_wait_seconds",
+            "Time requests spent in an admission queue (queued requests only)",
+            queue_wait.clone(),
+        );
+        let queue = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "router_queue",
+            "Queued requests by how they left the queue: admitted, timeout, cancelled, failed",
+            queue.clone(),
+        );
+        let sessions = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "router_session_bindings",
+            "What dispatch did to the session binding: created, kept, moved, stale, \
+             hard_binding_gone, not_recorded",
+            sessions.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "router_retries",
+            "Requests retried on another row after a failure before the first upstream byte",
+            retries.clone(),
+        );
+        let upstream_errors = Family::<UpstreamLabels, Counter>::default();
+        registry.register(
+            "router_upstream_errors",
+            "Upstream failures by worker and kind (connect, timeout, status, body, idle)",
+            upstream_errors.clone(),
+        );
+        let tokenize_fallbacks = Counter::default();
+        registry.register(
+            "router_tokenize_fallbacks",
+            "Requests routed without prompt overlap because the remote tokenizer failed",
+            tokenize_fallbacks.clone(),
+        );
+        let reloads = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "router_config_reloads",
+            "Configuration reloads (SIGHUP) by result: ok, error",
+            reloads.clone(),
+        );
+        for outcome in ["ok", "error"] {
+            let _ = reloads.get_or_create(&labels(outcome));
+        }
+        registry.register_collector(Box::new(StateCollector { current, health }));
+        Metrics {
+            registry,
+            requests,
+            overhead,
+            inflight,
+            decisions,
+            queue_wait,
+            queue,
+            sessions,
+            retries,
+            upstream_errors,
+            tokenize_fallbacks,
+            reloads,
+        }
+    }
+
+    pub fn request(&self, endpoint: &str, outcome: &str) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.to_owned(),
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn stage(&self, stage: &str, seconds: f64) {
+        self.overhead
+            .get_or_create(&StageLabels {
+                stage: stage.to_owned(),
+            })
+            .observe(seconds);
+    }
+
+    pub fn inflight(&self, worker: u64, dp_rank: u32) -> Gauge {
+        self.inflight.get_or_create_owned(&RowLabels {
+            worker: worker.to_string(),
+            dp_rank: dp_rank.to_string(),
+        })
+    }
+
+    pub fn queue_outcome(&self, outcome: &str) {
+        self.queue.get_or_create(&labels(outcome)).inc();
+    }
+
+    pub fn session(&self, outcome: &str) {
+        self.sessions.get_or_create(&labels(outcome)).inc();
+    }
+
+    pub fn reload(&self, outcome: &str) {
+        self.reloads.get_or_create(&labels(outcome)).inc();
+    }
+
+    pub fn upstream_error(&self, worker: u64, kind: &str) {
+        self.upstream_errors
+            .get_or_create(&UpstreamLabels {
+                worker: worker.to_string(),
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The exposition text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Values read at scrape time from the configuration serving now.
+#[derive(Debug)]
+struct StateCollector {
+    current: Arc<Current>,
+    health: Arc<HealthTable>,
+}
+
+fn family<L: EncodeLabelSet, M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    rows: impl IntoIterator<Item = (L, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
+    for (labels, value) in rows {
+        value.encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+type Labels = Vec<(&'static str, String)>;
+/// A per-instance counter: name, help, and how to read it from a snapshot.
+type CounterSpec = (
+    &'static str,
+    &'static str,
+    fn(&crate::policies::InstanceCounters) -> u64,
+);
+/// A per-instance flag: name, help, and how to read it.
+type FlagSpec = (
+    &'static str,
+    &'static str,
+    fn(&crate::policies::PolicyInstance) -> bool,
+);
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let generation = self.current.load();
+        let host = &generation.host;
+        let core = host.core();
+        let topology = core.topology();
+        let rows: Vec<_> = topology
+            .cluster()
+            .workers()
+            .iter()
+            .flat_map(|w| w.rows().collect::<Vec<_>>())
+            .collect();
+        let row_labels = |row: &crate::model::RowId| -> Labels {
+            vec![
+                ("worker", row.worker_id.to_string()),
+                ("dp_rank", row.dp_rank.to_string()),
+            ]
+        };
+        let booked: Vec<_> = rows
+            .iter()
+            .map(|r| (row_labels(r), core.booked(*r)))
+            .collect();
+        family(
+            &mut encoder,
+            "router_booked_active_requests",
+            "Requests the router booked on each row and has not released",
+            MetricType::Gauge,
+            booked
+                .iter()
+                .map(|(l, load)| (l.clone(), ConstGauge::new(load.active_requests as i64))),
+        )?;
+        family(
+            &mut encoder,
+            "router_booked_prefill_tokens",
+            "Prompt tokens booked on each row whose prefill has not finished",
+            MetricType::Gauge,
+            booked.iter().map(|(l, load)| {
+                (
+                    l.clone(),
+                    ConstGauge::new(load.active_prefill_tokens as i64),
+                )
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "router_booked_decode_blocks",
+            "KV blocks booked on each row by requests in flight",
+            MetricType::Gauge,
+            booked
+                .iter()
+                .map(|(l, load)| (l.clone(), ConstGauge::new(load.decode_blocks as i64))),
+        )?;
+        family(
+            &mut encoder,
+            "router_load_active_requests",
+            "Active requests per row as policies see them: max(booked, observed on the engine)",
+            MetricType::Gauge,
+            rows.iter().map(|r| {
+                (
+                    row_labels(r),
+                    ConstGauge::new(core.load(*r).active_requests as i64),
+                )
+            }),
+        )?;
+        let none: [(Labels, ConstGauge); 0] = [];
+        family(
+            &mut encoder,
+            "router_core_in_flight",
+            "Bookings the routing core holds for the configuration serving now",
+            MetricType::Gauge,
+            none.into_iter().chain(std::iter::once((
+                Labels::new(),
+                ConstGauge::new(core.in_flight() as i64),
+            ))),
+        )?;
+        let admission = core.admission_stats();
+        family(
+            &mut encoder,
+            "router_queue_depth",
+            "Requests waiting in admission queues now",
+            MetricType::Gauge,
+            std::iter::once((Labels::new(), ConstGauge::new(admission.waiting as i64))),
+        )?;
+        family(
+            &mut encoder,
+            "router_config_generation",
+            "Number of the configuration serving now (1 at start, +1 per successful reload)",
+            MetricType::Gauge,
+            std::iter::once((Labels::new(), ConstGauge::new(generation.number as i64))),
+        )?;
+        if let Some(table) = host.sessions() {
+            family(
+                &mut encoder,
+                "router_session_bindings_held",
+                "Session bindings held now",
+                MetricType::Gauge,
+                std::iter::once((Labels::new(), ConstGauge::new(table.len() as i64))),
+            )?;
+        }
+        let router = host.router();
+        let instance_labels = |i: &crate::policies::PolicyInstance| -> Labels {
+            vec![
+                ("instance", i.name.clone()),
+                ("policy", i.type_name.clone()),
+            ]
+        };
+        let instances: Vec<_> = router
+            .instances()
+            .iter()
+            .map(|i| (instance_labels(i), i.stats.snapshot(), i))
+            .collect();
+        let counters: [CounterSpec; 6] = [
+            (
+                "router_policy_picks",
+                "Picks asked of each policy instance",
+                |c| c.picks,
+            ),
+            (
+                "router_policy_errors",
+                "Picks that returned an error",
+                |c| c.errors,
+            ),
+            (
+                "router_policy_panics",
+                "Picks that panicked (the instance is then poisoned)",
+                |c| c.panics,
+            ),
+            (
+                "router_policy_fallbacks",
+                "Requests of the instance decided by the built-in default instead",
+                |c| c.fallbacks,
+            ),
+            (
+                "router_policy_slow_picks",
+                "Picks over the instance's pick_budget_us",
+                |c| c.slow_picks,
+            ),
+            (
+                "router_policy_hangs",
+                "Calls found running past the instance's hang_after_ms",
+                |c| c.hangs,
+            ),
+        ];
+        for (name, help, get) in counters {
+            family(
+                &mut encoder,
+                name,
+                help,
+                MetricType::Counter,
+                instances
+                    .iter()
+                    .map(|(l, c, _)| (l.clone(), ConstCounter::new(get(c)))),
+            )?;
+        }
+        let flags: [FlagSpec; 3] = [
+            (
+                "router_policy_quarantined",
+                "1 while the instance is quarantined after repeated slow picks",
+                |i| i.is_quarantined(),
+            ),
+            (
+                "router_policy_poisoned",
+                "1 once the instance panicked",
+                |i| i.is_poisoned(),
+            ),
+            (
+                "router_policy_hung",
+                "1 once a call into the instance hung",
+                |i| i.is_hung(),
+            ),
+        ];
+        for (name, help, get) in flags {
+            family(
+                &mut encoder,
+                name,
+                help,
+                MetricType::Gauge,
+                instances
+                    .iter()
+                    .map(|(l, _, i)| (l.clone(), ConstGauge::new(i64::from(get(i))))),
+            )?;
+        }
+        let health = self.health.snapshot();
+        family(
+            &mut encoder,
+            "router_engine_healthy",
+            "1 while the engine answers its health probe (an unhealthy engine gets no requests)",
+            MetricType::Gauge,
+            health.iter().map(|(id, url, healthy)| {
+                (
+                    vec![("worker", id.to_string()), ("url", url.clone())],
+                    ConstGauge::new(i64::from(*healthy)),
+                )
+            }),
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,341 @@
+//! `router-host serve`: the live OpenAI-compatible routing proxy (docs/serve.md).
+//!
+//! An adapter around the routing core, like `select` and `replay`: per request it tokenizes the
+//! prompt (`tokenize.rs`), turns the tokens into block ids with the core's one rule, routes it
+//! with `RoutingCore::submit_indexed` (sessions, admission, the policy call and booking are the
+//! core's), forwards the body unchanged to the chosen engine and relays the answer byte for byte
+//! (`proxy.rs`), mapping the request's edges onto the core with guards that cannot leak
+//! (`lifecycle.rs`). Engine health and observed load come from a periodic probe (`health.rs`);
+//! `/metrics` is in `metrics.rs`; one loaded configuration is a [`state::Generation`], swapped
+//! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
+//!
+//! Files: `request.rs` (the OpenAI bodies), `errors.rs` (start-up errors and the OpenAI-style
+//! error bodies), `state.rs` (generations), and this file (the server, reload, shutdown).
+
+pub mod errors;
+pub mod health;
+pub mod lifecycle;
+pub mod metrics;
+pub mod proxy;
+pub mod request;
+pub mod state;
+pub mod tokenize;
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+pub use errors::{ApiError, ServeError};
+pub use state::{Generation, ServeOptions, Upstream};
+
+use health::HealthTable;
+use metrics::Metrics;
+use state::Current;
+
+/// A stop signal many tasks can wait on.
+#[derive(Debug, Clone)]
+pub struct Stop(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for Stop {
+    fn default() -> Self {
+        Stop(Arc::new(tokio::sync::watch::channel(false).0))
+    }
+}
+
+impl Stop {
+    pub fn cancel(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    pub async fn cancelled(&self) {
+        let mut rx = self.0.subscribe();
+        // The sender lives as long as `self`: `wait_for` ends only once the flag is set.
+        let _ = rx.wait_for(|stopped| *stopped).await;
+    }
+}
+
+/// Shared by every handler and background task.
+pub struct App {
+    pub(crate) current: Arc<Current>,
+    options: ServeOptions,
+    pub(crate) metrics: Metrics,
+    pub(crate) health: Arc<HealthTable>,
+    /// Requests booked and not yet finished, across generations.
+    pub(crate) flights: AtomicUsize,
+    pub(crate) stopping: Stop,
+    reload_lock: tokio::sync::Mutex<()>,
+    generations: AtomicU64,
+    tokenizer_turn: AtomicUsize,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("current", &self.current)
+            .field("flights", &self.flights)
+            .finish_non_exhaustive()
+    }
+}
+
+impl App {
+    /// The engine to ask for remote tokenization: the healthy ones in turn.
+    pub(crate) fn tokenizer_upstream<'g>(
+        &self,
+        generation: &'g Generation,
+    ) -> Option<&'g Upstream> {
+        let healthy: Vec<&Upstream> = generation
+            .upstreams
+            .iter()
+            .filter(|u| self.health.is_healthy(u.id))
+            .collect();
+        if healthy.is_empty() {
+            return None;
+        }
+        let turn = self.tokenizer_turn.fetch_add(1, Ordering::Relaxed);
+        Some(healthy[turn % healthy.len()])
+    }
+
+    /// Read the YAML again, build a new generation off the request path and swap it in.
+    /// A configuration that fails keeps the running one; the error is logged and counted.
+    async fn reload(self: &Arc<Self>) -> Result<u64, ServeError> {
+        let _one_at_a_time = self.reload_lock.lock().await;
+        let number = self.generations.load(Ordering::SeqCst) + 1;
+        let options = self.options.clone();
+        let loaded = tokio::task::spawn_blocking(move || Generation::load(&options, number))
+            .await
+            .map_err(|err| ServeError::ReloadTask(err.to_string()))
+            .and_then(|r| r);
+        let next = match loaded {
+            Ok(next) => next,
+            Err(err) => {
+                self.metrics.reload("error");
+                tracing::error!(
+                    error = %err,
+                    serving = self.current.load().number,
+                    "reload failed; still serving the running configuration"
+                );
+                return Err(err);
+            }
+        };
+        self.health.sync(&next.upstreams);
+        self.health.apply(&next);
+        let next = Arc::new(next);
+        let previous = self.current.swap(next.clone());
+        self.generations.store(number, Ordering::SeqCst);
+        self.metrics.reload("ok");
+        if next.serve.listen != previous.serve.listen && self.options.listen.is_none() {
+            tracing::warn!(
+                listening = %previous.serve.listen,
+                configured = %next.serve.listen,
+                "serve.listen changed; the socket stays where it is until a restart"
+            );
+        }
+        tracing::info!(
+            config = number,
+            workers = next.upstreams.len(),
+            still_in_flight_on_previous = previous.host.in_flight(),
+            "configuration reloaded"
+        );
+        let app = self.clone();
+        tokio::spawn(async move {
+            let generation = app.current.load();
+            health::probe_round(&app, &generation).await;
+        });
+        Ok(number)
+    }
+}
+
+/// A handle on a running server: reload, shut down, look inside.
+#[derive(Debug, Clone)]
+pub struct ServeHandle {
+    app: Arc<App>,
+}
+
+impl ServeHandle {
+    /// What SIGHUP does: reload the configuration; the number of the new one on success.
+    pub async fn reload(&self) -> Result<u64, ServeError> {
+        self.app.reload().await
+    }
+
+    /// What SIGTERM does: stop accepting, let requests in flight finish up to
+    /// `serve.timeouts.shutdown_ms`, then [`Server::run`] returns.
+    pub fn shutdown(&self) {
+        self.app.stopping.cancel();
+    }
+
+    /// Requests booked and not finished, across configurations.
+    pub fn in_flight(&self) -> usize {
+        self.app.flights.load(Ordering::SeqCst)
+    }
+
+    /// The configuration serving new requests.
+    pub fn generation(&self) -> Arc<Generation> {
+        self.app.current.load()
+    }
+
+    /// The `/metrics` text.
+    pub fn metrics_text(&self) -> String {
+        self.app.metrics.encode()
+    }
+}
+
+/// A bound, not yet running server.
+#[derive(Debug)]
+pub struct Server {
+    app: Arc<App>,
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+}
+
+fn json_error(err: ApiError) -> Response {
+    err.into_response()
+}
+
+async fn not_found() -> Response {
+    json_error(ApiError {
+        status: StatusCode::NOT_FOUND,
+        ..ApiError::bad_request(
+            "not_found",
+            "no such endpoint; serve has POST /v1/completions, POST /v1/chat/completions, GET \
+             /v1/models, /health, /ready, /metrics",
+        )
+    })
+}
+
+async fn method_not_allowed() -> Response {
+    json_error(ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::bad_request("method_not_allowed", "method not allowed on this endpoint")
+    })
+}
+
+async fn metrics_endpoint(axum::extract::State(app): axum::extract::State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.encode(),
+    )
+        .into_response()
+}
+
+fn routes(app: Arc<App>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/completions", post(proxy::completions))
+        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/models", get(proxy::models))
+        .route("/health", get(health::alive))
+        .route("/ready", get(health::ready))
+        .route("/metrics", get(metrics_endpoint))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(app)
+}
+
+/// Re-evaluate queues on a timer too: a class's `max_queue_wait_ms` ends a wait even when no
+/// request completes meanwhile.
+async fn queue_ticker(app: Arc<App>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            _ = app.stopping.cancelled() => return,
+        }
+        lifecycle::drain(&app.current.load());
+    }
+}
+
+impl Server {
+    /// Load the configuration (plugins, instances, workers, tokenizer), probe the engines once
+    /// and bind the listening socket.
+    pub async fn bind(options: ServeOptions) -> Result<Server, ServeError> {
+        let load_options = options.clone();
+        let generation = tokio::task::spawn_blocking(move || Generation::load(&load_options, 1))
+            .await
+            .map_err(|err| ServeError::ReloadTask(err.to_string()))??;
+        let addr = options.listen.unwrap_or(generation.serve.listen);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        let addr = listener.local_addr()?;
+        let health = Arc::new(HealthTable::default());
+        health.sync(&generation.upstreams);
+        let current = Arc::new(Current::new(generation));
+        let metrics = Metrics::new(current.clone(), health.clone());
+        let app = Arc::new(App {
+            current,
+            options,
+            metrics,
+            health,
+            flights: AtomicUsize::new(0),
+            stopping: Stop::default(),
+            reload_lock: tokio::sync::Mutex::new(()),
+            generations: AtomicU64::new(1),
+            tokenizer_turn: AtomicUsize::new(0),
+        });
+        let generation = app.current.load();
+        health::probe_round(&app, &generation).await;
+        Ok(Server {
+            app,
+            listener,
+            addr,
+        })
+    }
+
+    /// The address the server listens on (the bound port when the configuration said `:0`).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn handle(&self) -> ServeHandle {
+        ServeHandle {
+            app: self.app.clone(),
+        }
+    }
+
+    /// Serve until [`ServeHandle::shutdown`]; then stop accepting and wait for requests in
+    /// flight, at most `serve.timeouts.shutdown_ms`.
+    pub async fn run(self) -> Result<(), ServeError> {
+        let app = self.app;
+        let prober = tokio::spawn(health::probe_loop(app.clone()));
+        let ticker = tokio::spawn(queue_ticker(app.clone()));
+        let stop = app.stopping.clone();
+        let server = axum::serve(self.listener, routes(app.clone()))
+            .with_graceful_shutdown(async move { stop.cancelled().await });
+        let deadline = async {
+            app.stopping.cancelled().await;
+            let limit = app.current.load().serve.timeouts.shutdown;
+            tracing::info!(
+                in_flight = app.flights.load(Ordering::SeqCst),
+                deadline_ms = limit.as_millis() as u64,
+                "shutting down: no new connections; waiting for requests in flight"
+            );
+            tokio::time::sleep(limit).await;
+        };
+        let result = tokio::select! {
+            result = server.into_future() => result.map_err(ServeError::from),
+            () = deadline => {
+                tracing::warn!(
+                    in_flight = app.flights.load(Ordering::SeqCst),
+                    "shutdown deadline passed; stopping with requests still in flight"
+                );
+                Ok(())
+            }
+        };
+        app.stopping.cancel();
+        prober.abort();
+        ticker.abort();
+        tracing::info!("stopped");
+        result
+    }
+}

@@ -1,0 +1,644 @@
+//! The OpenAI endpoints: read and check the body, tokenize the prompt, turn its tokens into
+//! block ids, route it through the core (`submit_indexed`: sessions, admission, the policy,
+//! booking), forward the body unchanged to the chosen engine and relay its answer byte for byte.
+//! The routing rules are the core's; this file only maps HTTP onto them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use plugin_api::abi::CompletionCode;
+use router_core::blocks::{BlockHasher, Tenant};
+
+use super::errors::ApiError;
+use super::health;
+use super::lifecycle::{DecisionInfo, Flight, Queued, Relay};
+use super::request::{self, Endpoint, Parsed, Prompt};
+use super::state::{Generation, Upstream};
+use super::tokenize::{self, TokenizeError, Tokens};
+use super::App;
+use crate::eligibility::EligibilityError;
+use crate::host::{RouteError, Routed, SessionOutcome, Submitted};
+use crate::model::{Request, RowId};
+use crate::router::SelectError;
+
+/// `POST /v1/completions`.
+pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, Endpoint::Completions, headers, body).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(app, Endpoint::ChatCompletions, headers, body).await
+}
+
+async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let received = Instant::now();
+    let generation = app.current.load();
+    match proxy(&app, &generation, endpoint, &headers, body, received).await {
+        Ok(response) => response,
+        Err(err) => {
+            app.metrics.request(endpoint.label(), err.outcome());
+            tracing::info!(
+                endpoint = endpoint.label(),
+                status = err.status.as_u16(),
+                code = err.code,
+                error = %err.message,
+                "request refused"
+            );
+            err.into_response()
+        }
+    }
+}
+
+/// Read the body, refusing one over `limit` bytes with 413. A body a little over the limit is
+/// read to its end first (so the client, still sending, gets the answer rather than a reset);
+/// one far over it is cut off.
+async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let discard_up_to = limit.saturating_mul(4).max(64 * 1024 * 1024);
+    if declared.is_some_and(|n| n > discard_up_to) {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut stream = body.into_data_stream();
+    let mut buffer: Vec<u8> =
+        Vec::with_capacity(usize::try_from(declared.unwrap_or(0).min(limit)).unwrap_or(0));
+    let mut seen: u64 = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|err| {
+            ApiError::bad_request("body_read_failed", format!("cannot read the body: {err}"))
+        })?;
+        seen = seen.saturating_add(chunk.len() as u64);
+        if seen > discard_up_to {
+            return Err(ApiError::too_large(limit));
+        }
+        if seen <= limit {
+            buffer.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(Bytes::from(buffer))
+}
+
+/// A rough token count for a prompt that could not be tokenized (routing without overlap).
+fn estimate_tokens(parsed: &Parsed) -> u64 {
+    let bytes = match &parsed.prompt {
+        Prompt::Text(text) => text.len(),
+        Prompt::Tokens(ids) => return ids.len() as u64,
+        Prompt::Chat(messages) => messages
+            .iter()
+            .map(|m| request::content_text(m.get("content")).len() + 8)
+            .sum(),
+    };
+    (bytes as u64).div_ceil(4)
+}
+
+/// The prompt's tokens; `Ok(None)` when the remote tokenizer is unavailable (counted and
+/// logged: the request is routed without overlap).
+async fn tokens_for(
+    app: &App,
+    generation: &Generation,
+    parsed: &Parsed,
+) -> Result<Option<Tokens>, ApiError> {
+    if let Prompt::Tokens(ids) = &parsed.prompt {
+        return Ok(Some(Tokens {
+            ids: ids.clone(),
+            max_model_len: None,
+        }));
+    }
+    if let Some(local) = &generation.tokenizer {
+        return local
+            .tokenize(parsed)
+            .map(Some)
+            .map_err(TokenizeError::into_api);
+    }
+    let Some(body) = tokenize::tokenize_body(parsed) else {
+        return Ok(None);
+    };
+    let Some(upstream) = app.tokenizer_upstream(generation) else {
+        app.metrics.tokenize_fallbacks.inc();
+        return Ok(None);
+    };
+    let timeout = generation.serve.timeouts.tokenize;
+    match tokenize::remote(&generation.client, &upstream.base, &body, timeout).await {
+        Ok(tokens) => Ok(Some(tokens)),
+        Err(TokenizeError::Invalid(message)) => Err(TokenizeError::Invalid(message).into_api()),
+        Err(TokenizeError::Unavailable(message)) => {
+            app.metrics.tokenize_fallbacks.inc();
+            tracing::warn!(
+                worker = upstream.id,
+                error = %message,
+                "remote tokenization failed; routing without prompt overlap"
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// Why a request was not routed, as the client is told.
+fn route_error(err: RouteError) -> ApiError {
+    match err {
+        RouteError::Select(SelectError::Eligibility(e)) => {
+            let code = match e {
+                EligibilityError::AllOverloaded => "all_workers_overloaded",
+                _ => "no_eligible_worker",
+            };
+            ApiError::unavailable(code, format!("no worker can take the request: {e}"))
+        }
+        RouteError::Select(e @ SelectError::Policy { .. }) => {
+            ApiError::unavailable("policy_failed", format!("routing failed: {e}"))
+        }
+        RouteError::Session(e) => {
+            ApiError::bad_request("invalid_session_id", format!("session: {e}"))
+        }
+        e @ RouteError::QueueTimeout { .. } => {
+            ApiError::queue_timeout(e.to_string(), Duration::from_secs(1))
+        }
+        e @ RouteError::WorkerRemoved { .. } => {
+            ApiError::unavailable("worker_removed", e.to_string())
+        }
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+/// Dispatch through admission: at once, or after waiting in the class's queue up to its
+/// `max_queue_wait_ms` (else `serve.timeouts.queue_ms`); 429 past that.
+async fn admit(
+    app: &Arc<App>,
+    generation: &Arc<Generation>,
+    request: Request,
+    endpoint: Endpoint,
+) -> Result<Routed, ApiError> {
+    let core = generation.host.core();
+    let wait = generation
+        .config
+        .policy_class(request.policy_class.as_deref().unwrap_or("default"))
+        .and_then(|c| c.max_queue_wait)
+        .unwrap_or(generation.serve.timeouts.queue);
+    let ticket = match core.submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => return Ok(routed),
+        Ok(Submitted::Queued(ticket)) => ticket,
+        Err(err) => return Err(route_error(err)),
+    };
+    let started = Instant::now();
+    let mut queued = Queued::new(app.clone(), generation.clone(), ticket, endpoint.label());
+    let waited = match queued.ticket() {
+        Some(ticket) => tokio::time::timeout(wait, ticket).await,
+        None => return Err(ApiError::internal("queued request has no ticket")),
+    };
+    let outcome = match waited {
+        Ok(outcome) => outcome,
+        Err(_elapsed) if queued.cancel() => {
+            app.metrics.queue_outcome("timeout");
+            app.metrics
+                .queue_wait
+                .observe(started.elapsed().as_secs_f64());
+            return Err(ApiError::queue_timeout(
+                format!(
+                    "waited {} ms in the admission queue without a free row; retry later",
+                    wait.as_millis()
+                ),
+                Duration::from_secs(1),
+            ));
+        }
+        // Being dispatched at this moment: its outcome is moments away.
+        Err(_elapsed) => match queued.ticket() {
+            Some(ticket) => ticket.await,
+            None => None,
+        },
+    };
+    queued.disarm();
+    app.metrics
+        .queue_wait
+        .observe(started.elapsed().as_secs_f64());
+    match outcome {
+        Some(Ok(routed)) => {
+            app.metrics.queue_outcome("admitted");
+            Ok(routed)
+        }
+        Some(Err(err)) => {
+            let timeout = matches!(err, RouteError::QueueTimeout { .. });
+            app.metrics
+                .queue_outcome(if timeout { "timeout" } else { "failed" });
+            Err(route_error(err))
+        }
+        None => Err(ApiError::internal("the queued request's outcome was lost")),
+    }
+}
+
+fn decision_info(generation: &Generation, routed: &Routed) -> DecisionInfo {
+    let d = &routed.decision;
+    let router = generation.host.router();
+    let session = match &routed.session {
+        None => "-".to_owned(),
+        Some(SessionOutcome::Dispatched(o)) => o.as_str().to_owned(),
+        Some(SessionOutcome::HardBindingGone) => "hard_binding_gone".to_owned(),
+        Some(SessionOutcome::NotRecorded(_)) => "not_recorded".to_owned(),
+    };
+    DecisionInfo {
+        row: d.row,
+        instance: router.instance(d.instance).name.clone(),
+        policy: router.instance(d.decided_by).type_name.clone(),
+        reason: d
+            .explanation
+            .as_ref()
+            .map(|e| e.reason.clone())
+            .filter(|r| !r.is_empty())
+            .unwrap_or_else(|| "none".to_owned()),
+        fallback: d.fallback.as_ref().map(ToString::to_string),
+        session,
+        queued: routed.queued_for,
+    }
+}
+
+fn record_decision(app: &App, generation: &Generation, routed: &Routed, info: &DecisionInfo) {
+    app.metrics
+        .decisions
+        .get_or_create(&super::metrics::DecisionLabels {
+            instance: info.instance.clone(),
+            policy: info.policy.clone(),
+            reason: info.reason.clone(),
+            fallback: info.fallback.is_some().to_string(),
+        })
+        .inc();
+    if info.session != "-" {
+        app.metrics.session(&info.session);
+    }
+    if let Some(e) = &routed.decision.explanation {
+        tracing::debug!(
+            worker = info.row.worker_id,
+            dp_rank = info.row.dp_rank,
+            instance = %info.instance,
+            reason = %e.reason,
+            fields = ?e.fields,
+            labels = ?e.labels,
+            candidates = routed.decision.candidates,
+            pick_ns = routed.decision.pick_ns,
+            config = generation.number,
+            "decision explained"
+        );
+    }
+}
+
+/// An upstream failure before the response headers.
+struct UpstreamFailure {
+    kind: &'static str,
+    message: String,
+    status: StatusCode,
+}
+
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// Request headers forwarded to the engine.
+const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate"];
+
+async fn send(
+    generation: &Generation,
+    upstream: &Upstream,
+    row: RowId,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<reqwest::Response, UpstreamFailure> {
+    let url = format!("{}{}", upstream.base, endpoint.path());
+    let mut request = generation
+        .client
+        .post(&url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body);
+    for name in FORWARDED {
+        if let Some(value) = headers.get(*name) {
+            request = request.header(*name, value);
+        }
+    }
+    if upstream.dp_size > 1 {
+        // vLLM's external data-parallel routing header.
+        request = request.header("x-data-parallel-rank", row.dp_rank.to_string());
+    }
+    let timeout = generation.serve.timeouts.response;
+    match tokio::time::timeout(timeout, request.send()).await {
+        Err(_) => Err(UpstreamFailure {
+            kind: "timeout",
+            message: format!(
+                "engine {} sent no response within {} ms (serve.timeouts.response_ms)",
+                upstream.id,
+                timeout.as_millis()
+            ),
+            status: StatusCode::GATEWAY_TIMEOUT,
+        }),
+        Ok(Err(err)) => Err(UpstreamFailure {
+            kind: if err.is_connect() {
+                "connect"
+            } else {
+                "request"
+            },
+            message: format!("engine {}: {}", upstream.id, error_chain(&err)),
+            status: StatusCode::BAD_GATEWAY,
+        }),
+        Ok(Ok(response)) => Ok(response),
+    }
+}
+
+/// Statuses that mean "this engine cannot take it now": retried on another row.
+fn retryable_status(status: reqwest::StatusCode) -> bool {
+    matches!(status.as_u16(), 502..=504)
+}
+
+/// Response headers not relayed (hop-by-hop, and the length: the body is re-framed).
+fn relayed(name: &HeaderName) -> bool {
+    !matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "transfer-encoding"
+            | "content-length"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-authenticate"
+            | "proxy-connection"
+    )
+}
+
+/// Header text from a policy-supplied value: visible ASCII kept, anything else as `?`.
+fn header_value(text: &str) -> HeaderValue {
+    HeaderValue::from_str(text).unwrap_or_else(|_| {
+        let cleaned: String = text
+            .chars()
+            .map(|c| {
+                if c.is_ascii_graphic() || c == ' ' {
+                    c
+                } else {
+                    '?'
+                }
+            })
+            .collect();
+        HeaderValue::from_str(&cleaned).unwrap_or_else(|_| HeaderValue::from_static("?"))
+    })
+}
+
+pub fn decision_headers(headers: &mut HeaderMap, info: &DecisionInfo, generation: u64) {
+    let mut put = |name: &'static str, value: HeaderValue| {
+        headers.insert(HeaderName::from_static(name), value);
+    };
+    put("x-router-worker", HeaderValue::from(info.row.worker_id));
+    put("x-router-dp-rank", HeaderValue::from(info.row.dp_rank));
+    put("x-router-instance", header_value(&info.instance));
+    put("x-router-policy", header_value(&info.policy));
+    put("x-router-reason", header_value(&info.reason));
+    put("x-router-session", header_value(&info.session));
+    put("x-router-config", HeaderValue::from(generation));
+    if let Some(fallback) = &info.fallback {
+        put("x-router-fallback", header_value(fallback));
+    }
+}
+
+async fn proxy(
+    app: &Arc<App>,
+    generation: &Arc<Generation>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    received: Instant,
+) -> Result<Response, ApiError> {
+    let serve = &generation.serve;
+    let bytes = read_body(headers, body, serve.max_body_bytes).await?;
+    let parsed = request::parse(endpoint, &bytes)?;
+    let session = request::session_id(headers, &parsed.body, serve)?;
+
+    let tokenize_started = Instant::now();
+    let tokens = tokens_for(app, generation, &parsed).await?;
+    let tokenize_time = tokenize_started.elapsed();
+    app.metrics.stage("tokenize", tokenize_time.as_secs_f64());
+    let (ids, max_model_len) = match tokens {
+        Some(tokens) => (tokens.ids, tokens.max_model_len),
+        None => (Vec::new(), None),
+    };
+    let isl = if ids.is_empty() {
+        estimate_tokens(&parsed)
+    } else {
+        ids.len() as u64
+    };
+    for (limit, what) in [
+        (serve.max_prompt_tokens, "serve.max_prompt_tokens"),
+        (max_model_len, "the engine's max_model_len"),
+    ] {
+        if let Some(limit) = limit {
+            if isl > limit {
+                return Err(ApiError::bad_request(
+                    "prompt_too_long",
+                    format!("the prompt has {isl} tokens, over the limit of {limit} ({what})"),
+                )
+                .param(if endpoint == Endpoint::Completions {
+                    "prompt"
+                } else {
+                    "messages"
+                }));
+            }
+        }
+    }
+    let tenant = Tenant {
+        lora: None,
+        cache_salt: parsed.cache_salt.as_deref(),
+    };
+    let hasher = BlockHasher::new(generation.config.block_size, tenant)
+        .map_err(|err| ApiError::internal(err.to_string()))?;
+    let mut blocks = Vec::new();
+    hasher.prompt_blocks(&ids, &mut blocks);
+    let expected_output_tokens = parsed
+        .body
+        .get("max_completion_tokens")
+        .or_else(|| parsed.body.get("max_tokens"))
+        .and_then(serde_json::Value::as_u64);
+
+    let attempts = 1 + serve.retries as usize;
+    let mut excluded: Vec<u64> = Vec::new();
+    let mut last_failure: Option<UpstreamFailure> = None;
+    for attempt in 0..attempts {
+        let allowed = (!excluded.is_empty()).then(|| {
+            generation
+                .upstreams
+                .iter()
+                .map(|u| u.id)
+                .filter(|id| !excluded.contains(id))
+                .collect::<Vec<_>>()
+        });
+        let request = Request {
+            blocks: blocks.clone(),
+            isl_tokens: isl,
+            session_id: session.clone(),
+            allowed_worker_ids: allowed,
+            expected_output_tokens,
+            ..Request::default()
+        };
+        let decide_started = Instant::now();
+        let routed = match admit(app, generation, request, endpoint).await {
+            Ok(routed) => routed,
+            // Retrying, and no other row is left: the client gets the upstream failure.
+            Err(err) if attempt > 0 && err.status == StatusCode::SERVICE_UNAVAILABLE => {
+                if let Some(failure) = last_failure {
+                    return Err(ApiError::upstream(failure.status, failure.message));
+                }
+                return Err(err);
+            }
+            Err(err) => return Err(err),
+        };
+        let decide_time = decide_started.elapsed().saturating_sub(routed.queued_for);
+        app.metrics.stage("decide", decide_time.as_secs_f64());
+        let info = decision_info(generation, &routed);
+        record_decision(app, generation, &routed, &info);
+        let row = info.row;
+        let flight = Flight::new(
+            app.clone(),
+            generation.clone(),
+            &routed,
+            info,
+            endpoint.label(),
+            received,
+        );
+        let Some(upstream) = generation.upstream(row.worker_id) else {
+            flight.finish(CompletionCode::FAILED, "error");
+            return Err(ApiError::internal(format!(
+                "worker {} has no upstream URL",
+                row.worker_id
+            )));
+        };
+        let overhead = received.elapsed().saturating_sub(routed.queued_for);
+        app.metrics.stage("total", overhead.as_secs_f64());
+        let last = attempt + 1 == attempts;
+        match send(generation, upstream, row, endpoint, headers, bytes.clone()).await {
+            Ok(response) if retryable_status(response.status()) && !last => {
+                app.metrics.upstream_error(row.worker_id, "status");
+                app.metrics.retries.inc();
+                flight.retried(&format!(
+                    "engine {} answered {}",
+                    row.worker_id,
+                    response.status()
+                ));
+                excluded.push(row.worker_id);
+            }
+            Ok(response) => return Ok(respond(generation, response, flight)),
+            Err(failure) => {
+                app.metrics.upstream_error(row.worker_id, failure.kind);
+                if failure.kind == "connect" {
+                    health::mark(
+                        app,
+                        generation,
+                        row.worker_id,
+                        false,
+                        Some(failure.message.clone()),
+                    );
+                }
+                if last {
+                    tracing::warn!(worker = row.worker_id, error = %failure.message, "upstream failed");
+                    flight.finish(CompletionCode::FAILED, "failed");
+                    return Err(ApiError::upstream(failure.status, failure.message));
+                }
+                app.metrics.retries.inc();
+                flight.retried(&failure.message);
+                excluded.push(row.worker_id);
+                last_failure = Some(failure);
+            }
+        }
+    }
+    Err(ApiError::internal("no attempt was made"))
+}
+
+/// The engine's answer relayed: its status, its headers (less hop-by-hop ones), the decision
+/// headers, and its body byte for byte through a [`Relay`].
+fn respond(generation: &Generation, response: reqwest::Response, flight: Flight) -> Response {
+    let status =
+        StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut headers = HeaderMap::new();
+    for (name, value) in response.headers() {
+        if relayed(name) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    if generation.serve.decision_headers {
+        decision_headers(&mut headers, &flight.info, generation.number);
+    }
+    let ok = status.is_success();
+    let relay = Relay::new(response, flight, generation.serve.timeouts.stream_idle, ok);
+    let mut out = Response::new(Body::from_stream(relay));
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}
+
+/// `GET /v1/models`: `serve.models` when configured, else the first healthy engine's list.
+pub async fn models(State(app): State<Arc<App>>) -> Response {
+    let generation = app.current.load();
+    let label = Endpoint::Models.label();
+    if !generation.serve.models.is_empty() {
+        let data: Vec<serde_json::Value> = generation
+            .serve
+            .models
+            .iter()
+            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "router-host"}))
+            .collect();
+        app.metrics.request(label, "completed");
+        let body = serde_json::json!({"object": "list", "data": data}).to_string();
+        return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+    }
+    let mut last_error = String::from("no engine is healthy");
+    for upstream in &generation.upstreams {
+        if !app.health.is_healthy(upstream.id) {
+            continue;
+        }
+        let url = format!("{}/v1/models", upstream.base);
+        let timeout = generation.serve.timeouts.tokenize;
+        let answer = async {
+            let response = generation.client.get(&url).timeout(timeout).send().await?;
+            let status = response.status();
+            let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
+            let body = response.bytes().await?;
+            Ok::<_, reqwest::Error>((status, content_type, body))
+        };
+        match answer.await {
+            Ok((status, content_type, body)) if status.is_success() => {
+                app.metrics.request(label, "completed");
+                let mut response = Response::new(Body::from(body));
+                if let Some(content_type) = content_type {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, content_type);
+                }
+                return response;
+            }
+            Ok((status, _, _)) => last_error = format!("GET {url}: {status}"),
+            Err(err) => last_error = format!("GET {url}: {}", error_chain(&err)),
+        }
+    }
+    let err = ApiError::unavailable(
+        "no_healthy_worker",
+        format!("cannot list models: {last_error}"),
+    );
+    app.metrics.request(label, err.outcome());
+    err.into_response()
+}

@@ -1,0 +1,439 @@
+//! The OpenAI request bodies `serve` reads: just enough of `/v1/completions` and
+//! `/v1/chat/completions` to tokenize the prompt, find the session and refuse hostile input.
+//! The body itself is forwarded to the engine unchanged.
+
+use axum::http::HeaderMap;
+use serde_json::{Map, Value};
+
+use super::errors::ApiError;
+use crate::config::ServeConfig;
+use crate::sessions::MAX_SESSION_ID_BYTES;
+
+/// Which OpenAI endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+    Models,
+}
+
+impl Endpoint {
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Models => "models",
+        }
+    }
+
+    /// The engine path the request is forwarded to.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Models => "/v1/models",
+        }
+    }
+}
+
+/// What has to be tokenized for routing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A completion prompt as text (the first one, when the request has a list).
+    Text(String),
+    /// A completion prompt given as token ids (the first one, for a list of lists).
+    Tokens(Vec<u32>),
+    /// Chat messages (validated to be a non-empty list of objects with a string `role`).
+    Chat(Vec<Value>),
+}
+
+/// A parsed request body.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub stream: bool,
+    pub prompt: Prompt,
+    /// The body as received (its fields are passed to `/tokenize` for chat requests).
+    pub body: Map<String, Value>,
+    /// vLLM's `cache_salt`, part of the block ids' root.
+    pub cache_salt: Option<String>,
+}
+
+fn wrong_type(param: &'static str, expected: &str, found: &Value) -> ApiError {
+    ApiError::bad_request(
+        "invalid_type",
+        format!("`{param}` must be {expected}, found {}", describe(found)),
+    )
+    .param(param)
+}
+
+fn describe(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A token id: an integer from 0 to 2^32 - 1.
+fn token_id(value: &Value) -> Option<u32> {
+    value.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+fn token_list(items: &[Value]) -> Option<Vec<u32>> {
+    items.iter().map(token_id).collect()
+}
+
+/// The first prompt of a completion request: a string, a list of strings, a list of token ids
+/// or a list of lists of token ids, as vLLM accepts them.
+fn completion_prompt(value: Option<&Value>) -> Result<Prompt, ApiError> {
+    const EXPECTED: &str =
+        "a string, a list of strings, a list of token ids or a list of lists of token ids";
+    let value = match value {
+        None | Some(Value::Null) => {
+            return Err(
+                ApiError::bad_request("missing_field", "`prompt` is required").param("prompt"),
+            )
+        }
+        Some(value) => value,
+    };
+    let empty = || {
+        ApiError::bad_request("invalid_value", "`prompt` must not be an empty list").param("prompt")
+    };
+    match value {
+        Value::String(text) => Ok(Prompt::Text(text.clone())),
+        Value::Array(items) => match items.first() {
+            None => Err(empty()),
+            Some(Value::String(_)) => {
+                if items.iter().all(Value::is_string) {
+                    Ok(Prompt::Text(
+                        items[0].as_str().unwrap_or_default().to_owned(),
+                    ))
+                } else {
+                    Err(wrong_type("prompt", EXPECTED, value))
+                }
+            }
+            Some(Value::Number(_)) => token_list(items).map(Prompt::Tokens).ok_or_else(|| {
+                ApiError::bad_request(
+                    "invalid_value",
+                    "`prompt` token ids must be integers from 0 to 4294967295",
+                )
+                .param("prompt")
+            }),
+            Some(Value::Array(_)) => {
+                let lists: Option<Vec<Vec<u32>>> = items
+                    .iter()
+                    .map(|item| item.as_array().and_then(|ids| token_list(ids)))
+                    .collect();
+                match lists {
+                    Some(lists) if lists.iter().all(|l| !l.is_empty()) => {
+                        Ok(Prompt::Tokens(lists.into_iter().next().unwrap_or_default()))
+                    }
+                    Some(_) => Err(empty()),
+                    None => Err(ApiError::bad_request(
+                        "invalid_value",
+                        "`prompt` as a list of lists must hold token ids (integers from 0 to \
+                         4294967295)",
+                    )
+                    .param("prompt")),
+                }
+            }
+            Some(_) => Err(wrong_type("prompt", EXPECTED, value)),
+        },
+        other => Err(wrong_type("prompt", EXPECTED, other)),
+    }
+}
+
+fn chat_messages(value: Option<&Value>) -> Result<Prompt, ApiError> {
+    let items = match value {
+        None | Some(Value::Null) => {
+            return Err(
+                ApiError::bad_request("missing_field", "`messages` is required").param("messages"),
+            )
+        }
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(wrong_type("messages", "a list of message objects", other)),
+    };
+    if items.is_empty() {
+        return Err(
+            ApiError::bad_request("invalid_value", "`messages` must not be empty")
+                .param("messages"),
+        );
+    }
+    for (index, message) in items.iter().enumerate() {
+        let Some(object) = message.as_object() else {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                format!(
+                    "`messages[{index}]` must be an object, found {}",
+                    describe(message)
+                ),
+            )
+            .param("messages"));
+        };
+        match object.get("role") {
+            Some(Value::String(_)) => {}
+            other => {
+                return Err(ApiError::bad_request(
+                    "invalid_type",
+                    format!(
+                        "`messages[{index}].role` must be a string, found {}",
+                        other.map_or("nothing", describe)
+                    ),
+                )
+                .param("messages"))
+            }
+        }
+        match object.get("content") {
+            None | Some(Value::Null | Value::String(_) | Value::Array(_)) => {}
+            Some(other) => {
+                return Err(ApiError::bad_request(
+                    "invalid_type",
+                    format!(
+                        "`messages[{index}].content` must be a string, a list of content parts \
+                         or null, found {}",
+                        describe(other)
+                    ),
+                )
+                .param("messages"))
+            }
+        }
+    }
+    Ok(Prompt::Chat(items.clone()))
+}
+
+/// Parse and check a request body for `endpoint` (completions or chat completions).
+pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|err| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("request body is not valid JSON: {err}"),
+        )
+    })?;
+    let Value::Object(body) = value else {
+        return Err(ApiError::bad_request(
+            "invalid_type",
+            format!(
+                "request body must be a JSON object, found {}",
+                describe(&value)
+            ),
+        ));
+    };
+    let model = match body.get("model") {
+        Some(Value::String(model)) if !model.is_empty() => model.clone(),
+        Some(Value::String(_)) => {
+            return Err(
+                ApiError::bad_request("invalid_value", "`model` must not be empty").param("model"),
+            )
+        }
+        None | Some(Value::Null) => {
+            return Err(
+                ApiError::bad_request("missing_field", "`model` is required").param("model"),
+            )
+        }
+        Some(other) => return Err(wrong_type("model", "a string", other)),
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(stream)) => *stream,
+        Some(other) => return Err(wrong_type("stream", "a boolean", other)),
+    };
+    for field in ["user", "cache_salt"] {
+        match body.get(field) {
+            None | Some(Value::Null | Value::String(_)) => {}
+            Some(other) => {
+                let param = if field == "user" {
+                    "user"
+                } else {
+                    "cache_salt"
+                };
+                return Err(wrong_type(param, "a string", other));
+            }
+        }
+    }
+    match body.get("stream_options") {
+        None | Some(Value::Null | Value::Object(_)) => {}
+        Some(other) => return Err(wrong_type("stream_options", "an object", other)),
+    }
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(body.get("prompt"))?,
+        Endpoint::ChatCompletions | Endpoint::Models => chat_messages(body.get("messages"))?,
+    };
+    let cache_salt = body
+        .get("cache_salt")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    Ok(Parsed {
+        endpoint,
+        model,
+        stream,
+        prompt,
+        body,
+        cache_salt,
+    })
+}
+
+/// The session id: the first configured header present, then the first configured body field
+/// holding a string. An empty value is skipped; one over the session-id limit is refused.
+pub fn session_id(
+    headers: &HeaderMap,
+    body: &Map<String, Value>,
+    serve: &ServeConfig,
+) -> Result<Option<String>, ApiError> {
+    let too_long = |len: usize, source: &str| {
+        ApiError::bad_request(
+            "invalid_session_id",
+            format!(
+                "session id from {source} is {len} bytes, over the {MAX_SESSION_ID_BYTES}-byte \
+                 limit"
+            ),
+        )
+    };
+    for name in &serve.session_headers {
+        if let Some(value) = headers.get(name.as_str()) {
+            let Ok(text) = value.to_str() else {
+                return Err(ApiError::bad_request(
+                    "invalid_session_id",
+                    format!("header `{name}` is not visible ASCII"),
+                ));
+            };
+            let text = text.trim();
+            if text.is_empty() {
+                continue;
+            }
+            if text.len() > MAX_SESSION_ID_BYTES {
+                return Err(too_long(text.len(), &format!("header `{name}`")));
+            }
+            return Ok(Some(text.to_owned()));
+        }
+    }
+    for field in &serve.session_body_fields {
+        if let Some(Value::String(text)) = body.get(field.as_str()) {
+            if text.is_empty() {
+                continue;
+            }
+            if text.len() > MAX_SESSION_ID_BYTES {
+                return Err(too_long(text.len(), &format!("body field `{field}`")));
+            }
+            return Ok(Some(text.clone()));
+        }
+    }
+    Ok(None)
+}
+
+/// The text of one chat message's content for a local chat template: a string as is, a list of
+/// content parts as its `text` parts joined by newlines (as vLLM does for string-content
+/// templates), null as empty.
+pub fn content_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| match part {
+                Value::String(text) => Some(text.as_str()),
+                Value::Object(o) => o.get("text").and_then(Value::as_str),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_in_every_shape_vllm_accepts() {
+        let p = |body: &str| parse(Endpoint::Completions, body.as_bytes()).map(|p| p.prompt);
+        assert_eq!(
+            p(r#"{"model":"m","prompt":"hi"}"#).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap(),
+            Prompt::Text("a".into())
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap(),
+            Prompt::Tokens(vec![1, 2, 3])
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap(),
+            Prompt::Tokens(vec![4, 5])
+        );
+        for bad in [
+            r#"{"model":"m","prompt":[]}"#,
+            r#"{"model":"m","prompt":[1,-2]}"#,
+            r#"{"model":"m","prompt":[1,"a"]}"#,
+            r#"{"model":"m","prompt":[[1],[]]}"#,
+            r#"{"model":"m","prompt":5}"#,
+            r#"{"model":"m","prompt":[4294967296]}"#,
+            r#"{"model":"m"}"#,
+        ] {
+            let err = p(bad).unwrap_err();
+            assert_eq!(err.status, 400, "{bad}");
+            assert_eq!(err.param, Some("prompt"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn hostile_bodies_are_refused_with_the_field_named() {
+        let e = |body: &str| parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap_err();
+        assert_eq!(e("not json").code, "invalid_json");
+        assert_eq!(e("[1]").code, "invalid_type");
+        assert_eq!(e(r#"{"messages":[]}"#).param, Some("model"));
+        assert_eq!(e(r#"{"model":7,"messages":[]}"#).param, Some("model"));
+        assert_eq!(
+            e(r#"{"model":"m","messages":"hi"}"#).param,
+            Some("messages")
+        );
+        assert_eq!(e(r#"{"model":"m","messages":[]}"#).param, Some("messages"));
+        assert_eq!(e(r#"{"model":"m","messages":[1]}"#).param, Some("messages"));
+        assert_eq!(
+            e(r#"{"model":"m","messages":[{"content":"x"}]}"#).param,
+            Some("messages")
+        );
+        assert_eq!(
+            e(r#"{"model":"m","messages":[{"role":"user"}],"stream":"yes"}"#).param,
+            Some("stream")
+        );
+        assert_eq!(
+            e(r#"{"model":"m","messages":[{"role":"user"}],"user":1}"#).param,
+            Some("user")
+        );
+    }
+
+    #[test]
+    fn session_from_headers_in_order_then_the_body() {
+        let serve = ServeConfig::default();
+        let mut headers = HeaderMap::new();
+        let mut body = Map::new();
+        body.insert("user".into(), Value::String("u1".into()));
+        assert_eq!(
+            session_id(&headers, &body, &serve).unwrap().as_deref(),
+            Some("u1")
+        );
+        headers.insert("x-dynamo-session-id", "d".parse().unwrap());
+        assert_eq!(
+            session_id(&headers, &body, &serve).unwrap().as_deref(),
+            Some("d")
+        );
+        headers.insert("x-session-id", "s".parse().unwrap());
+        assert_eq!(
+            session_id(&headers, &body, &serve).unwrap().as_deref(),
+            Some("s")
+        );
+        headers.insert("x-session-id", "x".repeat(300).parse().unwrap());
+        assert_eq!(
+            session_id(&headers, &body, &serve).unwrap_err().code,
+            "invalid_session_id"
+        );
+    }
+}

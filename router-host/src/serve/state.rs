@@ -1,0 +1,179 @@
+//! One loaded configuration ([`Generation`]): the YAML, the `Host` built from it (policies,
+//! routing core), the engines' URLs, the tokenizer and the upstream HTTP client. A reload builds
+//! a new one off the request path and swaps it in ([`Current`]); a request keeps the generation
+//! it started on until it finishes.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use super::errors::ServeError;
+use super::tokenize::LocalTokenizer;
+use crate::config::{RouterConfig, ServeConfig, TokenizerConfig};
+use crate::host::Host;
+use crate::loader::SearchPath;
+use crate::model::{Cluster, Worker};
+use crate::router::Router;
+
+/// What `serve` was started with (not configuration: it does not change on reload).
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The router YAML, read again on every reload.
+    pub config: PathBuf,
+    /// Directories searched first for plugins given by `name:`.
+    pub plugin_dirs: Vec<PathBuf>,
+    /// Overrides `serve.listen` (not re-read on reload: the socket stays).
+    pub listen: Option<std::net::SocketAddr>,
+}
+
+/// One engine as the proxy reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub id: u64,
+    /// Base URL without a trailing `/`.
+    pub base: String,
+    pub dp_size: u32,
+}
+
+/// One loaded configuration.
+pub struct Generation {
+    /// 1 for the configuration loaded at start, +1 per successful reload.
+    pub number: u64,
+    pub config: RouterConfig,
+    /// `serve:` with its defaults when the file has none.
+    pub serve: ServeConfig,
+    pub host: Host,
+    /// Sorted by id.
+    pub upstreams: Vec<Upstream>,
+    /// `None`: remote tokenization.
+    pub tokenizer: Option<Arc<LocalTokenizer>>,
+    pub client: reqwest::Client,
+}
+
+impl std::fmt::Debug for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generation")
+            .field("number", &self.number)
+            .field("upstreams", &self.upstreams)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Generation {
+    /// Read and validate the YAML, load plugins and create instances, build the cluster and the
+    /// host, load a local tokenizer. Blocking (file I/O, `dlopen`): run it off the request path.
+    pub fn load(options: &ServeOptions, number: u64) -> Result<Generation, ServeError> {
+        let file = options.config.clone();
+        let config = RouterConfig::from_file(&file)?;
+        if config.workers.is_empty() {
+            return Err(ServeError::NoWorkers { file });
+        }
+        let serve = config.serve.clone().unwrap_or_default();
+        let mut upstreams = Vec::with_capacity(config.workers.len());
+        let mut workers = Vec::with_capacity(config.workers.len());
+        for (index, w) in config.workers.iter().enumerate() {
+            if let Err(err) = reqwest::Url::parse(&w.url) {
+                return Err(ServeError::WorkerUrl {
+                    file,
+                    index,
+                    url: w.url.clone(),
+                    reason: err.to_string(),
+                });
+            }
+            let mut worker = Worker::new(w.id).with_ranks(0, w.dp_size);
+            worker.max_num_batched_tokens = w.max_num_batched_tokens;
+            worker.total_kv_blocks = w.total_kv_blocks;
+            workers.push(worker);
+            upstreams.push(Upstream {
+                id: w.id,
+                base: w.url.clone(),
+                dp_size: w.dp_size,
+            });
+        }
+        upstreams.sort_by_key(|u| u.id);
+        let cluster = Cluster::new(workers).map_err(|err| ServeError::Cluster {
+            file: file.clone(),
+            reason: err.to_string(),
+        })?;
+        router_core::blocks::BlockHasher::new(config.block_size, Default::default()).map_err(
+            |err| ServeError::BlockSize {
+                file: file.clone(),
+                reason: err.to_string(),
+            },
+        )?;
+        let tokenizer = match &serve.tokenizer {
+            TokenizerConfig::Remote => None,
+            TokenizerConfig::Local { path } => {
+                Some(Arc::new(LocalTokenizer::load(path).map_err(|reason| {
+                    ServeError::Tokenizer {
+                        file: file.clone(),
+                        reason,
+                    }
+                })?))
+            }
+        };
+        let client = reqwest::Client::builder()
+            .connect_timeout(serve.timeouts.connect)
+            .no_proxy()
+            .tcp_nodelay(true)
+            .pool_idle_timeout(std::time::Duration::from_secs(30))
+            .build()
+            .map_err(|err| ServeError::Client(err.to_string()))?;
+        let search = SearchPath::new(options.plugin_dirs.clone(), Some(&file));
+        let router = Router::from_config(&config, &search).map_err(|err| ServeError::Startup {
+            file: file.clone(),
+            source: Box::new(err),
+        })?;
+        let host = Host::new(router, cluster, &config);
+        Ok(Generation {
+            number,
+            config,
+            serve,
+            host,
+            upstreams,
+            tokenizer,
+            client,
+        })
+    }
+
+    pub fn upstream(&self, worker_id: u64) -> Option<&Upstream> {
+        self.upstreams
+            .binary_search_by_key(&worker_id, |u| u.id)
+            .ok()
+            .map(|i| &self.upstreams[i])
+    }
+
+    /// The configuration file.
+    pub fn file(&self) -> &Path {
+        self.config
+            .source
+            .as_deref()
+            .unwrap_or(Path::new("<string>"))
+    }
+}
+
+/// The generation serving new requests, swapped atomically on reload.
+pub struct Current(ArcSwap<Generation>);
+
+impl std::fmt::Debug for Current {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Current")
+            .field(&self.0.load().number)
+            .finish()
+    }
+}
+
+impl Current {
+    pub fn new(generation: Generation) -> Current {
+        Current(ArcSwap::from_pointee(generation))
+    }
+
+    pub fn load(&self) -> Arc<Generation> {
+        self.0.load_full()
+    }
+
+    pub fn swap(&self, next: Arc<Generation>) -> Arc<Generation> {
+        self.0.swap(next)
+    }
+}

@@ -1,0 +1,314 @@
+//! Prompt tokens for routing: remote through the engine's own `POST /tokenize` (exact by
+//! construction), or local with the `tokenizers` crate on the model's `tokenizer.json` and the
+//! chat template of its `tokenizer_config.json`, rendered with `minijinja` the way vLLM renders
+//! it (Jinja2 with `trim_blocks` and `lstrip_blocks`, Python string methods, `raise_exception`).
+//!
+//! Either way the ids become block ids through the core's one rule
+//! (`router_core::blocks::BlockHasher`, docs/block-ids.md), in the handler.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+
+use super::errors::ApiError;
+use super::request::{content_text, Parsed, Prompt};
+
+/// Token ids of a prompt, and what the engine says about its context length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokens {
+    pub ids: Vec<u32>,
+    /// The engine's `max_model_len` (remote mode), for refusing a prompt that cannot fit.
+    pub max_model_len: Option<u64>,
+}
+
+/// Why a prompt could not be tokenized.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// The input is wrong (the engine refused it with a 4xx, or the template rejected it): the
+    /// client gets a 400 with this message.
+    #[error("{0}")]
+    Invalid(String),
+    /// The tokenizer is unavailable (engine unreachable, timed out, 5xx, unexpected answer):
+    /// the request is routed without overlap.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl TokenizeError {
+    pub fn into_api(self) -> ApiError {
+        ApiError::bad_request("tokenization_failed", self.to_string())
+    }
+}
+
+/// Fields of a chat request that change what vLLM's `/tokenize` renders, forwarded to it.
+const CHAT_TOKENIZE_FIELDS: &[&str] = &[
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+];
+
+/// The `/tokenize` request body for a parsed request (`None`: the prompt is token ids already).
+pub fn tokenize_body(parsed: &Parsed) -> Option<Value> {
+    match &parsed.prompt {
+        Prompt::Tokens(_) => None,
+        Prompt::Text(text) => Some(json!({"model": parsed.model, "prompt": text})),
+        Prompt::Chat(messages) => {
+            let mut body = Map::new();
+            body.insert("model".into(), Value::String(parsed.model.clone()));
+            body.insert("messages".into(), Value::Array(messages.clone()));
+            for field in CHAT_TOKENIZE_FIELDS {
+                if let Some(value) = parsed.body.get(*field) {
+                    body.insert((*field).to_owned(), value.clone());
+                }
+            }
+            Some(Value::Object(body))
+        }
+    }
+}
+
+/// Ask the engine at `base` to tokenize `body` (vLLM's `POST /tokenize`).
+pub async fn remote(
+    client: &reqwest::Client,
+    base: &str,
+    body: &Value,
+    timeout: Duration,
+) -> Result<Tokens, TokenizeError> {
+    let url = format!("{base}/tokenize");
+    let send = client
+        .post(&url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body.to_string())
+        .timeout(timeout)
+        .send();
+    let response = send.await.map_err(|err| {
+        TokenizeError::Unavailable(format!("POST {url}: {}", super::proxy::error_chain(&err)))
+    })?;
+    let status = response.status();
+    let bytes = response.bytes().await.map_err(|err| {
+        TokenizeError::Unavailable(format!("POST {url}: reading the answer: {err}"))
+    })?;
+    if status.is_client_error() && status != reqwest::StatusCode::NOT_FOUND {
+        let message = serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .and_then(|v| {
+                v.pointer("/error/message")
+                    .or_else(|| v.get("message"))
+                    .or_else(|| v.get("detail"))
+                    .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_owned))
+            })
+            .unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(500).collect());
+        return Err(TokenizeError::Invalid(format!(
+            "the engine refused to tokenize the prompt ({status}): {message}"
+        )));
+    }
+    if !status.is_success() {
+        return Err(TokenizeError::Unavailable(format!("POST {url}: {status}")));
+    }
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|err| TokenizeError::Unavailable(format!("POST {url}: not JSON: {err}")))?;
+    let ids = value
+        .get("tokens")
+        .and_then(Value::as_array)
+        .and_then(|ids| {
+            ids.iter()
+                .map(|id| id.as_u64().and_then(|n| u32::try_from(n).ok()))
+                .collect::<Option<Vec<u32>>>()
+        })
+        .ok_or_else(|| {
+            TokenizeError::Unavailable(format!("POST {url}: the answer has no `tokens` list"))
+        })?;
+    Ok(Tokens {
+        ids,
+        max_model_len: value.get("max_model_len").and_then(Value::as_u64),
+    })
+}
+
+/// A tokenizer loaded from a directory: `tokenizer.json`, and the chat template and special
+/// tokens of `tokenizer_config.json` when it is there.
+pub struct LocalTokenizer {
+    dir: PathBuf,
+    tokenizer: tokenizers::Tokenizer,
+    /// The chat template, compiled (`None`: the directory has none; chat requests get 400).
+    chat: Option<minijinja::Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for LocalTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTokenizer")
+            .field("dir", &self.dir)
+            .field("chat_template", &self.chat.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+const TEMPLATE: &str = "chat";
+
+/// A special token in `tokenizer_config.json`: a string, or an `AddedToken` object.
+fn special_token(config: &Value, key: &str) -> String {
+    match config.get(key) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+/// The template text: a string, or the one named `default` in a list of `{name, template}`.
+fn chat_template(config: &Value) -> Option<String> {
+    match config.get("chat_template")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+fn environment(template: String) -> Result<minijinja::Environment<'static>, String> {
+    let mut env = minijinja::Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .map_err(|err| err.to_string())?;
+    env.set_syntax(syntax);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                message,
+            ))
+        },
+    );
+    env.add_template_owned(TEMPLATE, template)
+        .map_err(|err| format!("the chat template does not compile: {err}"))?;
+    Ok(env)
+}
+
+impl LocalTokenizer {
+    /// Load `dir/tokenizer.json` and, if present, `dir/tokenizer_config.json`.
+    pub fn load(dir: &Path) -> Result<LocalTokenizer, String> {
+        let file = dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|err| format!("cannot load {}: {err}", file.display()))?;
+        let config_file = dir.join("tokenizer_config.json");
+        let config: Value = match std::fs::read(&config_file) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|err| format!("{}: not valid JSON: {err}", config_file.display()))?,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Value::Null,
+            Err(err) => return Err(format!("cannot read {}: {err}", config_file.display())),
+        };
+        let chat = chat_template(&config)
+            .map(environment)
+            .transpose()
+            .map_err(|err| format!("{}: {err}", config_file.display()))?;
+        Ok(LocalTokenizer {
+            dir: dir.to_path_buf(),
+            tokenizer,
+            chat,
+            bos_token: special_token(&config, "bos_token"),
+            eos_token: special_token(&config, "eos_token"),
+        })
+    }
+
+    /// Encode text; `special` adds the tokenizer's special tokens (vLLM does for completion
+    /// prompts, not for rendered chat templates, which carry their own).
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode(text, special)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|err| TokenizeError::Invalid(format!("cannot tokenize the prompt: {err}")))
+    }
+
+    /// Render the chat template for `messages` as vLLM does (`add_generation_prompt` defaults
+    /// to true).
+    pub fn render_chat(
+        &self,
+        messages: &[Value],
+        body: &Map<String, Value>,
+    ) -> Result<String, TokenizeError> {
+        let env = self.chat.as_ref().ok_or_else(|| {
+            TokenizeError::Invalid(format!(
+                "the local tokenizer in {} has no chat template (tokenizer_config.json \
+                 `chat_template`)",
+                self.dir.display()
+            ))
+        })?;
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                let mut m = m.clone();
+                if let Some(o) = m.as_object_mut() {
+                    if matches!(o.get("content"), Some(Value::Array(_)) | Some(Value::Null)) {
+                        let text = content_text(o.get("content"));
+                        o.insert("content".into(), Value::String(text));
+                    }
+                }
+                m
+            })
+            .collect();
+        let flag =
+            |key: &str, default: bool| body.get(key).and_then(Value::as_bool).unwrap_or(default);
+        let mut context = Map::new();
+        if let Some(Value::Object(extra)) = body.get("chat_template_kwargs") {
+            context.extend(extra.clone());
+        }
+        context.insert("messages".into(), Value::Array(messages));
+        context.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(flag("add_generation_prompt", true)),
+        );
+        context.insert("bos_token".into(), Value::String(self.bos_token.clone()));
+        context.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        if let Some(tools) = body.get("tools") {
+            context.insert("tools".into(), tools.clone());
+        }
+        let template = env
+            .get_template(TEMPLATE)
+            .map_err(|err| TokenizeError::Unavailable(err.to_string()))?;
+        template
+            .render(minijinja::Value::from(minijinja::value::Serde(
+                Value::Object(context),
+            )))
+            .map_err(|err| {
+                TokenizeError::Invalid(format!("the chat template refused the messages: {err}"))
+            })
+    }
+
+    /// The prompt's token ids, as the engine would compute them.
+    pub fn tokenize(&self, parsed: &Parsed) -> Result<Tokens, TokenizeError> {
+        let ids = match &parsed.prompt {
+            Prompt::Tokens(ids) => ids.clone(),
+            Prompt::Text(text) => self.encode(text, true)?,
+            Prompt::Chat(messages) => {
+                let text = self.render_chat(messages, &parsed.body)?;
+                let special = parsed
+                    .body
+                    .get("add_special_tokens")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                self.encode(&text, special)?
+            }
+        };
+        Ok(Tokens {
+            ids,
+            max_model_len: None,
+        })
+    }
+}

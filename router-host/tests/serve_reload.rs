@@ -1,0 +1,300 @@
+//! `router-host serve`: reloading the configuration without a restart (in process, through the
+//! handle SIGHUP uses), and the binary itself under SIGHUP and SIGTERM.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::engine::{client, eventually, post, workers_yaml, Engine, Router};
+use futures_util::StreamExt;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn policy_yaml(instance: &str, policy: &str, engines: &[&Engine]) -> String {
+    format!(
+        "block_size: 4\nworker_selection:\n  aggregated: {instance}\n  instances:\n    - name: {instance}\n      type: {policy}\n{}",
+        workers_yaml(engines)
+    )
+}
+
+fn header(response: &reqwest::Response, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_swaps_policies_without_dropping_a_request_and_a_broken_one_keeps_serving() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    e1.state.controls.chunks.store(20, Ordering::SeqCst);
+    e1.state.controls.chunk_delay_ms.store(20, Ordering::SeqCst);
+    let router = Router::start(
+        "serve_reload",
+        &policy_yaml("spread", "round-robin", &[&e1]),
+    )
+    .await;
+    let http = client();
+    let url = router.url("/v1/completions");
+
+    // A stream in flight on the first configuration.
+    let response = post(
+        &http,
+        &url,
+        &json!({"model": "tiny", "prompt": "hello", "stream": true}),
+    )
+    .await;
+    assert_eq!(header(&response, "x-router-instance"), "spread");
+    assert_eq!(header(&response, "x-router-config"), "1");
+    let mut stream = response.bytes_stream();
+    let mut received = stream.next().await.unwrap().unwrap().to_vec();
+
+    // New policy, new instance name, a second engine.
+    std::fs::write(
+        &router.config,
+        policy_yaml("cache-first", "default", &[&e1, &e2]),
+    )
+    .unwrap();
+    assert_eq!(router.handle.reload().await.unwrap(), 2);
+    let response = post(&http, &url, &json!({"model": "tiny", "prompt": "hello"})).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-router-instance"), "cache-first");
+    assert_eq!(header(&response, "x-router-policy"), "default");
+    assert_eq!(header(&response, "x-router-config"), "2");
+    let _ = response.bytes().await;
+
+    // The old stream finishes, whole, on the old configuration.
+    while let Some(chunk) = stream.next().await {
+        received.extend_from_slice(&chunk.unwrap());
+    }
+    let text = String::from_utf8(received).unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    assert_eq!(text.matches("data: ").count(), 21);
+    assert!(eventually(WAIT, || router.handle.in_flight() == 0).await);
+    assert_eq!(
+        router.metric("router_requests_total{endpoint=\"completions\",outcome=\"completed\"}"),
+        2.0
+    );
+
+    // A broken file: refused, counted, and the running configuration keeps serving.
+    std::fs::write(
+        &router.config,
+        format!(
+            "block_size: 4\nworker_selection:\n  aggregated: nope\n{}",
+            workers_yaml(&[&e1])
+        ),
+    )
+    .unwrap();
+    let err = router.handle.reload().await.unwrap_err().to_string();
+    assert!(
+        err.contains("router.yaml")
+            && err.contains("line 3")
+            && err.contains("worker_selection.aggregated"),
+        "{err}"
+    );
+    assert_eq!(
+        router.metric("router_config_reloads_total{outcome=\"error\"}"),
+        1.0
+    );
+    assert_eq!(
+        router.metric("router_config_reloads_total{outcome=\"ok\"}"),
+        1.0
+    );
+    let response = post(&http, &url, &json!({"model": "tiny", "prompt": "hello"})).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-router-config"), "2");
+    // A config without workers is refused for serve.
+    std::fs::write(&router.config, "block_size: 4\n").unwrap();
+    let err = router.handle.reload().await.unwrap_err().to_string();
+    assert!(err.contains("needs at least one engine"), "{err}");
+    assert_eq!(router.metric("router_config_generation"), 2.0);
+    router.stop().await;
+}
+
+/// `router-host serve` as a process; its address from the line it prints on stderr.
+struct Process {
+    child: std::process::Child,
+    addr: String,
+    stderr: std::sync::mpsc::Receiver<String>,
+}
+
+impl Process {
+    fn start(config: &std::path::Path) -> Process {
+        let mut child = Command::new(common::router_host_bin())
+            .args(["serve", "--config"])
+            .arg(config)
+            .args(["--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start router-host serve");
+        let (lines, stderr) = std::sync::mpsc::channel();
+        let pipe = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = loop {
+            let line = stderr
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .expect("serve prints where it listens within 30 s");
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_owned();
+            }
+        };
+        Process {
+            child,
+            addr,
+            stderr,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.child.id() as i32, signal) };
+        assert_eq!(rc, 0);
+    }
+
+    /// Wait for a stderr line containing `text`, at most `limit`.
+    fn wait_line(&self, text: &str, limit: Duration) -> Option<String> {
+        let deadline = Instant::now() + limit;
+        while let Ok(line) = self
+            .stderr
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            if line.contains(text) {
+                return Some(line);
+            }
+        }
+        None
+    }
+
+    fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_and_sigterm_drains_then_exits_0() {
+    let engine = Engine::start(1).await;
+    let dir = common::temp_dir("serve_signals");
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &policy_yaml("one", "round-robin", &[&engine]),
+    );
+    let process = tokio::task::spawn_blocking(move || Process::start(&config))
+        .await
+        .unwrap();
+    let http = client();
+    let url = process.url("/v1/completions");
+    let response = post(&http, &url, &json!({"model": "tiny", "prompt": "hello"})).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-router-instance"), "one");
+
+    // SIGHUP: the new file is served.
+    common::write(
+        &dir,
+        "router.yaml",
+        &policy_yaml("two", "random", &[&engine]),
+    );
+    process.signal(libc::SIGHUP);
+    let mut reloaded = false;
+    for _ in 0..500 {
+        let response = post(&http, &url, &json!({"model": "tiny", "prompt": "hello"})).await;
+        if header(&response, "x-router-instance") == "two" {
+            reloaded = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(reloaded, "SIGHUP reloaded the configuration");
+
+    // A broken file: logged with file, line and key; still serving.
+    common::write(&dir, "router.yaml", "block_size: 0\nworkers: []\n");
+    process.signal(libc::SIGHUP);
+    let process = tokio::task::spawn_blocking(move || {
+        let line = process.wait_line("reload failed", Duration::from_secs(10));
+        (process, line)
+    })
+    .await
+    .unwrap();
+    let (mut process, line) = process;
+    let line = line.expect("the failed reload is logged");
+    assert!(
+        line.contains("router.yaml")
+            && line.contains("line 1 column 13")
+            && line.contains("block_size"),
+        "{line}"
+    );
+    let response = post(&http, &url, &json!({"model": "tiny", "prompt": "hello"})).await;
+    assert_eq!(header(&response, "x-router-instance"), "two");
+
+    // SIGTERM while a stream is in flight: it finishes, then the process exits 0.
+    engine.state.controls.chunks.store(10, Ordering::SeqCst);
+    engine
+        .state
+        .controls
+        .chunk_delay_ms
+        .store(50, Ordering::SeqCst);
+    let response = post(
+        &http,
+        &url,
+        &json!({"model": "tiny", "prompt": "hello", "stream": true}),
+    )
+    .await;
+    let mut stream = response.bytes_stream();
+    let mut received = stream.next().await.unwrap().unwrap().to_vec();
+    process.signal(libc::SIGTERM);
+    while let Some(chunk) = stream.next().await {
+        received.extend_from_slice(&chunk.expect("the stream is not cut by the shutdown"));
+    }
+    let text = String::from_utf8(received).unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    let status = tokio::task::spawn_blocking(move || {
+        let status = process.wait_exit(Duration::from_secs(20));
+        (process, status)
+    })
+    .await
+    .unwrap()
+    .1
+    .expect("serve exits after draining");
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        http.get(url.replace("/v1/completions", "/health"))
+            .send()
+            .await
+            .is_err(),
+        "nothing listens any more"
+    );
+}

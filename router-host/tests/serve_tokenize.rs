@@ -1,0 +1,128 @@
+//! `router-host serve` tokenization: the local tokenizer (`tokenizers` + the chat template with
+//! `minijinja`) gives the same ids, so the same block ids, as the engine's own `/tokenize`.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::engine::{client, post, tokenizer_dir, workers_yaml, Engine, Router};
+use router_core::blocks::{BlockHasher, Tenant};
+use router_host::serve::request::{parse, Endpoint};
+use router_host::serve::tokenize::{remote, tokenize_body, LocalTokenizer};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_and_remote_tokenization_give_the_same_ids() {
+    let engine = Engine::start(1).await;
+    let local = LocalTokenizer::load(&tokenizer_dir()).expect("the fixture loads");
+    let http = client();
+    let hasher = BlockHasher::new(4, Tenant::default()).unwrap();
+    let cases = [
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog."}),
+        ),
+        (
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": ["Hello, world! unknownword here", "second"]}),
+        ),
+        (
+            Endpoint::ChatCompletions,
+            json!({"model": "tiny", "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "  What is two plus two?  "},
+                {"role": "assistant", "content": "four"},
+                {"role": "user", "content": "Tell me a story about cats and dogs"}]}),
+        ),
+        (
+            Endpoint::ChatCompletions,
+            json!({"model": "tiny", "add_generation_prompt": false, "messages": [
+                {"role": "user", "content": "please write a poem about the sea"}]}),
+        ),
+        (
+            Endpoint::ChatCompletions,
+            json!({"model": "tiny", "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hello world"}]}]}),
+        ),
+    ];
+    for (endpoint, body) in cases {
+        let parsed = parse(endpoint, body.to_string().as_bytes()).unwrap();
+        let local_ids = local.tokenize(&parsed).unwrap().ids;
+        let request = tokenize_body(&parsed).unwrap();
+        let remote_ids = remote(&http, &engine.url(), &request, Duration::from_secs(5))
+            .await
+            .unwrap()
+            .ids;
+        assert!(local_ids.len() > 4, "{body}: {local_ids:?}");
+        assert_eq!(local_ids, remote_ids, "{body}");
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        hasher.prompt_blocks(&local_ids, &mut a);
+        hasher.prompt_blocks(&remote_ids, &mut b);
+        assert_eq!(a, b);
+        assert!(!a.is_empty());
+    }
+    // The fixture really tokenizes: known words get their own ids, the template its tokens.
+    let parsed = parse(
+        Endpoint::ChatCompletions,
+        br#"{"model":"tiny","messages":[{"role":"user","content":"hello"}]}"#,
+    )
+    .unwrap();
+    assert_eq!(local.tokenize(&parsed).unwrap().ids, vec![1, 3, 14, 2, 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_a_local_tokenizer_never_asks_the_engine() {
+    let engine = Engine::start(1).await;
+    let yaml = format!(
+        "block_size: 4\nserve:\n  tokenizer:\n    path: {}\n  max_prompt_tokens: 50\n{}",
+        tokenizer_dir().display(),
+        workers_yaml(&[&engine])
+    );
+    let router = Router::start("serve_local_tokenizer", &yaml).await;
+    let http = client();
+    let response = post(
+        &http,
+        &router.url("/v1/chat/completions"),
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hello world"}]}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let response = post(
+        &http,
+        &router.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": "the ".repeat(60)}),
+    )
+    .await;
+    assert_eq!(response.status(), 400, "61 tokens with <s>, over 50");
+    assert_eq!(engine.state.seen.tokenize.load(Ordering::SeqCst), 0);
+    assert_eq!(engine.state.seen.completions.load(Ordering::SeqCst), 1);
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_local_tokenizer_is_a_startup_error_naming_the_key() {
+    let engine = Engine::start(1).await;
+    let dir = common::temp_dir("serve_tokenizer_missing");
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "serve:\n  tokenizer: {{path: no-such-dir}}\n{}",
+            workers_yaml(&[&engine])
+        ),
+    );
+    let err = router_host::serve::Server::bind(router_host::serve::ServeOptions {
+        config,
+        plugin_dirs: Vec::new(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("router.yaml: serve.tokenizer.path:")
+            && err.contains("no-such-dir/tokenizer.json"),
+        "{err}"
+    );
+}
