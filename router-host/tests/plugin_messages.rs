@@ -17,7 +17,6 @@ mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use common::{run_cli, temp_dir, write};
@@ -28,23 +27,7 @@ const FIXTURES: &[&str] = &["fixture-shadow", "fixture-builtin-name"];
 /// `lib<name>.so` of one of [`FIXTURES`], built once per test process like `common::plugin_dir`.
 fn fixture(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let dir = common::profile_dir();
-        let target_dir = dir.parent().expect("target dir").to_path_buf();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        let mut cmd = Command::new(cargo);
-        cmd.arg("build").arg("--quiet");
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        for package in FIXTURES {
-            cmd.args(["-p", package]);
-        }
-        cmd.env("CARGO_TARGET_DIR", &target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
-        let status = cmd.status().expect("run cargo build for the fixtures");
-        assert!(status.success(), "building {FIXTURES:?} failed");
-    });
+    BUILT.get_or_init(|| common::build_packages(FIXTURES));
     common::profile_dir().join(format!("lib{name}.so"))
 }
 
@@ -349,7 +332,7 @@ fn check_warns_about_a_plugin_that_shadows_the_shipped_type_and_escapes_its_text
                 real.display()
             ),
             "policy types:".to_string(),
-            "  default [built-in]: Lowest prefill+decode cost after cache credit (design §7); \
+            "  default [built-in]: Lowest prefill+decode cost after cache credit; \
              narrows to an eligible soft target"
                 .to_string(),
             format!(

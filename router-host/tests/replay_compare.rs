@@ -18,19 +18,13 @@ const DEFAULT_BUILTINS: [&str; 4] = ["default", "two-tier", "two-tier-sticky", "
 
 /// Run `bin replay ARGS SMALL` in `dir`; returns (exit code, stdout, stderr).
 fn replay_in(dir: &Path, bin: &Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(bin)
-        .arg("replay")
-        .args(args)
-        .args(SMALL)
-        .current_dir(dir)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run router-host");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let args: Vec<&str> = ["replay"]
+        .iter()
+        .chain(args)
+        .chain(SMALL)
+        .copied()
+        .collect();
+    common::run_bin_in(bin, &args, Some(dir))
 }
 
 /// A scratch directory outside the checkout holding what an author has: their plugin (the

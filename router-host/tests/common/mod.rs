@@ -35,23 +35,28 @@ pub fn profile_dir() -> PathBuf {
 pub fn plugin_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = profile_dir();
-        let target_dir = dir.parent().expect("target dir").to_path_buf();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        let mut cmd = Command::new(cargo);
-        cmd.arg("build").arg("--quiet");
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        for package in PLUGIN_PACKAGES {
-            cmd.args(["-p", package]);
-        }
-        cmd.env("CARGO_TARGET_DIR", &target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
-        let status = cmd.status().expect("run cargo build for the plugin crates");
-        assert!(status.success(), "building the plugin crates failed");
-        dir
+        build_packages(PLUGIN_PACKAGES);
+        profile_dir()
     })
+}
+
+/// `cargo build` `packages` into this test run's target directory and profile.
+pub fn build_packages(packages: &[&str]) {
+    let dir = profile_dir();
+    let target_dir = dir.parent().expect("target dir").to_path_buf();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let mut cmd = Command::new(cargo);
+    cmd.arg("build").arg("--quiet");
+    if dir.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    for package in packages {
+        cmd.args(["-p", package]);
+    }
+    cmd.env("CARGO_TARGET_DIR", &target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    let status = cmd.status().expect("run cargo build");
+    assert!(status.success(), "building {packages:?} failed");
 }
 
 /// Path of `lib<name>.so` after [`plugin_dir`] built it.
@@ -163,11 +168,17 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 /// Run `router-host` with `args`; returns (exit code, stdout, stderr).
 pub fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(router_host_bin())
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run router-host");
+    run_bin_in(&router_host_bin(), args, None)
+}
+
+/// Run `bin` with `args` (in `dir`, if given); returns (exit code, stdout, stderr).
+pub fn run_bin_in(bin: &Path, args: &[&str], dir: Option<&Path>) -> (i32, String, String) {
+    let mut cmd = Command::new(bin);
+    cmd.args(args).env_remove("RUST_LOG");
+    if let Some(dir) = dir {
+        cmd.current_dir(dir);
+    }
+    let out = cmd.output().expect("run router-host");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -1,4 +1,4 @@
-//! Session-binding table (design `worker-selection.md` §5).
+//! Session-binding table (`docs/routing-contract.md` §5).
 //!
 //! Multi-turn and agentic traffic only reuses a worker's KV cache if the router remembers where a
 //! session went. This module is that memory, and nothing else: it does not select, book or route.
@@ -35,18 +35,18 @@ pub use types::{
     Binding, BindingGranularity, BindingMode, DispatchOutcome, Lease, SessionError, SessionStats,
 };
 
-/// Longest accepted session id, in bytes (design §5): ids are hashed and stored per binding, so an
+/// Longest accepted session id, in bytes (`docs/routing-contract.md` §5): ids are hashed and stored per binding, so an
 /// unbounded id would let one client make every lookup and every stored key arbitrarily large.
 pub const MAX_SESSION_ID_BYTES: usize = 256;
 
-/// Default cap on the number of bindings (design §5); bounds the table's memory.
+/// Default cap on the number of bindings (`docs/routing-contract.md` §5); bounds the table's memory.
 pub const DEFAULT_MAX_BINDINGS: usize = 65_536;
 
 /// How much of a rejected id an error message quotes: enough to recognise it in a log, never a
 /// 10 KB blob.
 const ID_PREVIEW_BYTES: usize = 32;
 
-/// The session-id rule of design §5, the one place it is written: an id must be non-empty and at
+/// The session-id rule of `docs/routing-contract.md` §5, the one place it is written: an id must be non-empty and at
 /// most [`MAX_SESSION_ID_BYTES`] long. [`SessionTable::lookup`] rejects (and counts) ids that fail
 /// it; [`SessionTable::completed`] and [`SessionTable::invalidate`] treat them as a no-op.
 ///

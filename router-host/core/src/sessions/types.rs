@@ -44,7 +44,7 @@ impl fmt::Display for BindingMode {
 }
 
 /// What a *new* binding remembers of the dispatched row. Existing bindings keep their granularity
-/// when they move (design §5: worker-level stays worker-level, a rank binding follows the rank).
+/// when they move (docs/routing-contract.md §5: worker-level stays worker-level, a rank binding follows the rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum BindingGranularity {
     /// `{worker_id, None}`: any rank of the worker matches, so the policy keeps the freedom to
