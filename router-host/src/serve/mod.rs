@@ -30,6 +30,7 @@ use std::time::Duration;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 
 pub use errors::{ApiError, ServeError};
 pub use state::{Generation, ServeOptions, Upstream};
@@ -310,7 +311,14 @@ impl Server {
         let prober = tokio::spawn(health::probe_loop(app.clone()));
         let ticker = tokio::spawn(queue_ticker(app.clone()));
         let stop = app.stopping.clone();
-        let server = axum::serve(self.listener, routes(app.clone()))
+        // Streamed chunks are small separate writes: without TCP_NODELAY each waits for the
+        // client's delayed ACK (Nagle), about 40 ms per response (docs/performance.md §6).
+        let listener = self.listener.tap_io(|stream| {
+            if let Err(err) = stream.set_nodelay(true) {
+                tracing::debug!(error = %err, "cannot set TCP_NODELAY on a client connection");
+            }
+        });
+        let server = axum::serve(listener, routes(app.clone()))
             .with_graceful_shutdown(async move { stop.cancelled().await });
         let deadline = async {
             app.stopping.cancelled().await;
