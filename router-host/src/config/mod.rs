@@ -63,7 +63,7 @@ pub use router_core::sessions::BindingMode as AffinityMode;
 // One default for the number of session bindings: the session table's own.
 pub use router_core::sessions::DEFAULT_MAX_BINDINGS;
 pub use sessions::SessionAffinityConfig;
-pub use workers::{WorkerConfig, MAX_DP_SIZE};
+pub use workers::{KvEventsConfig, WorkerConfig, MAX_DP_SIZE};
 // `booking.prefill` is the core's own mode; `default_selector.tie_break` the built-in's.
 pub use crate::builtin::TieBreak;
 pub use router_core::select::PrefillBooking;
@@ -384,7 +384,10 @@ impl Builder<'_> {
         let session_affinity = raw.session_affinity.map(RawSessionAffinity::into_config);
         let policy_classes = self.policy_classes(raw.policy_classes.unwrap_or_default())?;
         let engine = self.engine(raw.engine)?;
-        let workers = self.workers(raw.workers.unwrap_or_default())?;
+        let workers = self.workers(
+            raw.workers.unwrap_or_default(),
+            raw.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+        )?;
         let serve = self.serve(raw.serve);
         Ok(RouterConfig {
             source: self.source.map(Path::to_path_buf),

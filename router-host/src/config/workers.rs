@@ -29,8 +29,116 @@ pub struct WorkerConfig {
     pub max_num_batched_tokens: Option<u64>,
     /// The engine's KV capacity in blocks, when known.
     pub total_kv_blocks: Option<u64>,
+    /// Where the engine publishes its KV-cache events (vLLM `--kv-events-config`), if it does.
+    pub kv_events: Option<KvEventsConfig>,
+    /// The engine's KV block size in tokens (vLLM `--block-size`); events of another size are
+    /// refused. Defaults to, and must equal, the top-level `block_size`.
+    pub block_size: u32,
     /// 1-based line of the entry in the file (best effort).
     pub line: Option<usize>,
+}
+
+/// `workers[].kv_events`: the engine's ZMQ publisher (docs/serve.md, "KV-cache events").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventsConfig {
+    /// `tcp://HOST:PORT` the engine's rank 0 publishes on; rank `r` publishes on `PORT + r`.
+    pub endpoint: String,
+    /// `tcp://HOST:PORT` of the engine's replay socket (rank `r` on `PORT + r`), if set.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (`""`: every message).
+    pub topic: String,
+}
+
+impl KvEventsConfig {
+    /// The endpoint of `rank`: the port plus the rank.
+    pub fn endpoint_for(&self, rank: u32) -> String {
+        offset_port(&self.endpoint, rank)
+    }
+
+    /// The replay endpoint of `rank`, when one is configured.
+    pub fn replay_endpoint_for(&self, rank: u32) -> Option<String> {
+        self.replay_endpoint
+            .as_deref()
+            .map(|e| offset_port(e, rank))
+    }
+}
+
+/// `tcp://host:port` with `port + rank` (the endpoint was checked by [`check_zmq_endpoint`]).
+fn offset_port(endpoint: &str, rank: u32) -> String {
+    match endpoint.rsplit_once(':') {
+        Some((head, port)) => match port.parse::<u32>() {
+            Ok(port) => format!("{head}:{}", port + rank),
+            Err(_) => endpoint.to_owned(),
+        },
+        None => endpoint.to_owned(),
+    }
+}
+
+/// A ZMQ endpoint the router connects to: `tcp://HOST:PORT`, a concrete host (not `*`).
+pub(super) fn check_zmq_endpoint(v: &str) -> Result<u16, String> {
+    let bad = |why: &str| format!("invalid ZMQ endpoint `{}`: {why}", excerpt(v));
+    let rest = v
+        .strip_prefix("tcp://")
+        .ok_or_else(|| bad("it must start with `tcp://` (the router connects over TCP)"))?;
+    if v.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(bad("it contains whitespace or control characters"));
+    }
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| bad("it needs a port, as in `tcp://127.0.0.1:5557`"))?;
+    if host.is_empty() || host.contains('/') {
+        return Err(bad("it has no host"));
+    }
+    if host == "*" || host == "0.0.0.0" || host == "[::]" {
+        return Err(bad(
+            "the router connects to the engine: name the engine's host, not a wildcard",
+        ));
+    }
+    port.parse::<u16>()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| bad("the port must be a number from 1 to 65535"))
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a `kv_events` mapping with `endpoint`"
+)]
+pub(super) struct RawKvEvents {
+    #[serde(deserialize_with = "de_endpoint")]
+    endpoint: String,
+    #[serde(default, deserialize_with = "de_opt_endpoint")]
+    replay_endpoint: Option<String>,
+    #[serde(default)]
+    topic: Option<String>,
+}
+
+/// Accepts a ZMQ endpoint the router connects to (see [`check_zmq_endpoint`]).
+struct EndpointVisitor;
+
+impl<'de> Visitor<'de> for EndpointVisitor {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a ZMQ endpoint such as `tcp://127.0.0.1:5557`")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Option<String>, E> {
+        check_zmq_endpoint(v).map_err(E::custom)?;
+        Ok(Some(v.to_owned()))
+    }
+
+    null_is_absent!();
+}
+
+fn de_endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    d.deserialize_any(EndpointVisitor)?
+        .ok_or_else(|| de::Error::invalid_type(de::Unexpected::Unit, &EndpointVisitor))
+}
+
+fn de_opt_endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_any(EndpointVisitor)
 }
 
 #[derive(Deserialize)]
@@ -49,6 +157,10 @@ pub(super) struct RawWorker {
     max_num_batched_tokens: Option<u64>,
     #[serde(default, deserialize_with = "de_positive")]
     total_kv_blocks: Option<u64>,
+    #[serde(default)]
+    kv_events: Option<RawKvEvents>,
+    #[serde(default, deserialize_with = "super::numbers::de_block_size")]
+    block_size: Option<u32>,
 }
 
 fn de_worker_id<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -119,6 +231,7 @@ impl Builder<'_> {
     pub(super) fn workers(
         &mut self,
         raw: Vec<RawWorker>,
+        router_block_size: u32,
     ) -> Result<Vec<WorkerConfig>, ConfigError> {
         let mut first: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
         let mut workers = Vec::with_capacity(raw.len());
@@ -137,16 +250,65 @@ impl Builder<'_> {
                 ));
             }
             first.insert(worker.id, index);
+            let dp_size = worker
+                .dp_size
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(1);
+            let block_size = worker.block_size.unwrap_or(router_block_size);
+            if block_size != router_block_size {
+                let message = format!(
+                    "the worker's block_size {block_size} differs from the top-level \
+                     block_size {router_block_size}: prompts are hashed with the top-level \
+                     size, so this engine's blocks would never match (use one block size \
+                     for every engine)"
+                );
+                return Err(self.error(
+                    &[key("workers"), Seg::Index(index), key("block_size")],
+                    ConfigErrorKind::Yaml { message },
+                ));
+            }
+            let kv_events = match worker.kv_events {
+                None => None,
+                Some(raw) => {
+                    let config = KvEventsConfig {
+                        endpoint: raw.endpoint,
+                        replay_endpoint: raw.replay_endpoint,
+                        topic: raw.topic.unwrap_or_default(),
+                    };
+                    let last_rank = dp_size.saturating_sub(1);
+                    let endpoints = std::iter::once(("endpoint", Some(&config.endpoint))).chain(
+                        std::iter::once(("replay_endpoint", config.replay_endpoint.as_ref())),
+                    );
+                    for (name, endpoint) in endpoints {
+                        let Some(endpoint) = endpoint else { continue };
+                        let port = check_zmq_endpoint(endpoint).unwrap_or(0);
+                        if u32::from(port) + last_rank > u32::from(u16::MAX) {
+                            let message = format!(
+                                "port {port} + rank {last_rank} (dp_size {dp_size}) is over 65535"
+                            );
+                            return Err(self.error(
+                                &[
+                                    key("workers"),
+                                    Seg::Index(index),
+                                    key("kv_events"),
+                                    key(name),
+                                ],
+                                ConfigErrorKind::Yaml { message },
+                            ));
+                        }
+                    }
+                    Some(config)
+                }
+            };
             workers.push(WorkerConfig {
                 line: self.entry_line(&path),
                 id: worker.id,
                 url: worker.url,
-                dp_size: worker
-                    .dp_size
-                    .and_then(|n| u32::try_from(n).ok())
-                    .unwrap_or(1),
+                dp_size,
                 max_num_batched_tokens: worker.max_num_batched_tokens,
                 total_kv_blocks: worker.total_kv_blocks,
+                kv_events,
+                block_size,
             });
         }
         Ok(workers)

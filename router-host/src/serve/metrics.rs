@@ -55,6 +55,99 @@ pub struct UpstreamLabels {
     pub kind: String,
 }
 
+/// A KV-event metric of one row, with a kind or reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KvKindLabels {
+    pub worker: String,
+    pub dp_rank: String,
+    pub kind: String,
+}
+
+/// What KV-event ingestion counts (`serve/kv_events/`); cheap to clone (shared families).
+#[derive(Clone, Debug, Default)]
+pub struct KvMetrics {
+    /// Events applied, by `kind`: `block_stored`, `block_removed`, `all_blocks_cleared`.
+    pub events: Family<KvKindLabels, Counter>,
+    /// Messages (event batches) received, by row.
+    pub batches: Family<RowLabels, Counter>,
+    /// Sequence gaps (batches lost), by row.
+    pub gaps: Family<RowLabels, Counter>,
+    /// Replay requests, by `kind` (outcome): `ok`, `error`.
+    pub replays: Family<KvKindLabels, Counter>,
+    /// Rows cleared, by `kind` (cause): `restart`, `all_blocks_cleared`.
+    pub clears: Family<KvKindLabels, Counter>,
+    /// Events refused, by `kind` (reason).
+    pub refused: Family<KvKindLabels, Counter>,
+    /// Events ignored on purpose, by `kind` (reason): `medium`, `group`, `unknown_type`,
+    /// `unknown_block`.
+    pub ignored: Family<KvKindLabels, Counter>,
+    /// Messages or events that could not be decoded, by `kind`: `frames`, `payload`, `event`.
+    pub decode_errors: Family<KvKindLabels, Counter>,
+    /// 1 while the subscriber of the row is connected to its engine.
+    pub connected: Family<RowLabels, Gauge>,
+    /// Blocks the row's engine-hash map holds (what the index holds for the row).
+    pub blocks: Family<RowLabels, Gauge>,
+}
+
+impl KvMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "router_kv_events",
+            "KV-cache events applied to the index, by row and kind (block_stored, \
+             block_removed, all_blocks_cleared)",
+            self.events.clone(),
+        );
+        registry.register(
+            "router_kv_event_batches",
+            "KV-event messages (batches) received from the row's engine",
+            self.batches.clone(),
+        );
+        registry.register(
+            "router_kv_event_gaps",
+            "Gaps in a row's event sequence numbers (batches lost)",
+            self.gaps.clone(),
+        );
+        registry.register(
+            "router_kv_event_replays",
+            "Replay requests sent after a gap, by outcome (ok, error)",
+            self.replays.clone(),
+        );
+        registry.register(
+            "router_kv_row_clears",
+            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared)",
+            self.clears.clone(),
+        );
+        registry.register(
+            "router_kv_events_refused",
+            "KV events refused, by reason (block_size, token_count, unknown_parent, hash, \
+             extra_keys)",
+            self.refused.clone(),
+        );
+        registry.register(
+            "router_kv_events_ignored",
+            "KV events ignored on purpose, by reason (medium, group, unknown_type, \
+             unknown_block)",
+            self.ignored.clone(),
+        );
+        registry.register(
+            "router_kv_event_decode_errors",
+            "KV-event messages or events that could not be decoded, by kind (frames, \
+             payload, event)",
+            self.decode_errors.clone(),
+        );
+        registry.register(
+            "router_kv_subscriber_connected",
+            "1 while the row's KV-event subscriber is connected to its engine",
+            self.connected.clone(),
+        );
+        registry.register(
+            "router_kv_index_blocks",
+            "Device-tier blocks indexed for the row from its engine's events",
+            self.blocks.clone(),
+        );
+    }
+}
+
 type HistogramFamily<S> = Family<S, Histogram, fn() -> Histogram>;
 
 fn overhead_histogram() -> Histogram {
@@ -82,6 +175,7 @@ pub struct Metrics {
     pub upstream_errors: Family<UpstreamLabels, Counter>,
     pub tokenize_fallbacks: Counter,
     pub reloads: Family<OutcomeLabels, Counter>,
+    pub kv: KvMetrics,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -167,6 +261,8 @@ impl Metrics {
         for outcome in ["ok", "error"] {
             let _ = reloads.get_or_create(&labels(outcome));
         }
+        let kv = KvMetrics::default();
+        kv.register(&mut registry);
         registry.register_collector(Box::new(StateCollector { current, health }));
         Metrics {
             registry,
@@ -181,6 +277,7 @@ impl Metrics {
             upstream_errors,
             tokenize_fallbacks,
             reloads,
+            kv,
         }
     }
 

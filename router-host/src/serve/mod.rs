@@ -14,6 +14,7 @@
 
 pub mod errors;
 pub mod health;
+pub mod kv_events;
 pub mod lifecycle;
 pub mod metrics;
 pub mod proxy;
@@ -77,6 +78,8 @@ pub struct App {
     reload_lock: tokio::sync::Mutex<()>,
     generations: AtomicU64,
     tokenizer_turn: AtomicUsize,
+    /// KV-event subscribers, one per `(worker, rank)` with `kv_events` (`kv_events/`).
+    pub(crate) kv_subscribers: kv_events::Subscribers,
 }
 
 impl std::fmt::Debug for App {
@@ -133,6 +136,8 @@ impl App {
         let next = Arc::new(next);
         let previous = self.current.swap(next.clone());
         self.generations.store(number, Ordering::SeqCst);
+        self.kv_subscribers
+            .sync(&next, &self.current, &self.metrics.kv);
         self.metrics.reload("ok");
         if next.serve.listen != previous.serve.listen && self.options.listen.is_none() {
             tracing::warn!(
@@ -283,6 +288,7 @@ impl Server {
             reload_lock: tokio::sync::Mutex::new(()),
             generations: AtomicU64::new(1),
             tokenizer_turn: AtomicUsize::new(0),
+            kv_subscribers: kv_events::Subscribers::default(),
         });
         let generation = app.current.load();
         health::probe_round(&app, &generation).await;
@@ -310,6 +316,8 @@ impl Server {
         let app = self.app;
         let prober = tokio::spawn(health::probe_loop(app.clone()));
         let ticker = tokio::spawn(queue_ticker(app.clone()));
+        app.kv_subscribers
+            .sync(&app.current.load(), &app.current, &app.metrics.kv);
         let stop = app.stopping.clone();
         // Streamed chunks are small separate writes: without TCP_NODELAY each waits for the
         // client's delayed ACK (Nagle), about 40 ms per response (docs/performance.md §6).
@@ -343,6 +351,7 @@ impl Server {
         app.stopping.cancel();
         prober.abort();
         ticker.abort();
+        app.kv_subscribers.stop_all();
         tracing::info!("stopped");
         result
     }

@@ -1,0 +1,123 @@
+//! KV-cache events from the engines (vLLM's ZMQ publisher) into the routing core's KV index
+//! (docs/serve.md, "KV-cache events").
+//!
+//! One subscriber task per `(worker, rank)` with `kv_events` configured (`subscriber.rs`); the
+//! wire format is decoded in `decode.rs` and turned into router block ids in `ingest.rs`. The
+//! set of subscribers follows the configuration: [`Subscribers::sync`] on start and on every
+//! reload starts the new ones and stops those whose worker or settings are gone; a subscriber
+//! whose settings are unchanged keeps running and seeds the reloaded core with its blocks.
+
+pub mod decode;
+pub mod ingest;
+mod subscriber;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::metrics::KvMetrics;
+use super::state::{Current, Generation};
+use super::Stop;
+
+/// What one subscriber is: its row and settings (a change restarts it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Spec {
+    pub worker: u64,
+    pub rank: u32,
+    pub endpoint: String,
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    pub block_size: u32,
+}
+
+/// The subscribers a configuration asks for.
+pub fn specs(generation: &Generation) -> Vec<Spec> {
+    let mut out = Vec::new();
+    for w in &generation.config.workers {
+        let Some(kv) = &w.kv_events else { continue };
+        for rank in 0..w.dp_size {
+            out.push(Spec {
+                worker: w.id,
+                rank,
+                endpoint: kv.endpoint_for(rank),
+                replay_endpoint: kv.replay_endpoint_for(rank),
+                topic: kv.topic.clone(),
+                block_size: w.block_size,
+            });
+        }
+    }
+    out
+}
+
+/// The running subscribers.
+#[derive(Debug, Default)]
+pub struct Subscribers {
+    running: Mutex<HashMap<Spec, (Stop, tokio::task::JoinHandle<()>)>>,
+}
+
+impl Subscribers {
+    /// Make the running set match `generation`: start what is new, stop what is gone.
+    /// Must run inside the tokio runtime.
+    pub fn sync(&self, generation: &Generation, current: &Arc<Current>, metrics: &KvMetrics) {
+        let wanted = specs(generation);
+        let mut running = match self.running.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        running.retain(|spec, (stop, _)| {
+            let keep = wanted.contains(spec);
+            if !keep {
+                stop.cancel();
+                tracing::info!(
+                    worker = spec.worker,
+                    dp_rank = spec.rank,
+                    "KV events: subscriber stopped (configuration changed)"
+                );
+            }
+            keep
+        });
+        for spec in wanted {
+            if running.contains_key(&spec) {
+                continue;
+            }
+            let stop = Stop::default();
+            match subscriber::Subscriber::new(
+                spec.clone(),
+                current.clone(),
+                metrics.clone(),
+                stop.clone(),
+            ) {
+                Ok(sub) => {
+                    let task = tokio::spawn(sub.run());
+                    running.insert(spec, (stop, task));
+                }
+                Err(err) => tracing::error!(
+                    worker = spec.worker,
+                    dp_rank = spec.rank,
+                    error = %err,
+                    "KV events: subscriber not started"
+                ),
+            }
+        }
+    }
+
+    /// Stop every subscriber (shutdown).
+    pub fn stop_all(&self) {
+        let mut running = match self.running.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        for (_, (stop, task)) in running.drain() {
+            stop.cancel();
+            task.abort();
+        }
+    }
+
+    /// How many subscribers run.
+    pub fn len(&self) -> usize {
+        self.running.lock().map(|r| r.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,579 @@
+//! `router-host serve`: KV-cache events from vLLM-style ZMQ publishers feed the KV index.
+//!
+//! Each test binds its own in-process PUB socket on 127.0.0.1 (the same `zeromq` crate the
+//! router uses), builds vLLM's msgpack payloads with `rmpv`, and watches the router's metrics and
+//! KV index with bounded waits.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::engine::{client, eventually, post, Engine, Router};
+use rmpv::Value;
+use router_core::blocks::{BlockHasher, Tenant};
+use router_host::model::RowId;
+use serde_json::json;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const WAIT: Duration = Duration::from_secs(10);
+const BLOCK: usize = 4;
+
+/// A vLLM-like publisher: `[topic, seq BE, msgpack [ts, events, dp_rank]]`.
+struct Publisher {
+    socket: zeromq::PubSocket,
+    port: u16,
+    seq: u64,
+}
+
+impl Publisher {
+    async fn bind(port: u16) -> Publisher {
+        let mut socket = zeromq::PubSocket::new();
+        let endpoint = socket
+            .bind(&format!("tcp://127.0.0.1:{port}"))
+            .await
+            .expect("bind the test publisher");
+        let port = match endpoint {
+            zeromq::Endpoint::Tcp(_, port) => port,
+            other => panic!("not a TCP endpoint: {other:?}"),
+        };
+        Publisher {
+            socket,
+            port,
+            seq: 0,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    async fn frames(&mut self, frames: Vec<Vec<u8>>) {
+        let frames: Vec<Bytes> = frames.into_iter().map(Bytes::from).collect();
+        let message = ZmqMessage::try_from(frames).expect("frames");
+        self.socket.send(message).await.expect("publish");
+    }
+
+    /// Publish a batch with an explicit sequence number.
+    async fn send_seq(&mut self, seq: u64, events: Vec<Value>) {
+        self.frames(vec![
+            b"kv@test".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            payload(events),
+        ])
+        .await;
+        self.seq = seq + 1;
+    }
+
+    async fn send(&mut self, events: Vec<Value>) {
+        self.send_seq(self.seq, events).await;
+    }
+
+    /// Send empty batches until the router has received one (a SUB misses what is published
+    /// before its subscription arrives).
+    async fn prime(&mut self, router: &Router, worker: u64) {
+        let sample = format!("router_kv_event_batches_total{{worker=\"{worker}\"}}");
+        let before = router.metric(&sample);
+        let deadline = std::time::Instant::now() + WAIT;
+        while router.metric(&sample) <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the router never received a batch from worker {worker}"
+            );
+            self.send(vec![]).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Everything sent after the subscription arrives, in order: let it drain.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn payload(events: Vec<Value>) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(
+        &mut out,
+        &Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::from(0)]),
+    )
+    .expect("encode");
+    out
+}
+
+fn s(v: &str) -> Value {
+    Value::from(v)
+}
+
+fn ints(values: &[u64]) -> Value {
+    Value::Array(values.iter().map(|&v| Value::from(v)).collect())
+}
+
+/// `BlockStored` in the map form (vLLM since mid-2026), with fields this router ignores.
+fn stored_map(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u64) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (s("block_hashes"), ints(hashes)),
+        (
+            s("parent_block_hash"),
+            parent.map_or(Value::Nil, Value::from),
+        ),
+        (
+            s("token_ids"),
+            Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+        ),
+        (s("block_size"), Value::from(block_size)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s("GPU")),
+        (s("lora_name"), Value::Nil),
+        (
+            s("extra_keys"),
+            Value::Array(vec![Value::Nil; hashes.len()]),
+        ),
+        (s("group_idx"), Value::from(0)),
+        (s("kv_cache_spec_kind"), s("full_attention")),
+    ])
+}
+
+/// `BlockStored` in the legacy positional form, with 32-byte hashes.
+fn stored_array(hashes: &[[u8; 32]], parent: Option<[u8; 32]>, tokens: &[u32]) -> Value {
+    Value::Array(vec![
+        s("BlockStored"),
+        Value::Array(hashes.iter().map(|h| Value::Binary(h.to_vec())).collect()),
+        parent.map_or(Value::Nil, |h| Value::Binary(h.to_vec())),
+        Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+        Value::from(BLOCK as u64),
+        Value::Nil,
+        s("GPU"),
+        Value::Nil,
+        Value::Nil,
+    ])
+}
+
+fn removed(hashes: &[u64]) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockRemoved")),
+        (s("block_hashes"), ints(hashes)),
+        (s("medium"), s("GPU")),
+    ])
+}
+
+fn cleared() -> Value {
+    Value::Map(vec![(s("type"), s("AllBlocksCleared"))])
+}
+
+fn yaml(workers: &[(&Engine, &Publisher)]) -> String {
+    let mut out = String::from(
+        "block_size: 4\nserve:\n  health:\n    interval_ms: 200\n  tokenizer: remote\nworkers:\n",
+    );
+    for (engine, publisher) in workers {
+        out.push_str(&format!(
+            "  - id: {}\n    url: {}\n    kv_events:\n      endpoint: {}\n      topic: kv\n",
+            engine.state.id,
+            engine.url(),
+            publisher.endpoint()
+        ));
+    }
+    out
+}
+
+/// The router's ids of the prompt's full blocks (the core's rule).
+fn prompt_ids(tokens: &[u32]) -> Vec<u64> {
+    let mut out = Vec::new();
+    BlockHasher::new(BLOCK as u32, Tenant::default())
+        .expect("hasher")
+        .prompt_blocks(tokens, &mut out);
+    out
+}
+
+/// How many of `ids` (leading) the row of `worker` holds in the current core's index.
+fn held(router: &Router, worker: u64, ids: &[u64]) -> usize {
+    let generation = router.handle.generation();
+    let core = generation.host.core();
+    let Some(slot) = core.topology().slot(RowId {
+        worker_id: worker,
+        dp_rank: 0,
+    }) else {
+        return 0;
+    };
+    let index = core.kv_index();
+    ids.iter().take_while(|&&id| index.holds(slot, id)).count()
+}
+
+fn blocks_metric(router: &Router, worker: u64) -> f64 {
+    router.metric(&format!(
+        "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"0\"}}"
+    ))
+}
+
+fn header(response: &reqwest::Response, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_blocks_route_their_prompt_to_the_row_and_removal_takes_them_away() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
+    let router = Router::start("serve_kv_route", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
+    p1.prime(&router, 1).await;
+    p2.prime(&router, 2).await;
+    assert_eq!(
+        router.metric("router_kv_subscriber_connected{worker=\"2\",dp_rank=\"0\"}"),
+        1.0
+    );
+
+    let tokens: Vec<u32> = (100..114).collect(); // 3 full blocks and 2 tokens
+    let ids = prompt_ids(&tokens);
+    assert_eq!(ids.len(), 3);
+    // Blocks 0 and 1 in one map-form event with u64 hashes (one over i64::MAX), block 2 in a
+    // second event chained from block 1's engine hash.
+    let h0 = u64::MAX - 1;
+    p2.send(vec![stored_map(&[h0, 22], None, &tokens[..8], 4)])
+        .await;
+    p2.send(vec![stored_map(&[33], Some(22), &tokens[8..12], 4)])
+        .await;
+    assert!(eventually(WAIT, || held(&router, 2, &ids) == 3).await);
+    assert_eq!(held(&router, 1, &ids), 0);
+    assert_eq!(blocks_metric(&router, 2), 3.0);
+    assert_eq!(
+        router.metric("router_kv_events_total{worker=\"2\",dp_rank=\"0\",kind=\"block_stored\"}"),
+        2.0
+    );
+
+    // Legacy array form with 32-byte hashes on worker 1, another prompt.
+    let other: Vec<u32> = (500..508).collect();
+    let other_ids = prompt_ids(&other);
+    p1.send(vec![stored_array(&[[1; 32]], None, &other[..4])])
+        .await;
+    p1.send(vec![stored_array(&[[2; 32]], Some([1; 32]), &other[4..8])])
+        .await;
+    assert!(eventually(WAIT, || held(&router, 1, &other_ids) == 2).await);
+
+    // A request for the prompt goes to the row that holds it.
+    let http = client();
+    let url = router.url("/v1/completions");
+    for _ in 0..3 {
+        let response = post(&http, &url, &json!({"model": "tiny", "prompt": tokens})).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(header(&response, "x-router-worker"), "2");
+        let _ = response.bytes().await;
+    }
+    let response = post(&http, &url, &json!({"model": "tiny", "prompt": other})).await;
+    assert_eq!(header(&response, "x-router-worker"), "1");
+    let _ = response.bytes().await;
+
+    // BlockRemoved of the first block: the prompt has no overlap there any more.
+    p2.send(vec![removed(&[h0, 987_654])]).await;
+    assert!(eventually(WAIT, || held(&router, 2, &ids) == 0).await);
+    assert!(eventually(WAIT, || blocks_metric(&router, 2) == 2.0).await);
+    assert_eq!(
+        router.metric(
+            "router_kv_events_ignored_total{worker=\"2\",dp_rank=\"0\",kind=\"unknown_block\"}"
+        ),
+        1.0
+    );
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clears_restarts_gaps_refusals_and_malformed_messages() {
+    let e1 = Engine::start(1).await;
+    let mut p = Publisher::bind(0).await;
+    let router = Router::start("serve_kv_clear", &yaml(&[(&e1, &p)])).await;
+    p.prime(&router, 1).await;
+    let tokens: Vec<u32> = (1..=8).collect();
+    let ids = prompt_ids(&tokens);
+    let metric = |name: &str, kind: &str| {
+        router.metric(&format!(
+            "{name}{{worker=\"1\",dp_rank=\"0\",kind=\"{kind}\"}}"
+        ))
+    };
+
+    // AllBlocksCleared empties the row.
+    p.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+    p.send(vec![cleared()]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 0).await);
+    assert_eq!(
+        metric("router_kv_row_clears_total", "all_blocks_cleared"),
+        1.0
+    );
+    assert_eq!(blocks_metric(&router, 1), 0.0);
+
+    // A sequence that goes backwards is a restart: the row is cleared, then the batch applied.
+    p.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+    p.send_seq(0, vec![stored_map(&[7], None, &[9, 9, 9, 9], 4)])
+        .await;
+    assert!(
+        eventually(WAIT, || metric("router_kv_row_clears_total", "restart")
+            == 1.0)
+        .await
+    );
+    assert!(eventually(WAIT, || blocks_metric(&router, 1) == 1.0).await);
+    assert_eq!(held(&router, 1, &ids), 0);
+    assert_eq!(held(&router, 1, &prompt_ids(&[9, 9, 9, 9])), 1);
+
+    // A gap is counted (no replay endpoint); the batch after it is applied.
+    let next = p.seq + 4;
+    p.send_seq(next, vec![stored_map(&[1, 2], None, &tokens, 4)])
+        .await;
+    assert!(
+        eventually(WAIT, || {
+            router.metric("router_kv_event_gaps_total{worker=\"1\",dp_rank=\"0\"}") == 1.0
+        })
+        .await
+    );
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+
+    // A block size that is not the configured one is refused and counted.
+    p.send(vec![stored_map(&[50], None, &[1; 16], 16)]).await;
+    assert!(
+        eventually(WAIT, || metric(
+            "router_kv_events_refused_total",
+            "block_size"
+        ) == 1.0)
+        .await
+    );
+
+    // Malformed messages are counted and the subscriber goes on.
+    p.frames(vec![b"kv".to_vec(), vec![0; 8]]).await;
+    p.frames(vec![b"kv".to_vec(), vec![1, 2, 3], payload(vec![])])
+        .await;
+    let seq = p.seq;
+    p.frames(vec![
+        b"kv".to_vec(),
+        seq.to_be_bytes().to_vec(),
+        vec![0x93, 0xc1, 0xff],
+    ])
+    .await;
+    p.seq += 1;
+    p.send(vec![
+        Value::from(5),
+        Value::Map(vec![
+            (s("type"), s("BlockStored")),
+            (s("block_hashes"), s("x")),
+        ]),
+        Value::Map(vec![(s("type"), s("FromTheFuture"))]),
+        stored_map(&[60], None, &[4, 4, 4, 4], 4),
+    ])
+    .await;
+    assert!(eventually(WAIT, || held(&router, 1, &prompt_ids(&[4, 4, 4, 4])) == 1).await);
+    assert_eq!(metric("router_kv_event_decode_errors_total", "frames"), 2.0);
+    assert_eq!(
+        metric("router_kv_event_decode_errors_total", "payload"),
+        1.0
+    );
+    assert_eq!(metric("router_kv_event_decode_errors_total", "event"), 2.0);
+    assert_eq!(
+        metric("router_kv_events_ignored_total", "unknown_type"),
+        1.0
+    );
+    // A parent the row never saw is refused, never indexed under a wrong id.
+    p.send(vec![stored_map(&[70], Some(123_456), &[3, 3, 3, 3], 4)])
+        .await;
+    assert!(
+        eventually(WAIT, || metric(
+            "router_kv_events_refused_total",
+            "unknown_parent"
+        ) == 1.0)
+        .await
+    );
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subscriber_reconnects_after_the_publisher_restarts() {
+    let e1 = Engine::start(1).await;
+    let mut p = Publisher::bind(0).await;
+    let port = p.port;
+    let router = Router::start("serve_kv_reconnect", &yaml(&[(&e1, &p)])).await;
+    // An engine that has run a while: its sequence is well past what a restarted one reaches
+    // before the subscriber is back.
+    p.seq = 1_000_000;
+    p.prime(&router, 1).await;
+    let tokens: Vec<u32> = (1..=8).collect();
+    let ids = prompt_ids(&tokens);
+    p.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+
+    // The engine goes away and comes back on the same port with its sequence from 0.
+    drop(p);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut p = Publisher::bind(port).await;
+    p.prime(&router, 1).await;
+    // Its first batch went backwards: the row was cleared.
+    assert!(
+        eventually(WAIT, || {
+            router.metric("router_kv_row_clears_total{worker=\"1\",dp_rank=\"0\",kind=\"restart\"}")
+                == 1.0
+        })
+        .await
+    );
+    assert_eq!(held(&router, 1, &ids), 0);
+    p.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+    assert_eq!(
+        router.metric("router_kv_subscriber_connected{worker=\"1\",dp_rank=\"0\"}"),
+        1.0
+    );
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_asks_the_replay_socket_and_applies_what_it_returns() {
+    let e1 = Engine::start(1).await;
+    let mut p = Publisher::bind(0).await;
+    let mut replay = zeromq::RouterSocket::new();
+    let replay_port = match replay
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("bind the replay socket")
+    {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        other => panic!("not TCP: {other:?}"),
+    };
+    let config = yaml(&[(&e1, &p)]).replace(
+        "      topic: kv\n",
+        &format!("      topic: kv\n      replay_endpoint: tcp://127.0.0.1:{replay_port}\n"),
+    );
+    let router = Router::start("serve_kv_replay", &config).await;
+    p.prime(&router, 1).await;
+    let tokens: Vec<u32> = (1..=8).collect();
+    let ids = prompt_ids(&tokens);
+
+    // Batches `lost` and `lost + 1` never reach the subscriber; the replay socket has them.
+    let lost = p.seq;
+    let first = payload(vec![stored_map(&[1], None, &tokens[..4], 4)]);
+    let second = payload(vec![stored_map(&[2], Some(1), &tokens[4..], 4)]);
+    let answer = tokio::spawn(async move {
+        let request = tokio::time::timeout(WAIT, replay.recv())
+            .await
+            .expect("a replay request in time")
+            .expect("receive")
+            .into_vec();
+        // [identity, "", start seq]
+        assert_eq!(request.len(), 3, "{request:?}");
+        assert!(request[1].is_empty());
+        assert_eq!(request[2].as_ref(), lost.to_be_bytes());
+        let identity = request[0].clone();
+        let seq = |n: u64| Bytes::copy_from_slice(&n.to_be_bytes());
+        let replies = [
+            // vLLM 0.32: [identity, "", seq, payload].
+            vec![
+                identity.clone(),
+                Bytes::new(),
+                seq(lost),
+                Bytes::from(first),
+            ],
+            // vLLM 0.33: [identity, "", topic, seq, payload].
+            vec![
+                identity.clone(),
+                Bytes::new(),
+                Bytes::from_static(b"kv@test"),
+                seq(lost + 1),
+                Bytes::from(second),
+            ],
+            // The live batch is in the buffer too: not applied twice.
+            vec![identity.clone(), Bytes::new(), seq(lost + 2), Bytes::new()],
+            vec![identity, Bytes::new(), seq(u64::MAX), Bytes::new()],
+        ];
+        for frames in replies {
+            replay
+                .send(ZmqMessage::try_from(frames).expect("frames"))
+                .await
+                .expect("reply");
+        }
+    });
+    p.send_seq(lost + 2, vec![stored_map(&[3], Some(2), &[9, 9, 9, 9], 4)])
+        .await;
+    answer.await.expect("the replay socket answered");
+    let mut all = tokens.clone();
+    all.extend([9, 9, 9, 9]);
+    assert!(eventually(WAIT, || held(&router, 1, &prompt_ids(&all)) == 3).await);
+    assert_eq!(held(&router, 1, &ids), 2);
+    assert_eq!(
+        router.metric("router_kv_event_gaps_total{worker=\"1\",dp_rank=\"0\"}"),
+        1.0
+    );
+    assert_eq!(
+        router.metric("router_kv_event_replays_total{worker=\"1\",dp_rank=\"0\",kind=\"ok\"}"),
+        1.0
+    );
+    router.stop().await;
+}
+
+#[test]
+fn kv_events_configuration_is_checked_with_file_line_and_key() {
+    let parse = |yaml: &str| router_host::config::RouterConfig::from_yaml_str(yaml, None);
+    let ok = parse(
+        "block_size: 32\nworkers:\n  - id: 1\n    url: http://127.0.0.1:8101\n    dp_size: 2\n    \
+         kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      replay_endpoint: \
+         tcp://127.0.0.1:6557\n    block_size: 32\n",
+    )
+    .expect("valid");
+    let kv = ok.workers[0].kv_events.clone().expect("kv_events");
+    assert_eq!(kv.endpoint_for(1), "tcp://127.0.0.1:5558");
+    assert_eq!(
+        kv.replay_endpoint_for(1).as_deref(),
+        Some("tcp://127.0.0.1:6558")
+    );
+    assert_eq!(kv.topic, "");
+    assert_eq!(ok.workers[0].block_size, 32);
+
+    let cases = [
+        (
+            "    block_size: 16\n",
+            "block_size",
+            "differs from the top-level",
+        ),
+        (
+            "    kv_events:\n      endpoint: tcp://*:5557\n",
+            "endpoint",
+            "wildcard",
+        ),
+        (
+            "    kv_events:\n      endpoint: http://127.0.0.1:5557\n",
+            "endpoint",
+            "tcp://",
+        ),
+        (
+            "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      colour: red\n",
+            "colour",
+            "unknown field",
+        ),
+    ];
+    for (extra, key, why) in cases {
+        let yaml =
+            format!("block_size: 32\nworkers:\n  - id: 1\n    url: http://127.0.0.1:8101\n{extra}");
+        let err = parse(&yaml).expect_err(&yaml).to_string();
+        assert!(err.contains(key) && err.contains(why), "{err}");
+        assert!(err.contains("line "), "{err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_rows_blocks_in_the_new_configuration() {
+    let e1 = Engine::start(1).await;
+    let mut p = Publisher::bind(0).await;
+    let router = Router::start("serve_kv_reload", &yaml(&[(&e1, &p)])).await;
+    p.prime(&router, 1).await;
+    let tokens: Vec<u32> = (1..=8).collect();
+    let ids = prompt_ids(&tokens);
+    p.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+
+    assert_eq!(router.handle.reload().await.expect("reload"), 2);
+    assert_eq!(router.handle.generation().number, 2);
+    // The subscriber kept running and seeded the new core's index with the row's blocks.
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
+    p.send(vec![removed(&[2])]).await;
+    assert!(eventually(WAIT, || held(&router, 1, &ids) == 1).await);
+    assert_eq!(
+        router.metric("router_kv_event_gaps_total{worker=\"1\",dp_rank=\"0\"}"),
+        0.0
+    );
+    router.stop().await;
+}
