@@ -177,15 +177,14 @@ impl<'a> Columns<'a> {
     /// token (the row's `active_prefill_tokens` plus the prompt tokens it does not cache) first,
     /// then fewer active requests; then the lowest `(worker_id, dp_rank)`.
     #[inline]
-    fn load_key(&self, i: usize, eff: f64, signal: LoadSignal, prompt: Prompt) -> LoadKey {
-        let backlog = match signal {
-            LoadSignal::ActiveRequests => 0,
-            LoadSignal::PrefillBacklog => {
-                // `as` saturates (and a NaN `eff` was already made 0).
-                let cached = (eff.max(0.0).floor() as u64)
-                    .saturating_mul(u64::from(prompt.block_size.max(1)));
-                self.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens))
-            }
+    fn load_key<const BACKLOG: bool>(&self, i: usize, eff: f64, prompt: Prompt) -> LoadKey {
+        let backlog = if BACKLOG {
+            // `as` saturates (and a NaN `eff` was already made 0).
+            let cached =
+                (eff.max(0.0).floor() as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
+            self.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens))
+        } else {
+            0
         };
         (backlog, self.active[i], self.row(i))
     }
@@ -245,12 +244,13 @@ impl Scan {
     }
 
     #[inline]
-    fn add(&mut self, i: usize, eff: f64, key: LoadKey) {
+    fn add<const BACKLOG: bool>(&mut self, i: usize, eff: f64, key: LoadKey) {
         if key < self.least_key {
             self.least_loaded = i;
             self.least_key = key;
         }
-        if (key.1, key.2) < self.least_active_key {
+        // Without the backlog the least-active row is the least-loaded one (set after the pass).
+        if BACKLOG && (key.1, key.2) < self.least_active_key {
             self.least_active = i;
             self.least_active_key = (key.1, key.2);
         }
@@ -264,6 +264,34 @@ impl Scan {
     }
 }
 
+/// One pass over the rows where `in_set` holds (`None` when there are none). Compiled once per
+/// load signal, so that under the default signal the backlog term and the separate least-active
+/// tracking compile away and each row costs what it did before the signal existed.
+#[inline]
+fn scan<const BACKLOG: bool>(
+    params: &ResolvedParams,
+    cols: &Columns<'_>,
+    prompt: Prompt,
+    in_set: &impl Fn(usize) -> bool,
+) -> Option<Scan> {
+    let n = cols.len();
+    let weight = params.host_cache_weight;
+    let first = (0..n).find(|&i| in_set(i))?;
+    let eff = cols.effective_overlap(first, weight);
+    let mut scan = Scan::first(first, eff, cols.load_key::<BACKLOG>(first, eff, prompt));
+    for i in first + 1..n {
+        if in_set(i) {
+            let eff = cols.effective_overlap(i, weight);
+            scan.add::<BACKLOG>(i, eff, cols.load_key::<BACKLOG>(i, eff, prompt));
+        }
+    }
+    if !BACKLOG {
+        scan.least_active = scan.least_loaded;
+        scan.least_active_key = (scan.least_key.1, scan.least_key.2);
+    }
+    Some(scan)
+}
+
 /// Run the load tier, then the cache tier, over the rows where `in_set` holds.
 /// `None` when the set is empty.
 pub fn run_tiers(
@@ -274,18 +302,10 @@ pub fn run_tiers(
     in_set: impl Fn(usize) -> bool,
 ) -> Option<TierDecision> {
     let cols = &cols.exact();
-    let n = cols.len();
-    let weight = params.host_cache_weight;
-    let signal = params.load_signal;
-    let first = (0..n).find(|&i| in_set(i))?;
-    let eff = cols.effective_overlap(first, weight);
-    let mut scan = Scan::first(first, eff, cols.load_key(first, eff, signal, prompt));
-    for i in first + 1..n {
-        if in_set(i) {
-            let eff = cols.effective_overlap(i, weight);
-            scan.add(i, eff, cols.load_key(i, eff, signal, prompt));
-        }
-    }
+    let scan = match params.load_signal {
+        LoadSignal::ActiveRequests => scan::<false>(params, cols, prompt, &in_set)?,
+        LoadSignal::PrefillBacklog => scan::<true>(params, cols, prompt, &in_set)?,
+    };
     let min_active = scan.least_active_key.0;
     let cache_ratio = if request_blocks == 0 {
         0.0
