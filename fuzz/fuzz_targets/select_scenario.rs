@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
             // A decision names a registered row that the request allows.
             let row = routed.decision.row;
             let request = &scenario.requests[index].request;
-            assert!(host.cluster().has_row(row), "{row:?}");
+            assert!(host.topology().cluster().has_row(row), "{row:?}");
             if let Some(pin) = request.pinned_worker {
                 assert_eq!(row, pin);
             }
