@@ -172,23 +172,6 @@ impl<'a> Columns<'a> {
         self.active[i]
     }
 
-    /// Least-loaded order: with [`LoadSignal::ActiveRequests`] fewer active requests first; with
-    /// [`LoadSignal::PrefillBacklog`] fewer prompt tokens to prefill before this request's first
-    /// token (the row's `active_prefill_tokens` plus the prompt tokens it does not cache) first,
-    /// then fewer active requests; then the lowest `(worker_id, dp_rank)`.
-    #[inline]
-    fn load_key<const BACKLOG: bool>(&self, i: usize, eff: f64, prompt: Prompt) -> LoadKey {
-        let backlog = if BACKLOG {
-            // `as` saturates (and a NaN `eff` was already made 0).
-            let cached =
-                (eff.max(0.0).floor() as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
-            self.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens))
-        } else {
-            0
-        };
-        (backlog, self.active[i], self.row(i))
-    }
-
     /// `device + weight * host`. A NaN (no meaningful overlap) counts as nothing cached, which
     /// also keeps the comparisons below total.
     #[inline]
@@ -208,35 +191,84 @@ pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
     load.saturating_sub(min) > abs && load as f64 > rel * min as f64
 }
 
-/// Least-loaded order of a row: `(prefill backlog, active requests, row)`; the backlog is 0
-/// under [`LoadSignal::ActiveRequests`].
-type LoadKey = (u64, u64, RowId);
+/// A load signal's least-loaded order (`params.load_signal`), compiled into the scan: under the
+/// default signal the key is `(active requests, row)`, so each row costs what it did before the
+/// backlog signal existed.
+trait LoadOrder {
+    /// Smaller is less loaded; ties are broken by the row, so keys are total.
+    type Key: Copy + Ord;
+    /// Whether the key orders by something other than active requests first, so the load
+    /// tier's fewest-active row must be tracked on its own.
+    const SEPARATE_ACTIVE: bool;
+    fn key(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Key;
+    fn active_key(key: Self::Key) -> (u64, RowId);
+}
+
+/// [`LoadSignal::ActiveRequests`]: fewer active requests first, then the lowest
+/// `(worker_id, dp_rank)`.
+struct ByActive;
+
+impl LoadOrder for ByActive {
+    type Key = (u64, RowId);
+    const SEPARATE_ACTIVE: bool = false;
+    #[inline]
+    fn key(cols: &Columns<'_>, i: usize, _eff: f64, _prompt: Prompt) -> Self::Key {
+        (cols.active[i], cols.row(i))
+    }
+    #[inline]
+    fn active_key(key: Self::Key) -> (u64, RowId) {
+        key
+    }
+}
+
+/// [`LoadSignal::PrefillBacklog`]: fewer prompt tokens to prefill before this request's first
+/// token (the row's `active_prefill_tokens` plus the prompt tokens it does not cache) first, then
+/// fewer active requests, then the lowest row.
+struct ByBacklog;
+
+impl LoadOrder for ByBacklog {
+    type Key = (u64, u64, RowId);
+    const SEPARATE_ACTIVE: bool = true;
+    #[inline]
+    fn key(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Key {
+        // `as` saturates (and a NaN `eff` was already made 0).
+        let cached =
+            (eff.max(0.0).floor() as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
+        let backlog = cols.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens));
+        (backlog, cols.active[i], cols.row(i))
+    }
+    #[inline]
+    fn active_key(key: Self::Key) -> (u64, RowId) {
+        (key.1, key.2)
+    }
+}
 
 /// Running statistics of one pass over a row set. The load keys of the current winners are
 /// kept, not re-read: each row costs one key read and a few comparisons.
-struct Scan {
+struct Scan<O: LoadOrder> {
     /// Least-loaded by the load signal: the fallback tier's row.
     least_loaded: usize,
-    least_key: LoadKey,
+    least_key: O::Key,
     /// Fewest active requests (then lowest row): the load tier's row. The same row as
-    /// `least_loaded` under [`LoadSignal::ActiveRequests`].
+    /// `least_loaded` under [`LoadSignal::ActiveRequests`] (then set after the pass).
     least_active: usize,
     least_active_key: (u64, RowId),
     max_active: u64,
     best_row: usize,
-    best_key: LoadKey,
+    best_key: O::Key,
     best_eff: f64,
 }
 
-impl Scan {
+impl<O: LoadOrder> Scan<O> {
     #[inline]
-    fn first(i: usize, eff: f64, key: LoadKey) -> Scan {
+    fn first(i: usize, eff: f64, key: O::Key) -> Self {
+        let active_key = O::active_key(key);
         Scan {
             least_loaded: i,
             least_key: key,
             least_active: i,
-            least_active_key: (key.1, key.2),
-            max_active: key.1,
+            least_active_key: active_key,
+            max_active: active_key.0,
             best_row: i,
             best_key: key,
             best_eff: eff,
@@ -244,17 +276,17 @@ impl Scan {
     }
 
     #[inline]
-    fn add<const BACKLOG: bool>(&mut self, i: usize, eff: f64, key: LoadKey) {
+    fn add(&mut self, i: usize, eff: f64, key: O::Key) {
         if key < self.least_key {
             self.least_loaded = i;
             self.least_key = key;
         }
-        // Without the backlog the least-active row is the least-loaded one (set after the pass).
-        if BACKLOG && (key.1, key.2) < self.least_active_key {
+        let active_key = O::active_key(key);
+        if O::SEPARATE_ACTIVE && active_key < self.least_active_key {
             self.least_active = i;
-            self.least_active_key = (key.1, key.2);
+            self.least_active_key = active_key;
         }
-        self.max_active = self.max_active.max(key.1);
+        self.max_active = self.max_active.max(active_key.0);
         // Highest overlap wins; among equal overlap, the least-loaded row.
         if eff > self.best_eff || (eff == self.best_eff && key < self.best_key) {
             self.best_row = i;
@@ -264,49 +296,68 @@ impl Scan {
     }
 }
 
-/// One pass over the rows where `in_set` holds (`None` when there are none). Compiled once per
-/// load signal, so that under the default signal the backlog term and the separate least-active
-/// tracking compile away and each row costs what it did before the signal existed.
-#[inline]
-fn scan<const BACKLOG: bool>(
+/// What the tiers read of one pass, whatever the load order.
+struct Summary {
+    least_loaded: usize,
+    least_active: usize,
+    min_active: u64,
+    max_active: u64,
+    best_row: usize,
+    best_eff: f64,
+}
+
+/// One pass over the rows where `in_set` holds (`None` when there are none), compiled once per
+/// load order. Not inlined: on its own the loop keeps its state in registers (inlined into the
+/// caller, with both orders, it spilled some and cost 4 more instructions per row).
+#[inline(never)]
+fn scan<O: LoadOrder>(
     params: &ResolvedParams,
     cols: &Columns<'_>,
     prompt: Prompt,
-    in_set: &impl Fn(usize) -> bool,
-) -> Option<Scan> {
+    in_set: &impl Fn(RowId) -> bool,
+) -> Option<Summary> {
     let n = cols.len();
     let weight = params.host_cache_weight;
-    let first = (0..n).find(|&i| in_set(i))?;
+    let first = (0..n).find(|&i| in_set(cols.row(i)))?;
     let eff = cols.effective_overlap(first, weight);
-    let mut scan = Scan::first(first, eff, cols.load_key::<BACKLOG>(first, eff, prompt));
+    let mut scan = Scan::<O>::first(first, eff, O::key(cols, first, eff, prompt));
     for i in first + 1..n {
-        if in_set(i) {
+        if in_set(cols.row(i)) {
             let eff = cols.effective_overlap(i, weight);
-            scan.add::<BACKLOG>(i, eff, cols.load_key::<BACKLOG>(i, eff, prompt));
+            scan.add(i, eff, O::key(cols, i, eff, prompt));
         }
     }
-    if !BACKLOG {
-        scan.least_active = scan.least_loaded;
-        scan.least_active_key = (scan.least_key.1, scan.least_key.2);
-    }
-    Some(scan)
+    let (least_active, min_active) = if O::SEPARATE_ACTIVE {
+        (scan.least_active, scan.least_active_key.0)
+    } else {
+        (scan.least_loaded, O::active_key(scan.least_key).0)
+    };
+    Some(Summary {
+        least_loaded: scan.least_loaded,
+        least_active,
+        min_active,
+        max_active: scan.max_active,
+        best_row: scan.best_row,
+        best_eff: scan.best_eff,
+    })
 }
 
-/// Run the load tier, then the cache tier, over the rows where `in_set` holds.
+/// Run the load tier, then the cache tier, over the rows where `in_set` holds. The predicate is
+/// over rows, so the scan reads each row from its own bounds-checked columns.
 /// `None` when the set is empty.
 pub fn run_tiers(
     params: &ResolvedParams,
     cols: &Columns<'_>,
     request_blocks: u64,
     prompt: Prompt,
-    in_set: impl Fn(usize) -> bool,
+    in_set: impl Fn(RowId) -> bool,
 ) -> Option<TierDecision> {
     let cols = &cols.exact();
     let scan = match params.load_signal {
-        LoadSignal::ActiveRequests => scan::<false>(params, cols, prompt, &in_set)?,
-        LoadSignal::PrefillBacklog => scan::<true>(params, cols, prompt, &in_set)?,
+        LoadSignal::ActiveRequests => scan::<ByActive>(params, cols, prompt, &in_set)?,
+        LoadSignal::PrefillBacklog => scan::<ByBacklog>(params, cols, prompt, &in_set)?,
     };
-    let min_active = scan.least_active_key.0;
+    let min_active = scan.min_active;
     let cache_ratio = if request_blocks == 0 {
         0.0
     } else {
@@ -356,8 +407,8 @@ pub fn decide(
     let Some(target) = target.filter(|_| params.respect_soft_affinity) else {
         return Ok(only_all(SoftAffinity::None));
     };
-    let Some(kept) = run_tiers(params, cols, request_blocks, prompt, |i| {
-        target.matches(cols.row(i))
+    let Some(kept) = run_tiers(params, cols, request_blocks, prompt, |row| {
+        target.matches(row)
     }) else {
         return Ok(only_all(SoftAffinity::NotEligible));
     };
