@@ -370,13 +370,13 @@ fn explain(
     ctx: &RawRequestContext<'_>,
     view: &plugin_api::abi::RawCandidateView<'_>,
     request: Option<u64>,
-) -> Option<Explanation> {
+) -> Option<Box<Explanation>> {
     let explained = {
         let _call = instance.watch_call(Call::Explain, Some(Instant::now()), request);
         instance.policy.explain(ctx, view)
     };
     let failure = match explained {
-        RResult::ROk(ROption::RSome(raw)) => return Some(explanation_from_abi(raw)),
+        RResult::ROk(ROption::RSome(raw)) => return Some(Box::new(explanation_from_abi(raw))),
         RResult::ROk(ROption::RNone) => return None,
         RResult::RErr(failure) => instance.failed_in_plugin("explain", failure),
     };

@@ -169,8 +169,10 @@ pub struct Decision {
     pub decided_by: InstanceId,
     /// Set when the configured instance failed and the built-in default decided instead.
     pub fallback: Option<PolicyFailure>,
-    /// The deciding policy's explanation, when asked for.
-    pub explanation: Option<Explanation>,
+    /// The deciding policy's explanation, when asked for. Boxed: it is rare on the request path,
+    /// and a decision is moved several times there (unboxed it would double the size of every
+    /// `Routed`).
+    pub explanation: Option<Box<Explanation>>,
     /// Rows handed to the policy.
     pub candidates: usize,
     /// Wall-clock time of the policy call.
@@ -181,7 +183,7 @@ pub struct Decision {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pick {
     pub row: RowId,
-    pub explanation: Option<Explanation>,
+    pub explanation: Option<Box<Explanation>>,
     /// Rows handed to the policy.
     pub candidates: usize,
     /// Wall-clock time of the policy call.

@@ -58,26 +58,29 @@ thread_local! {
 }
 
 /// Run `f` with this thread's buffer (a fresh one if it is already in use further up the stack).
+/// The result leaves through `out`, not through the thread-local's closure: a decision is large,
+/// and every `Option`/`Result` layer it crossed cost a copy.
 #[inline]
 fn with_buffer<T: Default, R>(
     key: &'static std::thread::LocalKey<RefCell<T>>,
     f: impl FnOnce(&mut T) -> R,
 ) -> R {
     let mut f = Some(f);
-    let done = key
-        .try_with(|cell| {
-            cell.try_borrow_mut()
-                .ok()
-                .map(|mut buffer| (f.take().expect("called once"))(&mut buffer))
-        })
-        .ok()
-        .flatten();
-    match done {
-        Some(result) => result,
-        None => match f.take() {
-            Some(f) => f(&mut T::default()),
-            None => unreachable!("the closure ran but returned no result"),
-        },
+    let mut out = None;
+    let _ = key.try_with(|cell| {
+        // In use further up the stack: leave `f` for the fresh buffer below.
+        if let Ok(mut buffer) = cell.try_borrow_mut() {
+            if let Some(f) = f.take() {
+                out = Some(f(&mut buffer));
+            }
+        }
+    });
+    if let Some(result) = out {
+        return result;
+    }
+    match f {
+        Some(f) => f(&mut T::default()),
+        None => unreachable!("the closure ran but returned no result"),
     }
 }
 
@@ -88,26 +91,32 @@ pub(super) fn with_overlap_buffers<R>(f: impl FnOnce(&mut OverlapBuffers) -> R) 
 
 impl RoutingCore {
     /// Run `f` on the current topology snapshot: this thread's cached one while it is current,
-    /// else a fresh one (cached for next time). A nested call takes a guard instead.
+    /// else a fresh one (cached for next time). A nested call takes a guard instead. The result
+    /// leaves through `out`, as in [`with_buffer`].
     #[inline]
     fn with_topology<R>(&self, f: impl FnOnce(&Topology) -> R) -> R {
         let current = self.generation.load(Ordering::Acquire);
         let mut f = Some(f);
-        let done = SNAPSHOT
-            .try_with(|cell| {
-                let mut cached = cell.try_borrow_mut().ok()?;
-                if cached.as_ref().map(|t| t.generation()) != Some(current) {
-                    *cached = Some(self.topology.load_full());
+        let mut out = None;
+        let _ = SNAPSHOT.try_with(|cell| {
+            let Ok(mut cached) = cell.try_borrow_mut() else {
+                return;
+            };
+            if cached.as_ref().map(|t| t.generation()) != Some(current) {
+                *cached = Some(self.topology.load_full());
+            }
+            if let Some(topology) = cached.as_deref() {
+                if let Some(f) = f.take() {
+                    out = Some(f(topology));
                 }
-                let topology = cached.as_deref()?;
-                f.take().map(|f| f(topology))
-            })
-            .ok()
-            .flatten();
-        match (done, f.take()) {
-            (Some(result), _) => result,
-            (None, Some(f)) => f(&self.topology.load()),
-            (None, None) => unreachable!("the closure ran but returned no result"),
+            }
+        });
+        if let Some(result) = out {
+            return result;
+        }
+        match f {
+            Some(f) => f(&self.topology.load()),
+            None => unreachable!("the closure ran but returned no result"),
         }
     }
 
@@ -536,5 +545,29 @@ impl RoutingCore {
                 extensions: RSlice::EMPTY,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    thread_local! {
+        static COUNTER: RefCell<u32> = const { RefCell::new(0) };
+    }
+
+    #[test]
+    fn a_nested_buffer_use_gets_a_fresh_buffer_and_both_results_come_back() {
+        let (outer, inner) = with_buffer(&COUNTER, |outer| {
+            *outer += 1;
+            // The thread's buffer is borrowed: this runs on a fresh default one.
+            let inner = with_buffer(&COUNTER, |inner| {
+                *inner += 10;
+                *inner
+            });
+            (*outer, inner)
+        });
+        assert_eq!((outer, inner), (1, 10));
+        assert_eq!(with_buffer(&COUNTER, |c| *c), 1, "the thread's buffer kept its value");
     }
 }
