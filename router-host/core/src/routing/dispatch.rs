@@ -354,8 +354,9 @@ impl RoutingCore {
         })
     }
 
-    /// Book the decision and record it; then the session binding and the instance's hook.
-    /// `source` is the overlap the decision read: the charge may depend on the chosen row's.
+    /// Record the session binding, book the decision and record the booking; then the
+    /// instance's hook. `source` is the overlap the decision read: the charge may depend on the
+    /// chosen row's.
     pub(super) fn dispatch<O: OverlapSource + ?Sized>(
         &self,
         snapshot: &Topology,
@@ -365,7 +366,38 @@ impl RoutingCore {
         source: &O,
         queued_for: Duration,
     ) -> Result<Routed, RouteError> {
+        if let Some(id) = request.id.filter(|id| id & DRAWN_ID_BIT != 0) {
+            return Err(RouteError::ReservedRequestId(id));
+        }
         let charge = self.charge(request, decision.row, source);
+        // The binding first, with no lock held (a shared store is a network round trip): the
+        // booking is then inserted already knowing whether it holds a session lease, so a
+        // completion racing this dispatch (a caller's id, or `remove_worker`) ends the lease
+        // exactly once. If booking fails below, the lease is ended here instead.
+        let (session_outcome, lease_held) = match (&self.sessions, &plan.lease) {
+            (Some(store), Some(lease)) => match store.dispatched(lease, decision.row) {
+                Ok(outcome) => (
+                    Some(if plan.hard_binding_gone {
+                        SessionOutcome::HardBindingGone
+                    } else {
+                        SessionOutcome::Dispatched(outcome)
+                    }),
+                    true,
+                ),
+                Err(err) => {
+                    // The binding could not be recorded: that is the news, whatever happened
+                    // to the old one.
+                    tracing::warn!(session = lease.session_id(), "{err}");
+                    (Some(SessionOutcome::NotRecorded(err)), false)
+                }
+            },
+            _ => (None, false),
+        };
+        let end_lease = || {
+            if let (true, Some(store), Some(lease)) = (lease_held, &self.sessions, &plan.lease) {
+                store.completed(lease.session_id());
+            }
+        };
         // With session affinity the lease already holds the id: share it rather than copy it.
         let session = match &plan.lease {
             Some(lease) => Some(lease.shared_session_id()),
@@ -374,17 +406,25 @@ impl RoutingCore {
         // A caller's id: held in the directory from the duplicate check to the insert, so two
         // requests with one id cannot both book.
         let mut directory = match request.id {
-            Some(id) if id & DRAWN_ID_BIT != 0 => return Err(RouteError::ReservedRequestId(id)),
             Some(id) => {
                 let directory = lock(self.callers_of(id));
                 if directory.contains_key(&id) {
+                    drop(directory);
+                    end_lease();
                     return Err(RouteError::DuplicateRequestId(id));
                 }
                 Some(directory)
             }
             None => None,
         };
-        let (slot, index, mut shard) = self.lock_slot(snapshot, decision.row)?;
+        let (slot, index, mut shard) = match self.lock_slot(snapshot, decision.row) {
+            Ok(locked) => locked,
+            Err(err) => {
+                drop(directory);
+                end_lease();
+                return Err(err);
+            }
+        };
         let id = match request.id {
             Some(id) => id,
             None => Self::draw_id(&mut shard, index),
@@ -398,7 +438,7 @@ impl RoutingCore {
                 instance: decision.instance,
                 charge,
                 session,
-                holds_lease: false,
+                holds_lease: lease_held,
             },
         );
         if let Some(directory) = directory.as_mut() {
@@ -406,28 +446,6 @@ impl RoutingCore {
         }
         drop(shard);
         drop(directory);
-        let session_outcome = match (&self.sessions, plan.lease) {
-            (Some(store), Some(lease)) => {
-                let outcome = match store.dispatched(&lease, decision.row) {
-                    Ok(outcome) => {
-                        self.hold_lease(id, &lease);
-                        SessionOutcome::Dispatched(outcome)
-                    }
-                    Err(err) => {
-                        tracing::warn!(session = lease.session_id(), "{err}");
-                        SessionOutcome::NotRecorded(err)
-                    }
-                };
-                Some(match outcome {
-                    // The binding could not be recorded: that is the news, whatever happened
-                    // to the old one.
-                    SessionOutcome::NotRecorded(_) => outcome,
-                    _ if plan.hard_binding_gone => SessionOutcome::HardBindingGone,
-                    _ => outcome,
-                })
-            }
-            _ => None,
-        };
         self.selector.notify_dispatch(
             decision.instance,
             &DispatchEvent {
@@ -484,20 +502,6 @@ impl RoutingCore {
             newer = self.topology.load_full();
             generation = newer.generation();
             slot = newer.slot(row).ok_or_else(removed)?;
-        }
-    }
-
-    /// The session store now counts request `id` in flight: mark its booking so completion ends
-    /// the lease. If the request already completed (a caller-supplied id completed from another
-    /// thread), end the lease now.
-    fn hold_lease(&self, id: RequestId, lease: &Lease) {
-        let marked = self
-            .with_booking(id, |booking| booking.holds_lease = true)
-            .is_some();
-        if !marked {
-            if let Some(store) = &self.sessions {
-                store.completed(lease.session_id());
-            }
         }
     }
 
