@@ -142,6 +142,29 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// The most bytes of one plugin-supplied text (a log message, an error, a panic message) the
+/// host keeps: a plugin cannot make one log line or one error arbitrarily large.
+pub const MAX_PLUGIN_TEXT_BYTES: usize = 1024;
+
+/// Text a plugin hands the host at run time, made safe to log and to show: [`printable`]
+/// (no control characters, so no forged log lines or terminal escapes), then cut to
+/// [`MAX_PLUGIN_TEXT_BYTES`] on a character boundary, saying how much was cut.
+pub fn plugin_text(text: &str) -> String {
+    let escaped = printable(text);
+    if escaped.len() <= MAX_PLUGIN_TEXT_BYTES {
+        return escaped.into_owned();
+    }
+    let mut end = MAX_PLUGIN_TEXT_BYTES;
+    while !escaped.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}... ({} more bytes cut)",
+        escaped.get(..end).unwrap_or_default(),
+        escaped.len() - end
+    )
+}
+
 /// Whether [`printable`] escapes `c`: an ASCII control character, or a non-ASCII character that
 /// `str::escape_debug` escapes when it is not the first character (C1 controls, format
 /// characters such as U+202E, unassigned code points; not combining marks, which
@@ -1201,6 +1224,22 @@ pub fn root_module_name() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plugin_text_escapes_then_caps_on_a_character_boundary() {
+        assert_eq!(plugin_text("fine"), "fine");
+        assert_eq!(plugin_text("forged\nINFO line"), "forged\\nINFO line");
+        let long = "\u{e9}".repeat(MAX_PLUGIN_TEXT_BYTES); // 2 bytes each
+        let kept = plugin_text(&long);
+        let cut = 2 * MAX_PLUGIN_TEXT_BYTES - MAX_PLUGIN_TEXT_BYTES;
+        assert_eq!(
+            kept,
+            format!(
+                "{}... ({cut} more bytes cut)",
+                "\u{e9}".repeat(MAX_PLUGIN_TEXT_BYTES / 2)
+            )
+        );
+    }
 
     #[test]
     fn printable_escapes_controls_and_invisible_format_characters_only() {

@@ -17,7 +17,7 @@ use router_core::striped::StripedCounter;
 
 use crate::builtin::{Builtin, BuiltinSettings};
 use crate::config::{InstanceConfig, OnError};
-use crate::loader::{printable, PolicyLibrary, PolicyTypeDoc};
+use crate::loader::{plugin_text, printable, PolicyLibrary, PolicyTypeDoc};
 use crate::watchdog::{Call, Hang, OnHang, Watch, WatchSpec};
 
 /// Where a policy type comes from.
@@ -573,9 +573,13 @@ impl PolicyInstance {
             }
             return self.failed(PolicyFailure::Panicked(format!(
                 "{} (outside pick and explain; reported by the plugin at the next {call})",
-                failure.message
+                plugin_text(&failure.message)
             )));
         }
+        let failure = PickFailure {
+            message: plugin_text(&failure.message).into(),
+            ..failure
+        };
         self.failed(PolicyFailure::from_abi(failure))
     }
 
@@ -640,10 +644,14 @@ pub fn host_log() -> HostLog {
     }
 }
 
+/// A plugin's log record as one `tracing` event. Every field is [`plugin_text`]: a newline in a
+/// plugin's message cannot forge a line of the host's log.
 extern "C" fn emit_plugin_log(record: &LogRecord<'_>) {
-    let plugin = record.plugin.as_str();
-    let target = record.target.as_str();
-    let message = record.message.as_str();
+    let plugin = plugin_text(record.plugin.as_str());
+    let plugin = plugin.as_str();
+    let target = plugin_text(record.target.as_str());
+    let target = target.as_str();
+    let message = plugin_text(record.message.as_str());
     match record.level {
         LogLevel::ERROR => {
             tracing::error!(target: "plugin", plugin, plugin_target = target, "{message}")

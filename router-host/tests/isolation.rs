@@ -276,6 +276,15 @@ fn plugin_log_events_reach_the_host_log_tagged_with_the_plugin_name() {
         picked.contains("WARN") && picked.contains("rows=1 isl=10"),
         "{picked}"
     );
+    // The plugin's newline stays inside its line, escaped, and its 4 KB tail is cut.
+    assert!(
+        !err.lines().any(|l| l.starts_with("INFO forged")),
+        "a plugin forged a log line:\n{err}"
+    );
+    let tail = err.lines().find(|l| l.contains("chatty tail")).unwrap();
+    assert!(tail.contains("chatty tail\\nINFO forged: line"), "{tail}");
+    assert!(tail.contains("more bytes cut"), "{tail}");
+    assert!(tail.len() < 1500, "{} bytes: {tail}", tail.len());
 }
 
 /// A private copy of a plugin in its own directory, with the given modes; the guard removes it.
