@@ -572,6 +572,10 @@ mod tests {
             (*outer, inner)
         });
         assert_eq!((outer, inner), (1, 10));
-        assert_eq!(with_buffer(&COUNTER, |c| *c), 1, "the thread's buffer kept its value");
+        assert_eq!(
+            with_buffer(&COUNTER, |c| *c),
+            1,
+            "the thread's buffer kept its value"
+        );
     }
 }
