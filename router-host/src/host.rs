@@ -16,9 +16,10 @@ use router_core::sessions::{
 };
 use router_core::topology::Topology;
 
-use crate::config::{PolicyClassConfig, RouterConfig};
+use crate::config::{PolicyClassConfig, RouterConfig, SessionStoreConfig};
 use crate::model::{Cluster, Request, RowId, RowLoad};
 use crate::router::Router;
+use crate::session_store::{RedisStore, StoreError};
 
 pub use crate::model::{InjectedRows, NoOverlap, OverlapSource};
 pub use router_core::admission::{AdmissionStats, Ticket, TicketId};
@@ -31,6 +32,9 @@ pub struct Host {
     router: Arc<Router>,
     core: RoutingCore,
     sessions: Option<Arc<SessionTable>>,
+    /// The shared store, when `session_affinity.store.kind` is `redis` (built by
+    /// [`Host::shared`]).
+    redis: Option<Arc<RedisStore>>,
 }
 
 /// The booked load of every row, read through the host (see [`Host::load`]).
@@ -51,6 +55,10 @@ impl Host {
 
     /// A host whose session TTLs and queue waits run on `clock` (tests and replay use simulated
     /// time).
+    ///
+    /// Session bindings are always this process's own table here, whatever
+    /// `session_affinity.store` says: the one-shot tools and the replay (simulated time) share
+    /// nothing. `serve` builds its host with [`Host::shared`].
     pub fn with_clock(
         router: Router,
         cluster: Cluster,
@@ -58,27 +66,127 @@ impl Host {
         clock: Arc<dyn Clock>,
     ) -> Self {
         let sessions = config.session_affinity.as_ref().map(|a| {
-            let granularity = match a.mode {
-                BindingMode::Soft => BindingGranularity::Worker,
-                // A hard binding acts as a pin, and a pin is one exact row.
-                BindingMode::Hard => BindingGranularity::Rank,
-            };
             Arc::new(
                 SessionTable::new(a.mode, a.ttl, a.max_bindings, clock.clone())
-                    .with_granularity(granularity),
+                    .with_granularity(granularity(a.mode)),
             )
         });
+        let store = sessions.clone().map(|table| table as Arc<dyn SessionStore>);
+        Self::assemble(router, cluster, config, clock, store, sessions, None)
+    }
+
+    /// A host on the wall clock whose session bindings live where `session_affinity.store`
+    /// says: this process's table, or a Redis/Valkey shared with other replicas (connected
+    /// here, bounded by the store timeout; an unreachable store starts in an outage and
+    /// reconnects by itself). With Redis, the request ids the core draws carry this replica's
+    /// tag (docs/replicas.md).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store's URL cannot be used or its thread cannot start.
+    pub fn shared(
+        router: Router,
+        cluster: Cluster,
+        config: &RouterConfig,
+    ) -> Result<Self, StoreError> {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        match (&config.session_affinity, &config.session_store) {
+            (Some(a), SessionStoreConfig::Redis(redis)) => {
+                let store = Arc::new(RedisStore::start(
+                    redis,
+                    a.mode,
+                    granularity(a.mode),
+                    a.ttl,
+                )?);
+                let shared = store.clone() as Arc<dyn SessionStore>;
+                Ok(Self::assemble(
+                    router,
+                    cluster,
+                    config,
+                    clock,
+                    Some(shared),
+                    None,
+                    Some(store),
+                ))
+            }
+            _ => Ok(Self::with_clock(router, cluster, config, clock)),
+        }
+    }
+
+    /// [`Host::shared`] for a configuration that replaces `previous` (`serve`'s reload): when
+    /// both keep bindings in this process with the same mode, TTL and cap, the new host shares
+    /// the previous one's table, so a reload keeps every session binding and the in-flight
+    /// counts of requests still running on the previous configuration. Any other store is
+    /// built anew ([`Host::shared`]; bindings in Redis outlive the process anyway).
+    ///
+    /// # Errors
+    /// As [`Host::shared`].
+    pub fn shared_after(
+        router: Router,
+        cluster: Cluster,
+        config: &RouterConfig,
+        previous: &Host,
+    ) -> Result<Self, StoreError> {
+        let reusable = match (
+            &config.session_affinity,
+            &config.session_store,
+            &previous.sessions,
+        ) {
+            (Some(a), SessionStoreConfig::Memory, Some(table))
+                if table.mode() == a.mode
+                    && table.ttl() == a.ttl
+                    && table.max_bindings() == a.max_bindings =>
+            {
+                Some(table.clone())
+            }
+            _ => None,
+        };
+        match reusable {
+            Some(table) => {
+                let store = table.clone() as Arc<dyn SessionStore>;
+                Ok(Self::assemble(
+                    router,
+                    cluster,
+                    config,
+                    Arc::new(SystemClock),
+                    Some(store),
+                    Some(table),
+                    None,
+                ))
+            }
+            None => Self::shared(router, cluster, config),
+        }
+    }
+
+    /// Whether this host's bindings live in `other`'s table (a reload that kept them).
+    pub fn shares_sessions_with(&self, other: &Host) -> bool {
+        match (&self.sessions, &other.sessions) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    fn assemble(
+        router: Router,
+        cluster: Cluster,
+        config: &RouterConfig,
+        clock: Arc<dyn Clock>,
+        store: Option<Arc<dyn SessionStore>>,
+        sessions: Option<Arc<SessionTable>>,
+        redis: Option<Arc<RedisStore>>,
+    ) -> Self {
         let router = Arc::new(router);
         let settings = CoreSettings {
-            sessions: sessions.clone().map(|table| table as Arc<dyn SessionStore>),
+            sessions: store,
             classes: config.policy_classes.iter().map(class_spec).collect(),
             clock: Some(clock),
+            id_tag: redis.as_ref().map_or(0, |r| r.id_tag()),
         };
         let core = RoutingCore::new(router.clone(), cluster, settings);
         Host {
             router,
             core,
             sessions,
+            redis,
         }
     }
 
@@ -115,6 +223,11 @@ impl Host {
 
     pub fn sessions(&self) -> Option<&SessionTable> {
         self.sessions.as_deref()
+    }
+
+    /// The shared session store, when bindings live in Redis.
+    pub fn redis_store(&self) -> Option<&RedisStore> {
+        self.redis.as_deref()
     }
 
     /// Requests dispatched and not yet completed.
@@ -170,6 +283,15 @@ impl Host {
     /// The request ended with `outcome` (completed, failed, cancelled).
     pub fn finish(&self, id: RequestId, outcome: CompletionCode) -> bool {
         self.core.finish(id, outcome)
+    }
+}
+
+/// What new bindings remember of the dispatched row in `mode`.
+fn granularity(mode: BindingMode) -> BindingGranularity {
+    match mode {
+        BindingMode::Soft => BindingGranularity::Worker,
+        // A hard binding acts as a pin, and a pin is one exact row.
+        BindingMode::Hard => BindingGranularity::Rank,
     }
 }
 

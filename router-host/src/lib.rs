@@ -21,4 +21,5 @@ pub mod replay;
 pub mod router;
 pub mod scenario;
 pub mod serve;
+pub mod session_store;
 pub mod watchdog;

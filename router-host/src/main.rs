@@ -43,10 +43,21 @@ struct ConfigArgs {
     plugin_dirs: Vec<PathBuf>,
 }
 
+/// `check`'s options.
+#[derive(clap::Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Also connect to the session store of `session_affinity.store` (Redis) and check that it
+    /// answers with these credentials (docs/replicas.md).
+    #[arg(long)]
+    connect_store: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Load the config and every plugin, create every instance, and print what was loaded.
-    Check(ConfigArgs),
+    Check(CheckArgs),
     /// Print the policy types and parameter documentation of one plugin file.
     Describe {
         /// The plugin shared object (`lib<name>.so`).
@@ -237,10 +248,14 @@ fn load_with(args: &ConfigArgs, options: RouterOptions) -> anyhow::Result<(Route
     Ok((config, router))
 }
 
-fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
-    let (_, router) = load(args)?;
+fn check(check: &CheckArgs) -> anyhow::Result<ExitCode> {
+    let args = &check.config;
+    let (config, router) = load(args)?;
+    let store = check_store(&config, check.connect_store)
+        .with_context(|| format!("config {}", args.config.display()))?;
     let mut out = Stdout::lock();
     writeln!(out, "config {}: OK", args.config.display())?;
+    writeln!(out, "session store: {store}")?;
     writeln!(out, "plugins:")?;
     if router.catalog().libraries().is_empty() {
         writeln!(out, "  (none)")?;
@@ -294,6 +309,37 @@ fn check(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `check` says of the session store; with `connect`, after reaching it.
+fn check_store(config: &RouterConfig, connect: bool) -> anyhow::Result<String> {
+    use router_host::config::{redact_url, SessionStoreConfig};
+    match &config.session_store {
+        SessionStoreConfig::Memory => Ok(if connect {
+            "memory (in this process; nothing to connect to)".to_owned()
+        } else {
+            "memory (in this process)".to_owned()
+        }),
+        SessionStoreConfig::Redis(redis) => {
+            let what = format!(
+                "redis {} (key prefix {:?}, timeout {} ms, on_unavailable {}, lease {} s)",
+                redact_url(&redis.url),
+                redis.key_prefix,
+                redis.timeout.as_millis(),
+                redis.on_unavailable,
+                redis.lease.as_secs()
+            );
+            if !connect {
+                return Ok(format!("{what}; not connected (add --connect-store)"));
+            }
+            let reached = router_host::session_store::connect_check(redis)?;
+            Ok(format!(
+                "{what}; connected: {}, round trip {} us",
+                reached.version,
+                reached.round_trip.as_micros()
+            ))
+        }
+    }
 }
 
 /// `key = value` for every parameter given, then `key = default (default)` for the rest (plugin

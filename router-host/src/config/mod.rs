@@ -62,7 +62,10 @@ pub use router_core::admission::AdmissionMode;
 pub use router_core::sessions::BindingMode as AffinityMode;
 // One default for the number of session bindings: the session table's own.
 pub use router_core::sessions::DEFAULT_MAX_BINDINGS;
-pub use sessions::SessionAffinityConfig;
+pub use sessions::{
+    check_redis_url, redact_url, OnStoreUnavailable, RedisStoreConfig, SessionAffinityConfig,
+    SessionStoreConfig,
+};
 pub use workers::{KvEventsConfig, WorkerConfig, MAX_DP_SIZE};
 // `booking.prefill` is the core's own mode; `default_selector.tie_break` the built-in's.
 pub use crate::builtin::TieBreak;
@@ -147,6 +150,8 @@ pub struct RouterConfig {
     pub worker_selection: WorkerSelectionConfig,
     /// Session affinity; `None` = off.
     pub session_affinity: Option<SessionAffinityConfig>,
+    /// Where session bindings live (`session_affinity.store`; memory when absent).
+    pub session_store: SessionStoreConfig,
     /// Queue admission classes (docs/routing-contract.md §8), in file order.
     pub policy_classes: Vec<PolicyClassConfig>,
     /// Opaque settings for the replay simulator (a JSON object), not validated here.
@@ -170,6 +175,7 @@ impl Default for RouterConfig {
             plugins: Vec::new(),
             worker_selection: WorkerSelectionConfig::default(),
             session_affinity: None,
+            session_store: SessionStoreConfig::Memory,
             policy_classes: Vec::new(),
             engine: None,
             workers: Vec::new(),
@@ -381,7 +387,18 @@ impl Builder<'_> {
         };
         let plugins = self.plugins(raw.plugins.unwrap_or_default())?;
         let worker_selection = self.worker_selection(raw.worker_selection)?;
-        let session_affinity = raw.session_affinity.map(RawSessionAffinity::into_config);
+        let (session_affinity, session_store) = match raw.session_affinity {
+            Some(raw) => {
+                let (affinity, store) = raw.into_config().map_err(|message| {
+                    self.error(
+                        &[key("session_affinity"), key("max_bindings")],
+                        ConfigErrorKind::Yaml { message },
+                    )
+                })?;
+                (Some(affinity), store)
+            }
+            None => (None, SessionStoreConfig::Memory),
+        };
         let policy_classes = self.policy_classes(raw.policy_classes.unwrap_or_default())?;
         let engine = self.engine(raw.engine)?;
         let workers = self.workers(
@@ -403,6 +420,7 @@ impl Builder<'_> {
             plugins,
             worker_selection,
             session_affinity,
+            session_store,
             policy_classes,
             engine,
             workers,

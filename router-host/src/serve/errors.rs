@@ -36,6 +36,12 @@ pub enum ServeError {
     Tokenizer { file: PathBuf, reason: String },
     #[error("config {file}: block_size: {reason}")]
     BlockSize { file: PathBuf, reason: String },
+    #[error("config {file}: {source}")]
+    SessionStore {
+        file: PathBuf,
+        #[source]
+        source: crate::session_store::StoreError,
+    },
     #[error("cannot build the upstream HTTP client: {0}")]
     Client(String),
     #[error("cannot listen on {addr}: {source}")]

@@ -154,7 +154,12 @@ impl Drop for Flight {
 pub fn drain(generation: &Generation) {
     let core = generation.host.core();
     if core.admission_stats().waiting > 0 {
-        core.drain(true);
+        // Dispatching a queued request records its binding: over the network with Redis.
+        if generation.host.redis_store().is_some() {
+            crate::session_store::blocking(|| core.drain(true));
+        } else {
+            core.drain(true);
+        }
     }
 }
 

@@ -470,6 +470,48 @@ impl Collector for StateCollector {
                 std::iter::once((Labels::new(), ConstGauge::new(table.len() as i64))),
             )?;
         }
+        if let Some(store) = host.redis_store() {
+            // docs/replicas.md, "Outages": what the shared session store costs and did.
+            let s = store.store_stats();
+            family(
+                &mut encoder,
+                "router_session_store_up",
+                "1 when the shared session store answered the last call or probe, else 0",
+                MetricType::Gauge,
+                std::iter::once((Labels::new(), ConstGauge::new(i64::from(s.up)))),
+            )?;
+            let counters: [(&str, &str, u64); 4] = [
+                (
+                    "router_session_store_outages",
+                    "Outages of the shared session store begun",
+                    s.outages,
+                ),
+                (
+                    "router_session_store_degraded_requests",
+                    "Requests with a session served without the store (routed without binding, or refused)",
+                    s.degraded,
+                ),
+                (
+                    "router_session_store_foreign_keys",
+                    "Store keys that held something else than a binding (skipped, never written)",
+                    s.foreign,
+                ),
+                (
+                    "router_session_store_errors",
+                    "Store calls that failed or timed out",
+                    s.errors,
+                ),
+            ];
+            for (name, help, value) in counters {
+                family(
+                    &mut encoder,
+                    name,
+                    help,
+                    MetricType::Counter,
+                    std::iter::once((Labels::new(), ConstCounter::new(value))),
+                )?;
+            }
+        }
         let router = host.router();
         let instance_labels = |i: &crate::policies::PolicyInstance| -> Labels {
             vec![

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use plugin_api::abi::CompletionCode;
 use router_core::blocks::{BlockHasher, Tenant};
+use router_core::sessions::SessionError;
 
 use super::errors::ApiError;
 use super::health;
@@ -161,6 +162,11 @@ fn route_error(err: RouteError) -> ApiError {
         RouteError::Select(e @ SelectError::Policy { .. }) => {
             ApiError::unavailable("policy_failed", format!("routing failed: {e}"))
         }
+        // `session_affinity.store.on_unavailable: refuse` (docs/replicas.md).
+        RouteError::Session(e @ SessionError::StoreUnavailable { .. }) => ApiError::unavailable(
+            "session_store_unavailable",
+            format!("the session binding store cannot be reached, and this router refuses requests that carry a session meanwhile: {e}"),
+        ),
         RouteError::Session(e) => {
             ApiError::bad_request("invalid_session_id", format!("session: {e}"))
         }
@@ -188,7 +194,12 @@ async fn admit(
         .policy_class(request.policy_class.as_deref().unwrap_or("default"))
         .and_then(|c| c.max_queue_wait)
         .unwrap_or(generation.serve.timeouts.queue);
-    let ticket = match core.submit_indexed(request, true) {
+    // The decision may wait: on a shared session store (a network round trip), or on a policy
+    // that hangs (the watchdog takes the instance out of service, but cannot give its thread
+    // back). Either way the runtime's other tasks move to another thread meanwhile, so one
+    // stuck call never stops the server (tests/serve_hangs.rs).
+    let submitted = crate::session_store::blocking(|| core.submit_indexed(request, true));
+    let ticket = match submitted {
         Ok(Submitted::Dispatched(routed)) => return Ok(routed),
         Ok(Submitted::Queued(ticket)) => ticket,
         Err(err) => return Err(route_error(err)),

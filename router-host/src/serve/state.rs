@@ -125,7 +125,15 @@ impl Generation {
             file: file.clone(),
             source: Box::new(err),
         })?;
-        let host = Host::new(router, cluster, &config);
+        // The session store is connected here (off the request path): bounded by its timeout.
+        let host = match previous {
+            Some(previous) => Host::shared_after(router, cluster, &config, &previous.host),
+            None => Host::shared(router, cluster, &config),
+        }
+        .map_err(|err| ServeError::SessionStore {
+            file: file.clone(),
+            source: err,
+        })?;
         Ok(Generation {
             number,
             config,

@@ -18,7 +18,7 @@ use crate::eligibility::{check_pin, eligible_rows};
 use crate::ledger::Charge;
 use crate::model::{OverlapSource, Request, RowId};
 use crate::select::{Decision, Scratch, Selection};
-use crate::sessions::{BindingMode, Lease};
+use crate::sessions::{BindingMode, Lease, SessionError};
 use crate::topology::{Slot, Topology};
 
 /// What `submit` did with a request.
@@ -386,8 +386,13 @@ impl RoutingCore {
                 ),
                 Err(err) => {
                     // The binding could not be recorded: that is the news, whatever happened
-                    // to the old one.
-                    tracing::warn!(session = lease.session_id(), "{err}");
+                    // to the old one. An unavailable store is logged by the store, once per
+                    // outage, not once per request.
+                    if matches!(err, SessionError::StoreUnavailable { .. }) {
+                        tracing::debug!(session = lease.session_id(), "{err}");
+                    } else {
+                        tracing::warn!(session = lease.session_id(), "{err}");
+                    }
                     (Some(SessionOutcome::NotRecorded(err)), false)
                 }
             },

@@ -63,6 +63,12 @@ pub type RequestId = u64;
 /// Ids the core draws have this bit set ([`RoutingCore::draw_id`]); callers' ids must not.
 pub const DRAWN_ID_BIT: u64 = 1 << 63;
 
+/// Bits of a drawn id that carry the replica tag ([`CoreSettings::id_tag`]), just below
+/// [`DRAWN_ID_BIT`]: several router processes drawing ids at once never draw the same one.
+pub const ID_TAG_BITS: u32 = 16;
+/// Where the replica tag sits in a drawn id.
+const ID_TAG_SHIFT: u32 = 63 - ID_TAG_BITS;
+
 /// Why a request was not routed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouteError {
@@ -128,6 +134,10 @@ pub struct CoreSettings {
     pub classes: Vec<ClassSpec>,
     /// Session TTLs and queue waits; the wall clock when `None`.
     pub clock: Option<Arc<dyn Clock>>,
+    /// This process's replica tag, put into every id the core draws (bits 47..63, see
+    /// [`ID_TAG_BITS`]) so that replicas sharing session bindings never hand plugins the same
+    /// id; 0 for a single router (docs/routing-contract.md §3).
+    pub id_tag: u16,
 }
 
 /// What one dispatched request holds until it completes.
@@ -151,6 +161,8 @@ const SHARDS: usize = 1 << SHARD_BITS;
 struct Shard {
     bookings: FastMap<RequestId, Booking>,
     drawn: u64,
+    /// The replica tag, already shifted into place (the same in every shard).
+    tag: u64,
 }
 
 /// The in-flight shard that owns `slot`.
@@ -223,7 +235,12 @@ impl RoutingCore {
             queues: Mutex::new(Lanes::default()),
             drainer: Mutex::new(()),
             drain_requested: std::sync::atomic::AtomicBool::new(false),
-            inflight: std::array::from_fn(|_| CachePadded::new(Mutex::new(Shard::default()))),
+            inflight: std::array::from_fn(|_| {
+                CachePadded::new(Mutex::new(Shard {
+                    tag: u64::from(settings.id_tag) << ID_TAG_SHIFT,
+                    ..Shard::default()
+                }))
+            }),
             callers: std::array::from_fn(|_| CachePadded::new(Mutex::new(FastMap::default()))),
             generation: AtomicU64::new(generation),
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
@@ -300,13 +317,15 @@ impl RoutingCore {
         &self.callers[(id % SHARDS as u64) as usize]
     }
 
-    /// The id of the `n`th request shard `shard` draws: `DRAWN_ID_BIT | n << SHARD_BITS |
-    /// shard`, so the id names its shard and never collides with a caller's. Drawn under the
+    /// The id of the `n`th request shard `shard` draws: `DRAWN_ID_BIT | tag << 47 |
+    /// n << SHARD_BITS | shard` (`n` modulo 2^43), so the id names its shard, never collides
+    /// with a caller's, and never with another replica's (distinct tags). Drawn under the
     /// shard's lock: the count is a plain field, with no shared counter to bounce.
     fn draw_id(shard: &mut Shard, index: usize) -> RequestId {
+        const COUNTER: u64 = ((1 << ID_TAG_SHIFT) - 1) & !((1 << SHARD_BITS) - 1);
         let n = shard.drawn;
         shard.drawn = shard.drawn.wrapping_add(1);
-        DRAWN_ID_BIT | ((n << SHARD_BITS) & !DRAWN_ID_BIT) | index as u64
+        DRAWN_ID_BIT | shard.tag | ((n << SHARD_BITS) & COUNTER) | index as u64
     }
 
     /// The in-flight shard holding request `id`, if it is in flight.

@@ -56,7 +56,8 @@ pub enum BindingGranularity {
 }
 
 impl BindingGranularity {
-    pub(super) fn target_for(self, row: RowId) -> AffinityTarget {
+    /// The target a new binding made from `row` remembers.
+    pub fn target_for(self, row: RowId) -> AffinityTarget {
         AffinityTarget {
             worker_id: row.worker_id,
             dp_rank: match self {
@@ -89,6 +90,19 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// A lease as a [`SessionStore`](super::SessionStore) other than [`SessionTable`] hands it
+    /// out from its `lookup`. `session_id` must have passed
+    /// [`check_session_id`](super::check_session_id), and `version` must be the store's own
+    /// version of `binding` (0 = not tracked): it is the compare half of the store's
+    /// compare-and-swap, so only the store that reads it may build the lease.
+    pub fn from_store(session_id: Arc<str>, binding: Option<Binding>, version: u64) -> Self {
+        Lease {
+            session_id,
+            binding,
+            version,
+        }
+    }
+
     /// The (validated) session id.
     pub fn session_id(&self) -> &str {
         &self.session_id
@@ -178,6 +192,16 @@ pub enum SessionError {
          a binding"
     )]
     TableFull { max: usize },
+    /// A shared store (Redis) did not answer within its timeout or is unreachable. From
+    /// `lookup` (only when the store is configured to refuse such requests) the request fails;
+    /// from `dispatched` it is routed but leaves no binding behind.
+    #[error("session store unavailable: {reason}")]
+    StoreUnavailable { reason: String },
+    /// A shared store holds something under the session's key that is not a binding (written by
+    /// someone else, or by an incompatible version). It is left untouched and the request is
+    /// routed without a binding.
+    #[error("session store key {key:?} does not hold a session binding ({reason}); left untouched, routed without it")]
+    StoreValue { key: String, reason: String },
 }
 
 /// Renders an [`AffinityTarget`] for messages (`AffinityTarget` itself has no `Display`).
