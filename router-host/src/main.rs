@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod mock_engine;
 mod replay_cli;
 
 use router_host::config::RouterConfig;
@@ -86,6 +87,10 @@ enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Run a simulated vLLM engine (the replay's engine model in real time): the OpenAI subset,
+    /// `/tokenize`, `/metrics` with vLLM's names, and KV-cache events over ZMQ
+    /// (docs/engines.md). SIGTERM or SIGINT exits 0.
+    MockEngine(Box<mock_engine::MockArgs>),
 }
 
 fn main() -> ExitCode {
@@ -93,6 +98,8 @@ fn main() -> ExitCode {
     // The proxy logs one line per request at info; the one-shot tools only warnings.
     let quiet = if matches!(cli.command, Command::Serve { .. }) {
         "info"
+    } else if matches!(cli.command, Command::MockEngine(_)) {
+        "info,zeromq=warn"
     } else {
         "warn"
     };
@@ -184,6 +191,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Select { config, scenario } => select(&config, &scenario),
         Command::Replay(args) => replay_cli::run(&args),
         Command::Serve { config, listen } => serve(&config, listen),
+        Command::MockEngine(args) => mock_engine::run(&args),
     }
 }
 

@@ -2,7 +2,11 @@
 //! does not answer 2xx in time is made unavailable in the routing core, so no request is routed
 //! to it, until it answers again), and optionally its `/metrics` (vLLM's
 //! `vllm:num_requests_running` + `vllm:num_requests_waiting` per `engine` label = DP rank),
-//! reported to the core as observed load (docs/routing-contract.md §7).
+//! reported to the core as observed load (docs/routing-contract.md §7), with
+//! `vllm:kv_cache_usage_perc` (or the older `vllm:gpu_cache_usage_perc`) kept for the router's
+//! metrics and `vllm:cache_config_info`'s `block_size` checked against the worker's: an engine
+//! that caches blocks of another size is made unavailable, with an error naming the worker
+//! (docs/engines.md).
 //! Also the proxy's own `/health` (alive) and `/ready` (configured and an engine healthy).
 
 use std::collections::HashMap;
@@ -22,6 +26,8 @@ struct Entry {
     url: String,
     healthy: bool,
     last_error: Option<String>,
+    /// `vllm:kv_cache_usage_perc` by DP rank, from the last scrape (empty when none).
+    kv_usage: Vec<(u32, f64)>,
 }
 
 /// Health of every engine, by worker id; kept across reloads for engines whose URL is unchanged.
@@ -53,6 +59,7 @@ impl HealthTable {
                 url: u.base.clone(),
                 healthy: true,
                 last_error: None,
+                kv_usage: Vec::new(),
             });
         }
     }
@@ -94,6 +101,23 @@ impl HealthTable {
         self.read().get(&id).and_then(|e| e.last_error.clone())
     }
 
+    fn set_kv_usage(&self, id: u64, usage: Vec<(u32, f64)>) {
+        if let Some(entry) = self.write().get_mut(&id) {
+            entry.kv_usage = usage;
+        }
+    }
+
+    /// (worker id, dp rank, KV-cache usage 0..1) from the last scrape of every engine, by id.
+    pub fn kv_usage(&self) -> Vec<(u64, u32, f64)> {
+        let mut rows: Vec<_> = self
+            .read()
+            .iter()
+            .flat_map(|(id, e)| e.kv_usage.iter().map(move |(rank, u)| (*id, *rank, *u)))
+            .collect();
+        rows.sort_by_key(|r| (r.0, r.1));
+        rows
+    }
+
     /// Give `generation`'s routing core the table's availability of every engine.
     pub fn apply(&self, generation: &Generation) {
         for u in &generation.upstreams {
@@ -126,43 +150,108 @@ pub fn mark(app: &App, generation: &Generation, id: u64, healthy: bool, error: O
     }
 }
 
-/// Running + waiting requests per DP rank from vLLM's Prometheus text.
-pub fn parse_engine_load(text: &str) -> HashMap<u32, u64> {
-    let mut load: HashMap<u32, u64> = HashMap::new();
-    for line in text.lines() {
-        let Some(rest) = line
-            .strip_prefix("vllm:num_requests_running")
-            .or_else(|| line.strip_prefix("vllm:num_requests_waiting"))
-        else {
-            continue;
-        };
-        let (labels, value) = match rest.strip_prefix('{') {
-            Some(rest) => match rest.split_once('}') {
-                Some((labels, value)) => (labels, value),
-                None => continue,
-            },
-            None => ("", rest),
-        };
-        if !value.starts_with(' ') {
-            continue; // another metric whose name starts the same way
+/// What the router reads from an engine's `/metrics` (vLLM's Prometheus text), by DP rank (the
+/// `engine` label; 0 when there is none).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineMetrics {
+    /// `vllm:num_requests_running` + `vllm:num_requests_waiting`.
+    pub load: HashMap<u32, u64>,
+    /// `vllm:kv_cache_usage_perc`, or the older `vllm:gpu_cache_usage_perc` when the engine has
+    /// no new one (0..1).
+    pub kv_usage: HashMap<u32, f64>,
+    /// The `block_size` label of `vllm:cache_config_info`.
+    pub block_size: HashMap<u32, u64>,
+}
+
+/// One sample line: `(name, labels, value)`; `None` for comments and lines that do not parse.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    if line.starts_with('#') {
+        return None;
+    }
+    let (name, labels, rest) = match line.find(['{', ' ']) {
+        Some(i) if line.as_bytes()[i] == b'{' => {
+            let (labels, rest) = line[i + 1..].split_once('}')?;
+            (&line[..i], labels, rest)
         }
-        let Some(value) = value
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
+        Some(i) => (&line[..i], "", &line[i..]),
+        None => return None,
+    };
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    Some((name, labels, value))
+}
+
+/// The value of label `key` in a label list `a="x",b="y"`.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// Parse vLLM's `/metrics` text.
+pub fn parse_engine_metrics(text: &str) -> EngineMetrics {
+    let mut out = EngineMetrics::default();
+    let mut old_usage: HashMap<u32, f64> = HashMap::new();
+    for line in text.lines() {
+        let Some((name, labels, value)) = sample(line) else {
             continue;
         };
-        let rank = labels
-            .split(',')
-            .find_map(|kv| kv.trim().strip_prefix("engine=\""))
-            .and_then(|v| v.trim_end_matches('"').parse::<u32>().ok())
+        let rank = label(labels, "engine")
+            .and_then(|v| v.parse::<u32>().ok())
             .unwrap_or(0);
-        if value.is_finite() && value >= 0.0 {
-            *load.entry(rank).or_default() += value as u64;
+        match name {
+            "vllm:num_requests_running" | "vllm:num_requests_waiting"
+                if value.is_finite() && value >= 0.0 =>
+            {
+                *out.load.entry(rank).or_default() += value as u64;
+            }
+            "vllm:kv_cache_usage_perc" if value.is_finite() => {
+                out.kv_usage.insert(rank, value.clamp(0.0, 1.0));
+            }
+            "vllm:gpu_cache_usage_perc" if value.is_finite() => {
+                old_usage.insert(rank, value.clamp(0.0, 1.0));
+            }
+            "vllm:cache_config_info" => {
+                if let Some(size) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
+                    out.block_size.insert(rank, size);
+                }
+            }
+            _ => {}
         }
     }
-    load
+    for (rank, usage) in old_usage {
+        out.kv_usage.entry(rank).or_insert(usage);
+    }
+    out
+}
+
+/// Running + waiting requests per DP rank from vLLM's Prometheus text.
+pub fn parse_engine_load(text: &str) -> HashMap<u32, u64> {
+    parse_engine_metrics(text).load
+}
+
+/// The error for an engine whose `vllm:cache_config_info` block size is not the worker's.
+fn block_size_error(
+    worker: u64,
+    url: &str,
+    configured: u32,
+    metrics: &EngineMetrics,
+) -> Option<String> {
+    let mut wrong: Vec<(u32, u64)> = metrics
+        .block_size
+        .iter()
+        .filter(|(_, &size)| size != u64::from(configured))
+        .map(|(&rank, &size)| (rank, size))
+        .collect();
+    wrong.sort_unstable();
+    let (rank, size) = *wrong.first()?;
+    Some(format!(
+        "worker {worker} ({url}): the engine caches blocks of {size} tokens \
+         (vllm:cache_config_info block_size, rank {rank}), the worker's block_size is \
+         {configured}: its KV events would be refused and its prompts hashed differently; \
+         not routed to until they agree (set block_size, or start the engine with \
+         --block-size {configured})"
+    ))
 }
 
 async fn probe(client: &reqwest::Client, base: &str, timeout: Duration) -> Result<(), String> {
@@ -198,11 +287,34 @@ pub async fn probe_round(app: &App, generation: &Generation) {
         };
         (u, result, load)
     });
-    for (u, result, load) in futures_util::future::join_all(probes).await {
+    for (u, mut result, load) in futures_util::future::join_all(probes).await {
         let core = generation.host.core();
         match load {
             Some(text) => {
-                let by_rank = parse_engine_load(&text);
+                let metrics = parse_engine_metrics(&text);
+                let by_rank = &metrics.load;
+                let configured = generation
+                    .config
+                    .workers
+                    .iter()
+                    .find(|w| w.id == u.id)
+                    .map_or(generation.config.block_size, |w| w.block_size);
+                if let Some(err) = block_size_error(u.id, &u.base, configured, &metrics) {
+                    if app.health.is_healthy(u.id)
+                        || app.health.last_error(u.id).as_deref() != Some(err.as_str())
+                    {
+                        tracing::error!(worker = u.id, url = %u.base, "{err}");
+                    }
+                    result = Err(err);
+                }
+                let mut usage: Vec<(u32, f64)> = metrics
+                    .kv_usage
+                    .iter()
+                    .filter(|(rank, _)| **rank < u.dp_size)
+                    .map(|(r, v)| (*r, *v))
+                    .collect();
+                usage.sort_by_key(|r| r.0);
+                app.health.set_kv_usage(u.id, usage);
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -212,6 +324,7 @@ pub async fn probe_round(app: &App, generation: &Generation) {
                 }
             }
             None => {
+                app.health.set_kv_usage(u.id, Vec::new());
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -320,6 +433,40 @@ vllm:num_requests_running_total 7
         assert_eq!(
             parse_engine_load("vllm:num_requests_waiting 4\n").get(&0),
             Some(&4)
+        );
+    }
+
+    #[test]
+    fn kv_usage_and_block_size_from_vllm_metrics() {
+        let text = "\
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25
+vllm:gpu_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.9
+vllm:gpu_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5
+vllm:kv_cache_usage_perc_other{engine=\"2\"} 0.7
+vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"100\"} 1.0
+vllm:cache_config_info{block_size=\"32\",engine=\"1\"} 1.0
+vllm:cache_config_info{cache_dtype=\"auto\",engine=\"2\"} 1.0
+";
+        let m = parse_engine_metrics(text);
+        // The new name wins over the old one on the same rank; the old one alone is used.
+        assert_eq!(m.kv_usage.get(&0), Some(&0.25));
+        assert_eq!(m.kv_usage.get(&1), Some(&0.5));
+        assert_eq!(m.kv_usage.len(), 2);
+        assert_eq!(m.block_size.get(&0), Some(&16));
+        assert_eq!(m.block_size.get(&1), Some(&32));
+        assert_eq!(m.block_size.len(), 2);
+        let err = block_size_error(7, "http://e:1", 16, &m).expect("rank 1 differs");
+        assert!(
+            err.contains("worker 7") && err.contains("32") && err.contains("rank 1"),
+            "{err}"
+        );
+        let same = parse_engine_metrics("vllm:cache_config_info{block_size=\"16\"} 1\n");
+        assert_eq!(block_size_error(7, "http://e:1", 16, &same), None);
+        // No cache_config_info (another engine, an older vLLM): nothing to check.
+        assert_eq!(
+            block_size_error(7, "u", 16, &EngineMetrics::default()),
+            None
         );
     }
 }

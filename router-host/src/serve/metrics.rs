@@ -87,6 +87,8 @@ pub struct KvMetrics {
     pub connected: Family<RowLabels, Gauge>,
     /// Blocks the row's engine-hash map holds (what the index holds for the row).
     pub blocks: Family<RowLabels, Gauge>,
+    /// Seconds from the last batch's timestamp (the engine's clock) to its being applied.
+    pub lag: Family<RowLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl KvMetrics {
@@ -144,6 +146,12 @@ impl KvMetrics {
             "router_kv_index_blocks",
             "Device-tier blocks indexed for the row from its engine's events",
             self.blocks.clone(),
+        );
+        registry.register(
+            "router_kv_event_lag_seconds",
+            "Seconds from the last applied batch's timestamp (engine clock) to its being \
+             applied (router clock)",
+            self.lag.clone(),
         );
     }
 }
@@ -605,6 +613,18 @@ impl Collector for StateCollector {
                 (
                     vec![("worker", id.to_string()), ("url", url.clone())],
                     ConstGauge::new(i64::from(*healthy)),
+                )
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "router_engine_kv_cache_usage",
+            "The engine's KV-cache usage (0..1), vllm:kv_cache_usage_perc from its last scrape",
+            MetricType::Gauge,
+            self.health.kv_usage().into_iter().map(|(id, rank, usage)| {
+                (
+                    vec![("worker", id.to_string()), ("dp_rank", rank.to_string())],
+                    ConstGauge::new(usage),
                 )
             }),
         )?;

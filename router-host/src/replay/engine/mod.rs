@@ -132,6 +132,28 @@ impl Engine {
         self.stats
     }
 
+    /// The parameters it runs with.
+    pub fn params(&self) -> &EngineParams {
+        &self.params
+    }
+
+    /// Requests waiting for admission to the batch.
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests in the batch (prefilling or decoding).
+    pub fn running_len(&self) -> usize {
+        self.prefilling.len() + self.decoding.len()
+    }
+
+    /// KV blocks in use: cache entries some request references, plus reserved blocks that are
+    /// not cache entries. Unreferenced cached blocks are not counted (they are evictable, as
+    /// vLLM's free-block queue counts them free).
+    pub fn kv_blocks_in_use(&self) -> u64 {
+        (self.cache.len() - self.cache.lru_len) + self.private
+    }
+
     /// Blocks in the prefix cache.
     pub fn cached_blocks(&self) -> u64 {
         self.cache.len()

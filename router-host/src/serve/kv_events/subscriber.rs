@@ -298,9 +298,20 @@ impl Subscriber {
             row: self.row(),
         };
         let mut tally = Tally::default();
+        let ts = batch.ts;
         self.ingest.apply(batch, &mut sink, &mut tally);
         self.record(&tally);
         self.update_blocks();
+        if let Some(ts) = ts.filter(|ts| ts.is_finite()) {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            // Clock skew between hosts can make it negative: shown as 0.
+            self.metrics
+                .lag
+                .get_or_create(&self.row_labels())
+                .set((now - ts).max(0.0));
+        }
     }
 
     fn record(&mut self, tally: &Tally) {
