@@ -298,3 +298,60 @@ async fn sighup_reloads_and_sigterm_drains_then_exits_0() {
         "nothing listens any more"
     );
 }
+
+/// A reload keeps the session bindings when the session settings are unchanged (the new
+/// configuration shares the table, with the in-flight counts of requests still running on the
+/// old one); new settings start a new table. (The KV index's carry-over is the subscribers',
+/// `serve_kv_events.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_keeps_session_bindings_unless_the_session_settings_change() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let yaml = |ttl: u32| {
+        format!(
+            "block_size: 4\nsession_affinity:\n  mode: hard\n  ttl_secs: {ttl}\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\n{}",
+            workers_yaml(&[&e1, &e2])
+        )
+    };
+    let router = Router::start("serve_reload_sessions", &yaml(600)).await;
+    let http = client();
+    let url = router.url("/v1/completions");
+    let turn = |session: &'static str| {
+        let http = http.clone();
+        let url = url.clone();
+        async move {
+            let response = http
+                .post(&url)
+                .header("x-session-id", session)
+                .header("content-type", "application/json")
+                .body(json!({"model": "tiny", "prompt": "hello"}).to_string())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            let worker = header(&response, "x-router-worker");
+            let _ = response.bytes().await;
+            worker
+        }
+    };
+    let bound = turn("s-1").await;
+    let first = router.handle.generation();
+
+    // Same session settings: the new configuration shares the table and the binding holds.
+    assert_eq!(router.handle.reload().await.unwrap(), 2);
+    let second = router.handle.generation();
+    assert!(second.host.shares_sessions_with(&first.host));
+    for _ in 0..4 {
+        // Round-robin alone would alternate; the hard binding pins the session.
+        assert_eq!(turn("s-1").await, bound, "the session moved after a reload");
+    }
+
+    // New settings: a new, empty table.
+    std::fs::write(&router.config, yaml(60)).unwrap();
+    assert_eq!(router.handle.reload().await.unwrap(), 3);
+    let third = router.handle.generation();
+    assert!(!third.host.shares_sessions_with(&second.host));
+    assert!(third.host.sessions().unwrap().binding("s-1").is_none());
+    assert!(eventually(WAIT, || router.handle.in_flight() == 0).await);
+    drop((first, second, third));
+    router.stop().await;
+}

@@ -115,10 +115,13 @@ impl App {
         let _one_at_a_time = self.reload_lock.lock().await;
         let number = self.generations.load(Ordering::SeqCst) + 1;
         let options = self.options.clone();
-        let loaded = tokio::task::spawn_blocking(move || Generation::load(&options, number))
-            .await
-            .map_err(|err| ServeError::ReloadTask(err.to_string()))
-            .and_then(|r| r);
+        let previous = self.current.load();
+        let loaded = tokio::task::spawn_blocking(move || {
+            Generation::load(&options, number, Some(&previous))
+        })
+        .await
+        .map_err(|err| ServeError::ReloadTask(err.to_string()))
+        .and_then(|r| r);
         let next = match loaded {
             Ok(next) => next,
             Err(err) => {
@@ -266,9 +269,10 @@ impl Server {
     /// and bind the listening socket.
     pub async fn bind(options: ServeOptions) -> Result<Server, ServeError> {
         let load_options = options.clone();
-        let generation = tokio::task::spawn_blocking(move || Generation::load(&load_options, 1))
-            .await
-            .map_err(|err| ServeError::ReloadTask(err.to_string()))??;
+        let generation =
+            tokio::task::spawn_blocking(move || Generation::load(&load_options, 1, None))
+                .await
+                .map_err(|err| ServeError::ReloadTask(err.to_string()))??;
         let addr = options.listen.unwrap_or(generation.serve.listen);
         let listener = tokio::net::TcpListener::bind(addr)
             .await

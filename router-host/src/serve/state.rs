@@ -63,7 +63,15 @@ impl std::fmt::Debug for Generation {
 impl Generation {
     /// Read and validate the YAML, load plugins and create instances, build the cluster and the
     /// host, load a local tokenizer. Blocking (file I/O, `dlopen`): run it off the request path.
-    pub fn load(options: &ServeOptions, number: u64) -> Result<Generation, ServeError> {
+    ///
+    /// On a reload, `previous` is the running generation: the new one keeps its session table
+    /// when the settings allow ([`Host::shared_after`]), so a reload forgets no binding. (Its
+    /// KV index is seeded by the KV-event subscribers, `kv_events/`.)
+    pub fn load(
+        options: &ServeOptions,
+        number: u64,
+        previous: Option<&Generation>,
+    ) -> Result<Generation, ServeError> {
         let file = options.config.clone();
         let config = RouterConfig::from_file(&file)?;
         if config.workers.is_empty() {
