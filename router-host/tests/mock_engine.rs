@@ -6,10 +6,9 @@
 
 mod common;
 
-use common::engine::{client, eventually, post, Router};
+use common::engine::{client, eventually, header, post, Router};
 use common::mock::{eventually_async, Mock, FAST, WAIT};
 use router_core::blocks::{BlockHasher, Tenant};
-use router_host::model::RowId;
 use serde_json::{json, Value};
 
 const BLOCK: u32 = 4;
@@ -52,25 +51,7 @@ fn held(router: &Router, worker: u64, tokens: &[u32]) -> usize {
     BlockHasher::new(BLOCK, Tenant::default())
         .expect("hasher")
         .prompt_blocks(tokens, &mut ids);
-    let generation = router.handle.generation();
-    let core = generation.host.core();
-    let Some(slot) = core.topology().slot(RowId {
-        worker_id: worker,
-        dp_rank: 0,
-    }) else {
-        return 0;
-    };
-    let index = core.kv_index();
-    ids.iter().take_while(|&&id| index.holds(slot, id)).count()
-}
-
-fn header(response: &reqwest::Response, name: &str) -> String {
-    response
-        .headers()
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned()
+    common::engine::held_ids(router, worker, &ids)
 }
 
 /// The `data:` payloads of an SSE body, `[DONE]` included.

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{client, eventually, post, Router};
+use common::engine::{client, eventually, header, post, Router};
 use common::mock::{eventually_async, Mock, FAST, WAIT};
 use serde_json::{json, Value};
 
@@ -22,15 +22,6 @@ fn yaml(workers: &[(u64, &str)], kv: &[(u64, &str)]) -> String {
         }
     }
     out
-}
-
-fn header(response: &reqwest::Response, name: &str) -> String {
-    response
-        .headers()
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,10 +9,9 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::engine::{client, eventually, post, Engine, Router};
+use common::engine::{client, eventually, header, post, Engine, Router};
 use rmpv::Value;
 use router_core::blocks::{BlockHasher, Tenant};
-use router_host::model::RowId;
 use serde_json::json;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -185,31 +184,13 @@ fn prompt_ids(tokens: &[u32]) -> Vec<u64> {
 
 /// How many of `ids` (leading) the row of `worker` holds in the current core's index.
 fn held(router: &Router, worker: u64, ids: &[u64]) -> usize {
-    let generation = router.handle.generation();
-    let core = generation.host.core();
-    let Some(slot) = core.topology().slot(RowId {
-        worker_id: worker,
-        dp_rank: 0,
-    }) else {
-        return 0;
-    };
-    let index = core.kv_index();
-    ids.iter().take_while(|&&id| index.holds(slot, id)).count()
+    common::engine::held_ids(router, worker, ids)
 }
 
 fn blocks_metric(router: &Router, worker: u64) -> f64 {
     router.metric(&format!(
         "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"0\"}}"
     ))
-}
-
-fn header(response: &reqwest::Response, name: &str) -> String {
-    response
-        .headers()
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::engine::{client, eventually, post, workers_yaml, Engine, Router};
+use common::engine::{client, eventually, header, post, workers_yaml, Engine, Router};
 use futures_util::StreamExt;
 use serde_json::json;
 
@@ -19,15 +19,6 @@ fn policy_yaml(instance: &str, policy: &str, engines: &[&Engine]) -> String {
         "block_size: 4\nworker_selection:\n  aggregated: {instance}\n  instances:\n    - name: {instance}\n      type: {policy}\n{}",
         workers_yaml(engines)
     )
-}
-
-fn header(response: &reqwest::Response, name: &str) -> String {
-    response
-        .headers()
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -582,3 +582,27 @@ pub async fn post(client: &reqwest::Client, url: &str, body: &Value) -> reqwest:
         .await
         .expect("request reaches the router")
 }
+
+/// Response header `name` as text ("" when absent or not text).
+pub fn header(response: &reqwest::Response, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// How many of `ids` (leading) the row `(worker, 0)` holds in the current core's KV index.
+pub fn held_ids(router: &Router, worker: u64, ids: &[u64]) -> usize {
+    let generation = router.handle.generation();
+    let core = generation.host.core();
+    let Some(slot) = core.topology().slot(router_host::model::RowId {
+        worker_id: worker,
+        dp_rank: 0,
+    }) else {
+        return 0;
+    };
+    let index = core.kv_index();
+    ids.iter().take_while(|&&id| index.holds(slot, id)).count()
+}
