@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod engine_flags;
 mod mock_engine;
 mod replay_cli;
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 
 use router_host::loader::LoadError;
-use router_host::replay::engine::{EngineSpec, KvCapacity};
+use router_host::replay::engine::EngineSpec;
 use router_host::replay::synth::{self, SynthParams};
 use router_host::replay::trace::{Workload, DEFAULT_TRACE_BLOCK_SIZE};
 use router_host::replay::{
@@ -52,25 +52,8 @@ pub struct ReplayArgs {
     /// Data-parallel ranks per worker (one simulated engine per rank).
     #[arg(long, default_value_t = 1)]
     pub dp_size: u32,
-    /// KV capacity of each engine in blocks, or `unlimited` (no eviction) [default: 1048576
-    /// tokens' worth, 2048 blocks of 512].
-    #[arg(long, value_name = "N|unlimited")]
-    pub kv_blocks: Option<KvCapacity>,
-    /// Engine token budget per step [default: 8192].
-    #[arg(long, value_name = "TOKENS")]
-    pub max_num_batched_tokens: Option<u64>,
-    /// Engine batch limit: requests running at once [default: 256].
-    #[arg(long, value_name = "N")]
-    pub max_num_seqs: Option<u64>,
-    /// Fixed cost of every engine step [default: 5].
-    #[arg(long, value_name = "MS")]
-    pub step_overhead_ms: Option<f64>,
-    /// Step cost per decoding request in the batch [default: 0.1].
-    #[arg(long, value_name = "MS")]
-    pub decode_ms_per_seq: Option<f64>,
-    /// Step cost per prefilled (uncached) prompt token [default: 0.05].
-    #[arg(long, value_name = "MS")]
-    pub prefill_ms_per_token: Option<f64>,
+    #[command(flatten)]
+    pub engine: crate::engine_flags::EngineFlags,
     /// Write the report as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -158,15 +141,7 @@ impl ReplayArgs {
     }
 
     fn engine_spec(&self) -> EngineSpec {
-        EngineSpec {
-            kv_blocks: self.kv_blocks,
-            kv_tokens: None,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_num_seqs: self.max_num_seqs,
-            step_overhead_ms: self.step_overhead_ms,
-            decode_ms_per_seq: self.decode_ms_per_seq,
-            prefill_ms_per_token: self.prefill_ms_per_token,
-        }
+        self.engine.spec(None)
     }
 }
 

@@ -21,7 +21,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use router_host::replay::engine::{EngineSpec, KvCapacity};
 
 /// Run a simulated vLLM engine: the OpenAI subset, `/tokenize`, `/metrics` with vLLM's names,
 /// and KV-cache events over ZMQ.
@@ -68,27 +67,11 @@ pub struct MockArgs {
     /// `serve.tokenizer.path`. Default: the built-in byte tokenizer (one token per UTF-8 byte).
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
-    /// KV capacity per rank in blocks, or `unlimited` [default: 1048576 tokens' worth].
-    #[arg(long, value_name = "N|unlimited", conflicts_with = "kv_tokens")]
-    pub kv_blocks: Option<KvCapacity>,
-    /// KV capacity per rank in tokens (rounded down to blocks).
-    #[arg(long, value_name = "TOKENS")]
+    #[command(flatten)]
+    pub engine: crate::engine_flags::EngineFlags,
+    /// KV capacity per rank in tokens (rounded down to blocks), instead of `--kv-blocks`.
+    #[arg(long, value_name = "TOKENS", conflicts_with = "kv_blocks")]
     pub kv_tokens: Option<u64>,
-    /// Token budget per step [default: 8192].
-    #[arg(long, value_name = "TOKENS")]
-    pub max_num_batched_tokens: Option<u64>,
-    /// Requests running at once [default: 256].
-    #[arg(long, value_name = "N")]
-    pub max_num_seqs: Option<u64>,
-    /// Fixed cost of every step [default: 5]; 0 with the two below makes answers immediate.
-    #[arg(long, value_name = "MS")]
-    pub step_overhead_ms: Option<f64>,
-    /// Step cost per decoding request [default: 0.1].
-    #[arg(long, value_name = "MS")]
-    pub decode_ms_per_seq: Option<f64>,
-    /// Step cost per prefilled (uncached) prompt token [default: 0.05].
-    #[arg(long, value_name = "MS")]
-    pub prefill_ms_per_token: Option<f64>,
     /// For tests of gap handling: sequence numbers (per rank) that go to the replay buffer but
     /// are not published live, as if the PUB socket had dropped them.
     #[arg(long, value_name = "SEQ", value_delimiter = ',', hide = true)]
@@ -119,15 +102,7 @@ pub fn run(args: &MockArgs) -> anyhow::Result<std::process::ExitCode> {
     if args.dp_size == 0 || args.dp_size > 64 {
         anyhow::bail!("--dp-size must be from 1 to 64, got {}", args.dp_size);
     }
-    let spec = EngineSpec {
-        kv_blocks: args.kv_blocks,
-        kv_tokens: args.kv_tokens,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_num_seqs: args.max_num_seqs,
-        step_overhead_ms: args.step_overhead_ms,
-        decode_ms_per_seq: args.decode_ms_per_seq,
-        prefill_ms_per_token: args.prefill_ms_per_token,
-    };
+    let spec = args.engine.spec(args.kv_tokens);
     // The replay's validation, with its messages (`engine.KEY: ...`) named as our flags.
     let params = spec
         .resolve(args.block_size)
