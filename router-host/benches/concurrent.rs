@@ -17,7 +17,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use router_host::host::Host;
-use router_host::kv_index::KvEventKind;
+use router_host::kv_index::{KvEventKind, Tier};
 use router_host::model::{Request, RowId};
 
 use common::{row, PROMPTS, PROMPT_TOKENS};
@@ -29,12 +29,14 @@ fn setup() -> (Host, Vec<Request>) {
     let fixture = common::decision_fixture();
     for (r, held) in fixture.held.iter().enumerate() {
         for &p in held {
-            let blocks = fixture.prompts[p].iter().map(|&b| (KvEventKind::Stored, b));
+            let blocks = fixture.prompts[p]
+                .iter()
+                .map(|&b| (KvEventKind::Stored, Tier::Device, b));
             assert!(core.apply_kv_events(row(r), blocks));
         }
     }
     let requests = common::bench_prompts(|r, run| {
-        let stored = run.iter().map(|&b| (KvEventKind::Stored, b));
+        let stored = run.iter().map(|&b| (KvEventKind::Stored, Tier::Device, b));
         core.apply_kv_events(row(r), stored);
     })
     .into_iter()

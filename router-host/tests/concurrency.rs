@@ -13,7 +13,7 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use router_host::config::RouterConfig;
 use router_host::host::{Host, RouteError, SessionOutcome, Submitted, Ticket};
-use router_host::kv_index::KvEventKind;
+use router_host::kv_index::{KvEventKind, Tier};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowLoad, Worker};
 use router_host::rng::SplitMix64;
@@ -119,7 +119,10 @@ fn many_threads_route_complete_cancel_and_change_workers_without_losing_anything
                             );
                             core.apply_kv_events(
                                 routed.decision.row,
-                                request.blocks.iter().map(|&b| (KvEventKind::Stored, b)),
+                                request
+                                    .blocks
+                                    .iter()
+                                    .map(|&b| (KvEventKind::Stored, Tier::Device, b)),
                             );
                             record(&mut seen, &routed, session.as_ref());
                         }

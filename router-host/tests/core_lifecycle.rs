@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use router_host::config::RouterConfig;
 use router_host::host::{Host, NoOverlap, RouteError, Submitted, DRAWN_ID_BIT};
-use router_host::kv_index::KvEventKind;
+use router_host::kv_index::{KvEventKind, Tier};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, RowLoad, Worker};
 use router_host::router::Router;
@@ -234,7 +234,10 @@ fn draining_and_removed_workers_take_nothing_new_and_removal_releases_their_book
     // The draining worker's request is still in flight; removal takes it with the worker.
     core.apply_kv_events(
         row(1, 0),
-        [(KvEventKind::Stored, 7), (KvEventKind::Stored, 8)],
+        [
+            (KvEventKind::Stored, Tier::Device, 7),
+            (KvEventKind::Stored, Tier::Device, 8),
+        ],
     );
     let removed = core.remove_worker(1).unwrap();
     assert_eq!(removed.in_flight, vec![held]);
@@ -262,10 +265,17 @@ fn overlap_comes_from_the_requests_blocks_in_the_cores_index() {
     );
     let core = host.core();
     let blocks: Vec<u64> = (100..108).collect();
-    core.apply_kv_events(row(3, 0), blocks.iter().map(|&b| (KvEventKind::Stored, b)));
+    core.apply_kv_events(
+        row(3, 0),
+        blocks
+            .iter()
+            .map(|&b| (KvEventKind::Stored, Tier::Device, b)),
+    );
     core.apply_kv_events(
         row(2, 0),
-        blocks[..2].iter().map(|&b| (KvEventKind::Stored, b)),
+        blocks[..2]
+            .iter()
+            .map(|&b| (KvEventKind::Stored, Tier::Device, b)),
     );
     let request = Request {
         blocks: blocks.clone(),
@@ -280,7 +290,12 @@ fn overlap_comes_from_the_requests_blocks_in_the_cores_index() {
     );
     core.complete(routed.id);
     // Evicted: the next best is worker 2's two blocks.
-    core.apply_kv_events(row(3, 0), blocks.iter().map(|&b| (KvEventKind::Evicted, b)));
+    core.apply_kv_events(
+        row(3, 0),
+        blocks
+            .iter()
+            .map(|&b| (KvEventKind::Evicted, Tier::Device, b)),
+    );
     let routed = core.route_indexed(&request, false).unwrap();
     assert_eq!(routed.decision.row, row(2, 0));
     core.complete(routed.id);

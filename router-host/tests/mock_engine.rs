@@ -41,7 +41,7 @@ fn mock(extra: &[&str]) -> Mock {
 
 fn blocks(router: &Router, worker: u64, rank: u32) -> f64 {
     router.metric(&format!(
-        "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"{rank}\"}}"
+        "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"{rank}\",tier=\"device\"}}"
     ))
 }
 

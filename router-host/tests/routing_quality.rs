@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use router_host::config::{PrefillBooking, RouterConfig, TieBreak};
 use router_host::host::{Host, NoOverlap, Submitted};
-use router_host::kv_index::KvEventKind;
+use router_host::kv_index::{KvEventKind, Tier};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, RowLoad, Worker};
 use router_host::replay::{self, prepare_text, Setup, SynthParams, EXAMPLE_CONFIGS};
@@ -170,7 +170,10 @@ fn uncached_booking_books_only_what_the_row_computes() {
     ] {
         let host = host(yaml, vec![Worker::new(1)]);
         let core = host.core();
-        core.apply_kv_events(row(1), (100..106).map(|b| (KvEventKind::Stored, b)));
+        core.apply_kv_events(
+            row(1),
+            (100..106).map(|b| (KvEventKind::Stored, Tier::Device, b)),
+        );
         let routed = core.route_indexed(&request, false).unwrap();
         assert_eq!(
             core.booked(row(1)),
@@ -196,8 +199,14 @@ fn uncached_booking_reads_the_chosen_rows_overlap_not_the_best_one() {
     // Worker 2 holds the whole prompt, worker 1 two blocks; the request is pinned to worker 1.
     let host = host(UNCACHED, vec![Worker::new(1), Worker::new(2)]);
     let core = host.core();
-    core.apply_kv_events(row(2), (0..8).map(|b| (KvEventKind::Stored, b)));
-    core.apply_kv_events(row(1), (0..2).map(|b| (KvEventKind::Stored, b)));
+    core.apply_kv_events(
+        row(2),
+        (0..8).map(|b| (KvEventKind::Stored, Tier::Device, b)),
+    );
+    core.apply_kv_events(
+        row(1),
+        (0..2).map(|b| (KvEventKind::Stored, Tier::Device, b)),
+    );
     let pinned = Request {
         pinned_worker: Some(row(1)),
         ..prompt(0, 8, 0)
@@ -229,7 +238,10 @@ fn admission_busy_checks_see_the_uncached_backlog() {
             vec![Worker::new(1)],
         );
         let core = host.core();
-        core.apply_kv_events(row(1), (0..64).map(|b| (KvEventKind::Stored, b)));
+        core.apply_kv_events(
+            row(1),
+            (0..64).map(|b| (KvEventKind::Stored, Tier::Device, b)),
+        );
         let first = core.submit_indexed(prompt(0, 64, 0), false).unwrap();
         assert!(matches!(first, Submitted::Dispatched(_)), "{booking}");
         let second = core.submit_indexed(prompt(1000, 2, 0), false).unwrap();
@@ -285,7 +297,10 @@ fn overlap_credit_keeps_a_cached_prompt_on_its_worker_under_load() {
             vec![Worker::new(1), Worker::new(2)],
         );
         let core = host.core();
-        core.apply_kv_events(row(2), (0..8).map(|b| (KvEventKind::Stored, b)));
+        core.apply_kv_events(
+            row(2),
+            (0..8).map(|b| (KvEventKind::Stored, Tier::Device, b)),
+        );
         // The backlog: a cold 9-block prompt pinned to worker 2.
         let backlog = Request {
             pinned_worker: Some(row(2)),

@@ -188,9 +188,37 @@ fn held(router: &Router, worker: u64, ids: &[u64]) -> usize {
 }
 
 fn blocks_metric(router: &Router, worker: u64) -> f64 {
+    tier_blocks_metric(router, worker, "device")
+}
+
+fn tier_blocks_metric(router: &Router, worker: u64, tier: &str) -> f64 {
     router.metric(&format!(
-        "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"0\"}}"
+        "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"0\",tier=\"{tier}\"}}"
     ))
+}
+
+/// An offload connector's store: vLLM's placeholder form (a bare hash, no tokens, no parent,
+/// block size 0) when `tokens` is empty, else self-describing.
+fn offloaded(hashes: &[u64], medium: &str) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (s("block_hashes"), ints(hashes)),
+        (s("parent_block_hash"), Value::Nil),
+        (s("token_ids"), Value::Array(vec![])),
+        (s("block_size"), Value::from(0)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s(medium)),
+        (s("lora_name"), Value::Nil),
+        (s("group_idx"), Value::from(0)),
+    ])
+}
+
+fn removed_from(hashes: &[u64], medium: &str) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockRemoved")),
+        (s("block_hashes"), ints(hashes)),
+        (s("medium"), s(medium)),
+    ])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,6 +282,78 @@ async fn stored_blocks_route_their_prompt_to_the_row_and_removal_takes_them_away
             "router_kv_events_ignored_total{worker=\"2\",dp_rank=\"0\",kind=\"unknown_block\"}"
         ),
         1.0
+    );
+    router.stop().await;
+}
+
+/// Blocks an engine offloaded to host memory stay reusable after its device copy is evicted:
+/// the index keeps them on the host tier, and the built-in policy credits them (at the host's
+/// `host_cache_hit_weight`, 0.75) above another row's single device block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offloaded_blocks_count_as_host_overlap_after_the_device_copy_goes() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
+    let router = Router::start("serve_kv_tiers", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
+    p1.prime(&router, 1).await;
+    p2.prime(&router, 2).await;
+
+    let tokens: Vec<u32> = (700..712).collect(); // 3 full blocks
+    let ids = prompt_ids(&tokens);
+    // Worker 1: the first block on its device.
+    p1.send(vec![stored_map(&[11], None, &tokens[..4], 4)])
+        .await;
+    // Worker 2: all three on the device, offloaded to the host, then evicted from the device.
+    p2.send(vec![
+        stored_map(&[21, 22, 23], None, &tokens, 4),
+        offloaded(&[21, 22, 23], "CPU"),
+        removed_from(&[21, 22, 23], "GPU"),
+    ])
+    .await;
+    assert!(eventually(WAIT, || tier_blocks_metric(&router, 2, "host") == 3.0).await);
+    assert_eq!(blocks_metric(&router, 2), 0.0);
+    assert_eq!(
+        held(&router, 2, &ids),
+        0,
+        "nothing left on worker 2's device"
+    );
+    {
+        let generation = router.handle.generation();
+        let core = generation.host.core();
+        let slot = core
+            .topology()
+            .slot(router_host::model::RowId {
+                worker_id: 2,
+                dp_rank: 0,
+            })
+            .expect("worker 2's slot");
+        let index = core.kv_index();
+        assert!(ids
+            .iter()
+            .all(|&id| index.holds_in(slot, id, router_core::kv_index::Tier::Host)));
+    }
+
+    let http = client();
+    let url = router.url("/v1/completions");
+    for _ in 0..3 {
+        let response = post(&http, &url, &json!({"model": "tiny", "prompt": tokens})).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(header(&response, "x-router-worker"), "2");
+        let _ = response.bytes().await;
+    }
+
+    // The host copy evicted too: worker 1's device block wins again.
+    p2.send(vec![removed_from(&[21, 22, 23], "CPU")]).await;
+    assert!(eventually(WAIT, || tier_blocks_metric(&router, 2, "host") == 0.0).await);
+    let response = post(&http, &url, &json!({"model": "tiny", "prompt": tokens})).await;
+    assert_eq!(header(&response, "x-router-worker"), "1");
+    let _ = response.bytes().await;
+    // A medium this router does not know is ignored and counted, never indexed.
+    p2.send(vec![offloaded(&[21], "NVME")]).await;
+    assert!(
+        eventually(WAIT, || router.metric(
+            "router_kv_events_ignored_total{worker=\"2\",dp_rank=\"0\",kind=\"medium\"}"
+        ) == 1.0)
+        .await
     );
     router.stop().await;
 }

@@ -9,11 +9,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use router_core::blocks::{BlockHasher, Tenant};
-use router_core::kv_index::KvEventKind;
+use router_core::kv_index::{KvEventKind, Tier};
 use router_host::serve::kv_events::decode::{
     decode_payload, decode_seq, EngineEvent, EngineHash, EventBatch,
 };
-use router_host::serve::kv_events::ingest::{RowIngest, SeqCheck, Sink, Tally};
+use router_host::serve::kv_events::ingest::{RowIngest, SeqCheck, Sink, Tally, Update};
 
 /// The engines' `--block-size` when these were captured.
 const BLOCK_SIZE: u32 = 32;
@@ -95,8 +95,13 @@ struct Recorder {
 }
 
 impl Sink for Recorder {
-    fn apply(&mut self, events: &[(KvEventKind, u64)]) {
-        for (kind, id) in events {
+    fn apply(&mut self, updates: &[Update]) {
+        for (kind, tier, id) in updates {
+            assert_eq!(
+                *tier,
+                Tier::Device,
+                "the captured engines ran without offloading"
+            );
             match kind {
                 KvEventKind::Stored => self.held.insert(*id),
                 KvEventKind::Evicted => self.held.remove(id),
@@ -104,6 +109,11 @@ impl Sink for Recorder {
         }
     }
     fn clear(&mut self) {
+        self.clears += 1;
+        self.held.clear();
+    }
+    fn clear_tier(&mut self, tier: Tier) {
+        assert_eq!(tier, Tier::Device);
         self.clears += 1;
         self.held.clear();
     }

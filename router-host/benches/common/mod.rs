@@ -244,19 +244,11 @@ pub fn background_load(host: &Host) {
 }
 
 pub fn stored(row: u32, block: u64) -> KvEvent {
-    KvEvent {
-        row,
-        kind: KvEventKind::Stored,
-        block,
-    }
+    KvEvent::on_device(row, KvEventKind::Stored, block)
 }
 
 pub fn evicted(row: u32, block: u64) -> KvEvent {
-    KvEvent {
-        row,
-        kind: KvEventKind::Evicted,
-        block,
-    }
+    KvEvent::on_device(row, KvEventKind::Evicted, block)
 }
 
 /// Criterion settings sized so the whole suite stays within a few minutes on 2 cores.

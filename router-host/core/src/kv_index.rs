@@ -13,6 +13,12 @@
 //! a routing decision. Engines store a prompt's blocks in order, so each slot also remembers the
 //! block stored after it (`SlotInfo`): along a cached prompt the walk follows those hints
 //! through slot data that lies mostly in sequence, and hashes only where a hint does not match.
+//!
+//! Engines that offload KV to host memory or disk report those tiers too. Each slot then also
+//! has a host and a disk bitset (allocated on the first offload event, so a device-only index
+//! costs nothing more), and a row's overlap per tier follows what an engine can reuse: the
+//! leading run on the device, then the blocks after it that the row holds on the host or the
+//! device, then the blocks after those held on any tier ([`KvIndex::overlaps_by_tier`]).
 
 use crate::model::RowId;
 
@@ -25,9 +31,46 @@ pub struct KvEvent {
     pub row: u32,
     pub kind: KvEventKind,
     pub block: u64,
+    pub tier: Tier,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+impl KvEvent {
+    /// An event on the device tier (what engines without offloading report).
+    pub fn on_device(row: u32, kind: KvEventKind, block: u64) -> Self {
+        KvEvent {
+            row,
+            kind,
+            block,
+            tier: Tier::Device,
+        }
+    }
+}
+
+/// Where a row holds a block: the engine's device memory, or an offload tier behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// GPU (or, on a CPU engine, its main KV cache): vLLM's `"GPU"` medium.
+    Device,
+    /// Host memory an offload connector copies blocks to: vLLM's `"CPU"`.
+    Host,
+    /// Local or remote storage behind that: vLLM's `"STORAGE"`.
+    Disk,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    /// The name used in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KvEventKind {
     /// The block's KV was computed and registered in the engine's prefix cache (device tier).
     Stored,
@@ -41,8 +84,12 @@ pub struct KvIndex {
     rows: usize,
     words: usize,
     slots: FastMap<u64, u32>,
-    /// `words` bitset words per slot.
+    /// `words` bitset words per slot: the rows holding the slot's block on the device.
     masks: Vec<u64>,
+    /// `2 * words` per slot (host, then disk) once an offload tier was reported; empty before.
+    offload: Vec<u64>,
+    /// Whether `offload` is allocated (a row reported a block off the device).
+    has_offload: bool,
     /// Per slot: its block and a successor hint (see [`SlotInfo`]).
     info: Vec<SlotInfo>,
     /// Per row: the slot of its last `Stored` event, or [`NO_SLOT`].
@@ -76,6 +123,8 @@ impl KvIndex {
             words: rows.div_ceil(64).max(1),
             slots: FastMap::default(),
             masks: Vec::new(),
+            offload: Vec::new(),
+            has_offload: false,
             info: Vec::new(),
             last_stored: vec![NO_SLOT; rows],
             free: Vec::new(),
@@ -107,51 +156,107 @@ impl KvIndex {
         if row >= self.rows {
             return;
         }
+        if event.tier != Tier::Device && !self.has_offload {
+            if event.kind == KvEventKind::Evicted {
+                return; // nothing was ever stored off the device
+            }
+            self.offload = vec![0; self.info.len() * 2 * self.words];
+            self.has_offload = true;
+        }
         let (word, bit) = (row / 64, 1u64 << (row % 64));
         match event.kind {
             KvEventKind::Stored => {
                 let (slot, created) = match self.slots.get(&event.block) {
                     Some(&slot) => (slot, false),
-                    None => {
-                        let fresh = SlotInfo {
-                            block: event.block,
-                            live: true,
-                            next_block: 0,
-                            next_slot: NO_SLOT,
-                        };
-                        let slot = match self.free.pop() {
-                            Some(slot) => {
-                                self.info[slot as usize] = fresh;
-                                slot
-                            }
-                            None => {
-                                let slot = (self.masks.len() / self.words) as u32;
-                                self.masks.resize(self.masks.len() + self.words, 0);
-                                self.info.push(fresh);
-                                slot
-                            }
-                        };
-                        self.slots.insert(event.block, slot);
-                        (slot, true)
-                    }
+                    None => (self.new_slot(event.block), true),
                 };
-                self.masks[slot as usize * self.words + word] |= bit;
-                let previous = std::mem::replace(&mut self.last_stored[row], slot);
-                self.link(previous, slot, created);
+                let at = self.word_at(slot, event.tier, word);
+                self.tier_words_mut(event.tier)[at] |= bit;
+                if event.tier == Tier::Device {
+                    let previous = std::mem::replace(&mut self.last_stored[row], slot);
+                    self.link(previous, slot, created);
+                }
             }
             KvEventKind::Evicted => {
                 let Some(&slot) = self.slots.get(&event.block) else {
                     return;
                 };
-                let base = slot as usize * self.words;
-                self.masks[base + word] &= !bit;
-                if self.masks[base..base + self.words].iter().all(|&w| w == 0) {
+                let at = self.word_at(slot, event.tier, word);
+                self.tier_words_mut(event.tier)[at] &= !bit;
+                if self.slot_is_empty(slot) {
                     self.slots.remove(&event.block);
                     self.info[slot as usize].live = false;
                     self.free.push(slot);
                 }
             }
         }
+    }
+
+    /// A slot for a block the index does not hold, its bitsets all zero (a freed slot's are).
+    fn new_slot(&mut self, block: u64) -> u32 {
+        let fresh = SlotInfo {
+            block,
+            live: true,
+            next_block: 0,
+            next_slot: NO_SLOT,
+        };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.info[slot as usize] = fresh;
+                slot
+            }
+            None => {
+                let slot = self.info.len() as u32;
+                self.masks.resize(self.masks.len() + self.words, 0);
+                if self.has_offload {
+                    self.offload.resize(self.offload.len() + 2 * self.words, 0);
+                }
+                self.info.push(fresh);
+                slot
+            }
+        };
+        self.slots.insert(block, slot);
+        slot
+    }
+
+    /// Index of `word` of `slot`'s bitset for `tier` in [`Self::tier_words_mut`]`(tier)`.
+    fn word_at(&self, slot: u32, tier: Tier, word: usize) -> usize {
+        match tier {
+            Tier::Device => slot as usize * self.words + word,
+            Tier::Host => slot as usize * 2 * self.words + word,
+            Tier::Disk => (slot as usize * 2 + 1) * self.words + word,
+        }
+    }
+
+    fn tier_words_mut(&mut self, tier: Tier) -> &mut [u64] {
+        match tier {
+            Tier::Device => &mut self.masks,
+            Tier::Host | Tier::Disk => &mut self.offload,
+        }
+    }
+
+    fn tier_words(&self, tier: Tier) -> &[u64] {
+        match tier {
+            Tier::Device => &self.masks,
+            Tier::Host | Tier::Disk => &self.offload,
+        }
+    }
+
+    /// No row holds the slot's block on any tier.
+    fn slot_is_empty(&self, slot: u32) -> bool {
+        let words = self.words;
+        let device = &self.masks[slot as usize * words..][..words];
+        let offload: &[u64] = if self.has_offload {
+            &self.offload[slot as usize * 2 * words..][..2 * words]
+        } else {
+            &[]
+        };
+        device.iter().chain(offload).all(|&w| w == 0)
+    }
+
+    /// Whether any row ever reported a block off the device.
+    pub fn has_offload_tiers(&self) -> bool {
+        self.has_offload
     }
 
     /// Row just stored `slot` after `previous`: make that the hint of `previous` unless it already
@@ -194,56 +299,81 @@ impl KvIndex {
         }
         let words = rows.div_ceil(64).max(1);
         if words != self.words {
-            let slots = self.info.len();
-            let mut masks = vec![0u64; slots * words];
-            for slot in 0..slots {
-                masks[slot * words..][..self.words]
-                    .copy_from_slice(&self.masks[slot * self.words..][..self.words]);
-            }
-            self.masks = masks;
+            // Each bitset keeps its words at the front of its wider place.
+            let relay = |old: &[u64]| {
+                let mut new = vec![0u64; old.len() / self.words * words];
+                for (from, to) in old
+                    .chunks_exact(self.words)
+                    .zip(new.chunks_exact_mut(words))
+                {
+                    to[..self.words].copy_from_slice(from);
+                }
+                new
+            };
+            self.masks = relay(&self.masks);
+            self.offload = relay(&self.offload);
             self.words = words;
         }
         self.rows = rows;
         self.last_stored.resize(rows, NO_SLOT);
     }
 
-    /// Forget every block `row` holds (its worker left, or its engine restarted); returns how
-    /// many it held. Linear in the number of distinct blocks.
+    /// Forget every block `row` holds on any tier (its worker left, or its engine restarted);
+    /// returns how many (row, block, tier) entries it had. Linear in the number of distinct
+    /// blocks.
     pub fn clear_row(&mut self, row: u32) -> u64 {
-        let row = row as usize;
-        if row >= self.rows {
-            return 0;
+        let cleared = Tier::ALL.iter().map(|&t| self.clear_row_tier(row, t)).sum();
+        if let Some(last) = self.last_stored.get_mut(row as usize) {
+            *last = NO_SLOT;
         }
-        let (word, bit) = (row / 64, 1u64 << (row % 64));
-        let mut cleared = 0;
-        let words = self.words;
-        let masks = &mut self.masks;
-        let info = &mut self.info;
-        let free = &mut self.free;
-        self.slots.retain(|_, &mut slot| {
-            let base = slot as usize * words;
-            if masks[base + word] & bit == 0 {
-                return true;
-            }
-            cleared += 1;
-            masks[base + word] &= !bit;
-            if masks[base..base + words].iter().all(|&w| w == 0) {
-                info[slot as usize].live = false;
-                free.push(slot);
-                return false;
-            }
-            true
-        });
-        self.last_stored[row] = NO_SLOT;
         cleared
     }
 
-    /// (row, block) pairs held, over all rows.
+    /// Forget the blocks `row` holds on `tier` (the engine cleared that cache); returns how many
+    /// it held there.
+    pub fn clear_row_tier(&mut self, row: u32, tier: Tier) -> u64 {
+        let row = row as usize;
+        if row >= self.rows || (tier != Tier::Device && !self.has_offload) {
+            return 0;
+        }
+        let (word, bit) = (row / 64, 1u64 << (row % 64));
+        let holding: Vec<(u64, u32)> = self
+            .slots
+            .iter()
+            .filter(|&(_, &slot)| self.tier_words(tier)[self.word_at(slot, tier, word)] & bit != 0)
+            .map(|(&block, &slot)| (block, slot))
+            .collect();
+        for &(block, slot) in &holding {
+            let at = self.word_at(slot, tier, word);
+            self.tier_words_mut(tier)[at] &= !bit;
+            if self.slot_is_empty(slot) {
+                self.slots.remove(&block);
+                self.info[slot as usize].live = false;
+                self.free.push(slot);
+            }
+        }
+        let cleared = holding.len() as u64;
+        if tier == Tier::Device {
+            self.last_stored[row] = NO_SLOT;
+        }
+        cleared
+    }
+
+    /// (row, block) pairs held on the device, over all rows.
     pub fn holdings(&self) -> u64 {
+        self.holdings_in(Tier::Device)
+    }
+
+    /// (row, block) pairs held on `tier`, over all rows.
+    pub fn holdings_in(&self, tier: Tier) -> u64 {
+        if tier != Tier::Device && !self.has_offload {
+            return 0;
+        }
+        let words = self.tier_words(tier);
         self.slots
             .values()
             .map(|&slot| {
-                self.masks[slot as usize * self.words..][..self.words]
+                words[self.word_at(slot, tier, 0)..][..self.words]
                     .iter()
                     .map(|w| u64::from(w.count_ones()))
                     .sum::<u64>()
@@ -251,13 +381,20 @@ impl KvIndex {
             .sum()
     }
 
-    /// Whether `row` holds `block`.
+    /// Whether `row` holds `block` on the device.
     pub fn holds(&self, row: u32, block: u64) -> bool {
+        self.holds_in(row, block, Tier::Device)
+    }
+
+    /// Whether `row` holds `block` on `tier`.
+    pub fn holds_in(&self, row: u32, block: u64, tier: Tier) -> bool {
         let row = row as usize;
-        row < self.rows
-            && self.slots.get(&block).is_some_and(|&slot| {
-                self.masks[slot as usize * self.words + row / 64] & (1 << (row % 64)) != 0
-            })
+        if row >= self.rows || (tier != Tier::Device && !self.has_offload) {
+            return false;
+        }
+        self.slots.get(&block).is_some_and(|&slot| {
+            self.tier_words(tier)[self.word_at(slot, tier, row / 64)] & (1 << (row % 64)) != 0
+        })
     }
 
     /// `out[row]` = how many leading blocks of `blocks` row holds. `alive` is scratch.
@@ -274,6 +411,90 @@ impl KvIndex {
                 alive.resize(words, !0);
                 self.walk(blocks, out, alive);
             }
+        }
+    }
+
+    /// Per row, the prompt's leading blocks it can reuse, by the tier they come from:
+    /// `device[row]` leading blocks on the device; then `host[row]` more held on the host (or
+    /// on the device: a block after the device run is reused from where an offload connector
+    /// loads it); then `disk[row]` more held on any tier. `device` is what [`Self::overlaps`]
+    /// gives. Without offload tiers `host` and `disk` are left empty (read as zeros) and the
+    /// walk is the device-only one. `alive` is scratch.
+    pub fn overlaps_by_tier(
+        &self,
+        blocks: &[u64],
+        device: &mut Vec<u32>,
+        host: &mut Vec<u32>,
+        disk: &mut Vec<u32>,
+        alive: &mut Vec<u64>,
+    ) {
+        if !self.has_offload {
+            host.clear();
+            disk.clear();
+            return self.overlaps(blocks, device, alive);
+        }
+        for out in [&mut *device, &mut *host, &mut *disk] {
+            out.clear();
+            out.resize(self.rows, 0);
+        }
+        let words = self.words;
+        alive.clear();
+        alive.resize(3 * words, !0);
+        if !self.rows.is_multiple_of(64) {
+            for level in 0..3 {
+                alive[level * words + words - 1] = (1u64 << (self.rows % 64)) - 1;
+            }
+        }
+        // Three nested runs: on the device; on the device or host; on any tier. `host` and
+        // `disk` hold the second and third run until the differences at the end.
+        let mut runs = [&mut device[..], &mut host[..], &mut disk[..]];
+        let mut depth = 0u32;
+        let mut previous = NO_SLOT;
+        for &block in blocks {
+            let slot = match self.successor(previous, block) {
+                Some(slot) => slot,
+                None => match self.slots.get(&block) {
+                    Some(&slot) => slot,
+                    None => break,
+                },
+            };
+            previous = slot;
+            let on_device = &self.masks[slot as usize * words..][..words];
+            let offload = &self.offload[slot as usize * 2 * words..][..2 * words];
+            let mut any = 0;
+            for w in 0..words {
+                let near = on_device[w] | offload[w];
+                let held = [on_device[w], near, near | offload[words + w]];
+                for (level, (run, held)) in runs.iter_mut().zip(held).enumerate() {
+                    let alive = &mut alive[level * words + w];
+                    let mut dropped = *alive & !held;
+                    while dropped != 0 {
+                        let bit = dropped.trailing_zeros() as usize;
+                        run[w * 64 + bit] = depth;
+                        dropped &= dropped - 1;
+                    }
+                    *alive &= held;
+                }
+                any |= alive[2 * words + w];
+            }
+            if any == 0 {
+                break;
+            }
+            depth += 1;
+        }
+        for (level, run) in runs.iter_mut().enumerate() {
+            for w in 0..words {
+                let mut bits = alive[level * words + w];
+                while bits != 0 {
+                    let bit = bits.trailing_zeros() as usize;
+                    run[w * 64 + bit] = depth;
+                    bits &= bits - 1;
+                }
+            }
+        }
+        for ((device, host), disk) in device.iter().zip(host.iter_mut()).zip(disk.iter_mut()) {
+            *disk -= *host;
+            *host -= *device;
         }
     }
 
@@ -355,10 +576,15 @@ mod tests {
     use super::*;
 
     fn stored(row: u32, block: u64) -> KvEvent {
+        KvEvent::on_device(row, KvEventKind::Stored, block)
+    }
+
+    fn event(row: u32, kind: KvEventKind, block: u64, tier: Tier) -> KvEvent {
         KvEvent {
             row,
-            kind: KvEventKind::Stored,
+            kind,
             block,
+            tier,
         }
     }
 
@@ -384,11 +610,7 @@ mod tests {
             if rows > 3 {
                 assert_eq!(out[2], 0);
             }
-            index.apply(&KvEvent {
-                row: 0,
-                kind: KvEventKind::Evicted,
-                block: 2,
-            });
+            index.apply(&event(0, KvEventKind::Evicted, 2, Tier::Device));
             index.overlaps(&[1, 2, 3, 4], &mut out, &mut alive);
             assert_eq!((out[0], out[last as usize]), (1, 3));
             assert!(!index.holds(0, 2) && index.holds(last, 2));
@@ -438,11 +660,7 @@ mod tests {
                     _ => {
                         for &block in prompt.iter().filter(|_| next(2) == 0) {
                             if held[row as usize].remove(&block) {
-                                index.apply(&KvEvent {
-                                    row,
-                                    kind: KvEventKind::Evicted,
-                                    block,
-                                });
+                                index.apply(&event(row, KvEventKind::Evicted, block, Tier::Device));
                             }
                         }
                     }
@@ -468,15 +686,115 @@ mod tests {
         index.apply(&stored(0, 9));
         index.apply(&stored(1, 9));
         for row in [0, 1] {
-            index.apply(&KvEvent {
-                row,
-                kind: KvEventKind::Evicted,
-                block: 9,
-            });
+            index.apply(&event(row, KvEventKind::Evicted, 9, Tier::Device));
         }
         assert!(index.is_empty());
         index.apply(&stored(1, 10));
         assert_eq!(index.len(), 1);
         assert!(index.holds(1, 10));
+    }
+
+    /// The per-tier runs against the definition, under random stores and evictions on every
+    /// tier, with rows added past a word boundary midway and rows or single tiers cleared.
+    #[test]
+    fn overlaps_by_tier_match_a_naive_reference() {
+        use std::collections::HashSet;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for (rows, grown) in [(1usize, 3usize), (5, 70), (64, 130), (70, 70)] {
+            let mut index = KvIndex::new(rows);
+            let mut rows = rows;
+            // held[row][tier]
+            let mut held: Vec<[HashSet<u64>; 3]> = vec![Default::default(); grown];
+            let prompts: Vec<Vec<u64>> = (0..16)
+                .map(|_| (0..3 + next(8)).map(|i| i * 7 + next(3)).collect())
+                .collect();
+            let (mut device, mut host, mut disk, mut alive) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for step in 0..2_000 {
+                if step == 1_000 {
+                    index.ensure_rows(grown);
+                    rows = grown;
+                }
+                let row = next(rows as u64) as u32;
+                let tier = Tier::ALL[next(3) as usize];
+                let t = tier as usize;
+                let prompt = &prompts[next(prompts.len() as u64) as usize];
+                match next(7) {
+                    0..=3 => {
+                        for &block in &prompt[..=next(prompt.len() as u64) as usize] {
+                            if held[row as usize][t].insert(block) {
+                                index.apply(&event(row, KvEventKind::Stored, block, tier));
+                            }
+                        }
+                    }
+                    4 | 5 => {
+                        for &block in prompt.iter().filter(|_| next(2) == 0) {
+                            if held[row as usize][t].remove(&block) {
+                                index.apply(&event(row, KvEventKind::Evicted, block, tier));
+                            }
+                        }
+                    }
+                    _ if next(4) == 0 => {
+                        let n: usize = held[row as usize].iter().map(HashSet::len).sum();
+                        assert_eq!(index.clear_row(row), n as u64);
+                        held[row as usize].iter_mut().for_each(HashSet::clear);
+                    }
+                    _ => {
+                        let n = held[row as usize][t].len() as u64;
+                        assert_eq!(index.clear_row_tier(row, tier), n, "step {step}");
+                        held[row as usize][t].clear();
+                    }
+                }
+                let query = &prompts[next(prompts.len() as u64) as usize];
+                index.overlaps_by_tier(query, &mut device, &mut host, &mut disk, &mut alive);
+                for (r, sets) in held.iter().enumerate().take(rows) {
+                    let on = |tiers: &[usize], b: &u64| tiers.iter().any(|&t| sets[t].contains(b));
+                    let run = |tiers: &[usize]| query.iter().take_while(|b| on(tiers, b)).count();
+                    let (d, dh, all) = (run(&[0]), run(&[0, 1]), run(&[0, 1, 2]));
+                    let got = |v: &Vec<u32>| v.get(r).copied().unwrap_or(0) as usize;
+                    assert_eq!(
+                        (got(&device), got(&host), got(&disk)),
+                        (d, dh - d, all - dh),
+                        "rows {rows}, step {step}, row {r}"
+                    );
+                    for (t, tier) in Tier::ALL.into_iter().enumerate().filter(|_| step % 16 == 0) {
+                        for b in query {
+                            assert_eq!(index.holds_in(r as u32, *b, tier), sets[t].contains(b));
+                        }
+                    }
+                }
+            }
+            for (t, tier) in Tier::ALL.into_iter().enumerate() {
+                let pairs: usize = held.iter().map(|sets| sets[t].len()).sum();
+                assert_eq!(index.holdings_in(tier), pairs as u64, "{tier:?}");
+            }
+            let distinct: HashSet<u64> = held.iter().flatten().flatten().copied().collect();
+            assert_eq!(index.len(), distinct.len());
+        }
+    }
+
+    #[test]
+    fn a_device_only_index_has_no_offload_columns() {
+        let mut index = KvIndex::new(2);
+        index.apply(&stored(0, 1));
+        // An eviction from a tier never stored changes nothing and allocates nothing.
+        index.apply(&event(0, KvEventKind::Evicted, 1, Tier::Host));
+        assert!(!index.has_offload_tiers());
+        let (mut device, mut host, mut disk, mut alive) = (vec![9], vec![9], vec![9], Vec::new());
+        index.overlaps_by_tier(&[1, 2], &mut device, &mut host, &mut disk, &mut alive);
+        assert_eq!((device, host, disk), (vec![1, 0], vec![], vec![]));
+        // A block kept only on the host keeps its slot after the device copy goes.
+        index.apply(&event(1, KvEventKind::Stored, 1, Tier::Host));
+        index.apply(&event(0, KvEventKind::Evicted, 1, Tier::Device));
+        assert_eq!(index.len(), 1);
+        assert!(index.holds_in(1, 1, Tier::Host) && !index.holds(0, 1));
+        index.apply(&event(1, KvEventKind::Evicted, 1, Tier::Host));
+        assert!(index.is_empty());
     }
 }

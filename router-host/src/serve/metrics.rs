@@ -37,6 +37,14 @@ pub struct RowLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RowTierLabels {
+    pub worker: String,
+    pub dp_rank: String,
+    /// `device`, `host` or `disk` (`router_core::kv_index::Tier::name`).
+    pub tier: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     pub instance: String,
     pub policy: String,
@@ -86,7 +94,7 @@ pub struct KvMetrics {
     /// 1 while the subscriber of the row is connected to its engine.
     pub connected: Family<RowLabels, Gauge>,
     /// Blocks the row's engine-hash map holds (what the index holds for the row).
-    pub blocks: Family<RowLabels, Gauge>,
+    pub blocks: Family<RowTierLabels, Gauge>,
     /// Seconds from the last batch's timestamp (the engine's clock) to its being applied.
     pub lag: Family<RowLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
@@ -144,7 +152,8 @@ impl KvMetrics {
         );
         registry.register(
             "router_kv_index_blocks",
-            "Device-tier blocks indexed for the row from its engine's events",
+            "Blocks indexed for the row from its engine's events, by tier (device; host and \
+             disk once the engine reported an offload tier)",
             self.blocks.clone(),
         );
         registry.register(

@@ -62,16 +62,21 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
     }
 }
 
-/// Reusable buffers for one request's walk of the KV index.
+/// Reusable buffers for one request's walk of the KV index: per slot, blocks reusable from
+/// each tier ([`KvIndex::overlaps_by_tier`]; `host` and `disk` stay empty, read as zeros,
+/// while no engine reported an offload tier).
 #[derive(Debug, Default)]
 pub struct OverlapBuffers {
     pub held: Vec<u32>,
+    pub host: Vec<u32>,
+    pub disk: Vec<u32>,
     pub alive: Vec<u64>,
 }
 
 /// A request's overlap from the core's KV index, walked on first use (a policy that does not
 /// read the CACHE columns never pays for it): `held[slot]` leading blocks of the prompt are on
-/// the row in `slot` (device tier; engines report only what they hold on the device today).
+/// the device of the row in `slot`, `host[slot]` and `disk[slot]` more behind them on its
+/// offload tiers.
 pub struct IndexOverlap<'a> {
     topology: &'a Topology,
     kv: &'a ShardedLock<KvIndex>,
@@ -97,24 +102,31 @@ impl<'a> IndexOverlap<'a> {
     }
 
     /// Run `f` over the walked counts, walking the index first if nobody did yet.
-    fn with_held<R>(&self, f: impl FnOnce(&[u32]) -> R) -> R {
+    fn with_walk<R>(&self, f: impl FnOnce(&OverlapBuffers) -> R) -> R {
         let mut buffers = self.buffers.borrow_mut();
-        let OverlapBuffers { held, alive } = &mut **buffers;
         if !self.walked.replace(true) {
+            let OverlapBuffers {
+                held,
+                host,
+                disk,
+                alive,
+            } = &mut **buffers;
             if self.blocks.is_empty() {
                 held.clear();
+                host.clear();
+                disk.clear();
             } else {
                 let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
-                kv.overlaps(self.blocks, held, alive);
+                kv.overlaps_by_tier(self.blocks, held, host, disk, alive);
             }
         }
-        f(held)
+        f(&buffers)
     }
 }
 
-fn blocks_in(held: &[u32], slot: Option<u32>) -> f64 {
+fn blocks_in(counts: &[u32], slot: Option<u32>) -> f64 {
     f64::from(
-        slot.and_then(|s| held.get(s as usize))
+        slot.and_then(|s| counts.get(s as usize))
             .copied()
             .unwrap_or(0),
     )
@@ -123,11 +135,11 @@ fn blocks_in(held: &[u32], slot: Option<u32>) -> f64 {
 impl OverlapSource for IndexOverlap<'_> {
     fn overlap(&self, row: RowId) -> TierOverlap {
         let slot = self.topology.slot(row);
-        TierOverlap {
-            device: self.with_held(|held| blocks_in(held, slot)),
-            host: 0.0,
-            disk: 0.0,
-        }
+        self.with_walk(|b| TierOverlap {
+            device: blocks_in(&b.held, slot),
+            host: blocks_in(&b.host, slot),
+            disk: blocks_in(&b.disk, slot),
+        })
     }
 
     fn overlap_columns(
@@ -137,12 +149,20 @@ impl OverlapSource for IndexOverlap<'_> {
         host: &mut [f64],
         disk: &mut [f64],
     ) {
-        self.with_held(|held| {
+        self.with_walk(|b| {
             for (slot, device) in self.topology.slots(rows).zip(device.iter_mut()) {
-                *device = blocks_in(held, slot);
+                *device = blocks_in(&b.held, slot);
+            }
+            if b.host.is_empty() && b.disk.is_empty() {
+                host.fill(0.0);
+                disk.fill(0.0);
+                return;
+            }
+            let columns = host.iter_mut().zip(disk.iter_mut());
+            for (slot, (host, disk)) in self.topology.slots(rows).zip(columns) {
+                *host = blocks_in(&b.host, slot);
+                *disk = blocks_in(&b.disk, slot);
             }
         });
-        host.fill(0.0);
-        disk.fill(0.0);
     }
 }

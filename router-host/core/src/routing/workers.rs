@@ -6,7 +6,7 @@ use std::sync::Arc;
 use plugin_api::abi::CompletionCode;
 
 use super::{lock, next_generation, write, Booking, RequestId, RoutingCore, DRAWN_ID_BIT, SHARDS};
-use crate::kv_index::{KvEvent, KvEventKind};
+use crate::kv_index::{KvEvent, KvEventKind, Tier};
 use crate::model::{RowId, Worker};
 use crate::topology::{MembershipError, Topology};
 
@@ -123,28 +123,30 @@ impl RoutingCore {
         })
     }
 
-    /// Apply cache events reported for `row` (ignored, and `false`, for a row not registered).
+    /// Apply cache events reported for `row`: `(kind, tier, block)` (ignored, and `false`, for
+    /// a row not registered).
     pub fn apply_kv_events(
         &self,
         row: RowId,
-        events: impl IntoIterator<Item = (KvEventKind, u64)>,
+        events: impl IntoIterator<Item = (KvEventKind, Tier, u64)>,
     ) -> bool {
         let mut kv = write(&self.kv);
         let Some(slot) = self.topology.load().slot(row) else {
             return false;
         };
-        for (kind, block) in events {
+        for (kind, tier, block) in events {
             kv.apply(&KvEvent {
                 row: slot,
                 kind,
                 block,
+                tier,
             });
         }
         true
     }
 
-    /// Apply cache events for many rows under one lock; events for rows not registered are
-    /// skipped. Returns how many were applied.
+    /// Apply device-tier cache events for many rows under one lock; events for rows not
+    /// registered are skipped. Returns how many were applied.
     pub fn apply_kv_batch(
         &self,
         events: impl IntoIterator<Item = (RowId, KvEventKind, u64)>,
@@ -154,22 +156,27 @@ impl RoutingCore {
         let mut applied = 0;
         for (row, kind, block) in events {
             if let Some(slot) = topology.slot(row) {
-                kv.apply(&KvEvent {
-                    row: slot,
-                    kind,
-                    block,
-                });
+                kv.apply(&KvEvent::on_device(slot, kind, block));
                 applied += 1;
             }
         }
         applied
     }
 
-    /// Forget every block `row` holds (its engine cleared its cache or restarted).
+    /// Forget every block `row` holds, on every tier (its engine restarted).
     pub fn clear_kv_row(&self, row: RowId) -> u64 {
         let mut kv = write(&self.kv);
         match self.topology.load().slot(row) {
             Some(slot) => kv.clear_row(slot),
+            None => 0,
+        }
+    }
+
+    /// Forget the blocks `row` holds on `tier` (its engine cleared that cache).
+    pub fn clear_kv_row_tier(&self, row: RowId, tier: Tier) -> u64 {
+        let mut kv = write(&self.kv);
+        match self.topology.load().slot(row) {
+            Some(slot) => kv.clear_row_tier(slot, tier),
             None => 0,
         }
     }

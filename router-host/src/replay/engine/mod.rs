@@ -276,11 +276,8 @@ impl Engine {
                     Some(s) => self.cache.acquire(s),
                     None => {
                         self.cache.insert(block);
-                        out.events.push(KvEvent {
-                            row: self.row,
-                            kind: KvEventKind::Stored,
-                            block,
-                        });
+                        out.events
+                            .push(KvEvent::on_device(self.row, KvEventKind::Stored, block));
                     }
                 }
                 j.private_blocks -= 1;
@@ -370,11 +367,8 @@ impl Engine {
                     break;
                 };
                 self.stats.evicted_blocks += 1;
-                out.events.push(KvEvent {
-                    row: self.row,
-                    kind: KvEventKind::Evicted,
-                    block,
-                });
+                out.events
+                    .push(KvEvent::on_device(self.row, KvEventKind::Evicted, block));
             }
         }
         self.private += needed;

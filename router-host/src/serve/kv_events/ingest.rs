@@ -1,25 +1,35 @@
 //! Typed events of one `(worker, rank)` → KV-index updates in router block ids.
 //!
-//! The row keeps a map from the engine's block hash to the router's block id. `BlockStored`
-//! hashes its `token_ids` block by block with the core's [`BlockHasher`], chained from the
-//! parent's router id (looked up in the map) or from the root when the parent is null; removals
-//! go through the same map. `AllBlocksCleared`, and a sequence number that goes backwards (the
-//! engine restarted with an empty cache), clear the row and the map. Only the device tier is
-//! indexed: the core's index has no host or disk tier yet.
+//! The row keeps a map from the engine's block hash to the router's block id and the tiers the
+//! row holds it on. `BlockStored` hashes its `token_ids` block by block with the core's
+//! [`BlockHasher`], chained from the parent's router id (looked up in the map) or from the root
+//! when the parent is null; removals go through the same map. `medium` names the tier: `"GPU"`
+//! (or none) the device, `"CPU"` the host, `"STORAGE"` the disk. An offload store may carry no
+//! tokens (vLLM's offloading connector sends a bare hash unless its events are
+//! self-describing): it is then mapped through the hash the row stored on the device. Offload
+//! tiers may announce one hash several times, so they count references: the tier holds the
+//! block until as many removals came. `AllBlocksCleared` clears the device tier (the block
+//! pool is what sends it); a sequence number that goes backwards (the engine restarted, its
+//! memory gone) clears every tier and the map.
 
 use std::collections::HashMap;
 
 use router_core::blocks::{BlockHasher, Tenant};
-use router_core::kv_index::KvEventKind;
+use router_core::kv_index::{KvEventKind, Tier};
 
 use super::decode::{BlockStored, EngineEvent, EngineHash, EventBatch};
 
+/// One index update: what happened to which router block on which tier.
+pub type Update = (KvEventKind, Tier, u64);
+
 /// Where a row's updates go (the routing core in `serve`, a recorder in tests).
 pub trait Sink {
-    /// Apply events in order.
-    fn apply(&mut self, events: &[(KvEventKind, u64)]);
-    /// Forget everything the row holds.
+    /// Apply updates in order.
+    fn apply(&mut self, updates: &[Update]);
+    /// Forget everything the row holds, on every tier.
     fn clear(&mut self);
+    /// Forget what the row holds on `tier`.
+    fn clear_tier(&mut self, tier: Tier);
 }
 
 /// What one batch did, by label (added to the metrics by the caller).
@@ -65,19 +75,48 @@ pub enum SeqCheck {
     Restart { last: u64, got: u64 },
 }
 
+/// One engine hash the row holds: its router id and, per tier, how many stores are not yet
+/// matched by a removal (the device tier announces a block once, so 0 or 1 there).
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    id: u64,
+    refs: [u32; 3],
+}
+
+impl Held {
+    fn is_empty(&self) -> bool {
+        self.refs == [0; 3]
+    }
+}
+
 /// One row's ingestion state.
 #[derive(Debug)]
 pub struct RowIngest {
     block_size: u32,
     hasher: BlockHasher,
-    map: HashMap<EngineHash, u64>,
+    map: HashMap<EngineHash, Held>,
+    /// Blocks held per tier (entries of `map` with a reference there).
+    per_tier: [usize; 3],
+    /// Tiers the row ever reported a block on.
+    seen: [bool; 3],
     last_seq: Option<u64>,
-    pending: Vec<(KvEventKind, u64)>,
+    pending: Vec<Update>,
 }
 
-/// The device tier: vLLM's `"GPU"`, or no medium (engines that predate the field).
-pub fn is_device(medium: Option<&str>) -> bool {
-    medium.is_none_or(|m| m.eq_ignore_ascii_case("GPU"))
+/// The tier a `medium` names: vLLM's `"GPU"` (or no medium, engines that predate the field)
+/// is the device, `"CPU"` the host, `"STORAGE"` (or `"DISK"`) the disk; `None` for others.
+pub fn tier_of(medium: Option<&str>) -> Option<Tier> {
+    let Some(medium) = medium else {
+        return Some(Tier::Device);
+    };
+    [
+        ("GPU", Tier::Device),
+        ("CPU", Tier::Host),
+        ("STORAGE", Tier::Disk),
+        ("DISK", Tier::Disk),
+    ]
+    .into_iter()
+    .find_map(|(name, tier)| medium.eq_ignore_ascii_case(name).then_some(tier))
 }
 
 impl RowIngest {
@@ -88,12 +127,24 @@ impl RowIngest {
             block_size,
             hasher: BlockHasher::new(block_size, Tenant::default())?,
             map: HashMap::new(),
+            per_tier: [0; 3],
+            seen: [false; 3],
             last_seq: None,
             pending: Vec::new(),
         })
     }
 
-    /// Blocks the row holds (engine hashes mapped).
+    /// Blocks the row holds on `tier`.
+    pub fn blocks_on(&self, tier: Tier) -> usize {
+        self.per_tier[tier as usize]
+    }
+
+    /// Whether the row ever reported a block on `tier`.
+    pub fn has_seen(&self, tier: Tier) -> bool {
+        self.seen[tier as usize]
+    }
+
+    /// Blocks the row holds on any tier (engine hashes mapped).
     pub fn len(&self) -> usize {
         self.map.len()
     }
@@ -102,14 +153,22 @@ impl RowIngest {
         self.map.is_empty()
     }
 
-    /// The router ids the row holds, to seed a fresh index (a reloaded configuration).
-    pub fn router_ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.map.values().copied()
+    /// What the row holds, as stores to seed a fresh index (a reloaded configuration).
+    pub fn holdings(&self) -> impl Iterator<Item = Update> + '_ {
+        self.map.values().flat_map(|held| {
+            Tier::ALL
+                .into_iter()
+                .filter(|&tier| held.refs[tier as usize] > 0)
+                .map(|tier| (KvEventKind::Stored, tier, held.id))
+        })
     }
 
-    /// The router id of an engine hash, if the row holds it.
+    /// The router id of an engine hash, if the row holds it on the device.
     pub fn router_id(&self, hash: &EngineHash) -> Option<u64> {
-        self.map.get(hash).copied()
+        self.map
+            .get(hash)
+            .filter(|held| held.refs[Tier::Device as usize] > 0)
+            .map(|held| held.id)
     }
 
     pub fn last_seq(&self) -> Option<u64> {
@@ -131,11 +190,22 @@ impl RowIngest {
         check
     }
 
-    /// Forget the row (engine restart): the map here, the index through `sink`.
+    /// Forget the row (engine restart): the map here, every tier of the index through `sink`.
     pub fn clear(&mut self, sink: &mut dyn Sink) {
         self.pending.clear();
         self.map.clear();
+        self.per_tier = [0; 3];
         sink.clear();
+    }
+
+    /// Forget what the row holds on `tier`, here and through `sink`.
+    fn clear_tier(&mut self, tier: Tier, sink: &mut dyn Sink) {
+        self.map.retain(|_, held| {
+            held.refs[tier as usize] = 0;
+            !held.is_empty()
+        });
+        self.per_tier[tier as usize] = 0;
+        sink.clear_tier(tier);
     }
 
     /// Apply one decoded batch; updates go to `sink` in one call where possible.
@@ -149,29 +219,28 @@ impl RowIngest {
                     medium,
                     group_idx,
                 }) => {
-                    if !is_device(medium.as_deref()) {
+                    let Some(tier) = tier_of(medium.as_deref()) else {
                         bump(&mut tally.ignored, "medium");
                         continue;
-                    }
+                    };
                     if group_idx.unwrap_or(0) != 0 {
                         bump(&mut tally.ignored, "group");
                         continue;
                     }
                     for hash in block_hashes {
-                        match self.map.remove(&hash) {
-                            Some(id) => self.pending.push((KvEventKind::Evicted, id)),
-                            None => bump(&mut tally.ignored, "unknown_block"),
+                        if !self.release(&hash, tier) {
+                            bump(&mut tally.ignored, "unknown_block");
                         }
                     }
                     bump(&mut tally.applied, "block_removed");
                 }
                 Ok(EngineEvent::AllBlocksCleared { medium }) => {
-                    if !is_device(medium.as_deref()) {
+                    let Some(tier) = tier_of(medium.as_deref()) else {
                         bump(&mut tally.ignored, "medium");
                         continue;
-                    }
+                    };
                     self.flush(sink);
-                    self.clear(sink);
+                    self.clear_tier(tier, sink);
                     bump(&mut tally.applied, "all_blocks_cleared");
                     bump(&mut tally.clears, "all_blocks_cleared");
                 }
@@ -188,20 +257,71 @@ impl RowIngest {
         }
     }
 
+    /// One more store of `hash` (router id `id`) on `tier`; the index hears of the first.
+    fn hold(&mut self, hash: EngineHash, id: u64, tier: Tier) {
+        let held = self.map.entry(hash).or_insert(Held { id, refs: [0; 3] });
+        let refs = &mut held.refs[tier as usize];
+        if tier == Tier::Device && *refs > 0 {
+            return; // the device announces a block once; a repeat changes nothing
+        }
+        *refs += 1;
+        self.seen[tier as usize] = true;
+        if *refs == 1 {
+            self.per_tier[tier as usize] += 1;
+            self.pending.push((KvEventKind::Stored, tier, held.id));
+        }
+    }
+
+    /// One removal of `hash` from `tier`; the index hears of the last. `false` when the row
+    /// does not hold it there.
+    fn release(&mut self, hash: &EngineHash, tier: Tier) -> bool {
+        let Some(held) = self.map.get_mut(hash) else {
+            return false;
+        };
+        let refs = &mut held.refs[tier as usize];
+        if *refs == 0 {
+            return false;
+        }
+        *refs -= 1;
+        if *refs == 0 {
+            self.per_tier[tier as usize] -= 1;
+            self.pending.push((KvEventKind::Evicted, tier, held.id));
+            if held.is_empty() {
+                self.map.remove(hash);
+            }
+        }
+        true
+    }
+
     fn stored(&mut self, stored: BlockStored, tally: &mut Tally) {
-        if !is_device(stored.medium.as_deref()) {
+        let Some(tier) = tier_of(stored.medium.as_deref()) else {
             bump(&mut tally.ignored, "medium");
             return;
-        }
+        };
         if stored.group_idx.unwrap_or(0) != 0 {
             bump(&mut tally.ignored, "group");
             return;
         }
+        // 0: an offload placeholder, which gives no block size.
         if stored
             .block_size
-            .is_some_and(|b| b != u64::from(self.block_size))
+            .is_some_and(|b| b != 0 && b != u64::from(self.block_size))
         {
             bump(&mut tally.refused, "block_size");
+            return;
+        }
+        if tier != Tier::Device && stored.token_ids.is_empty() {
+            // A bare offloaded hash: known only if the row stored it with its tokens before.
+            for hash in stored.block_hashes {
+                match self.map.get(&hash) {
+                    Some(held) => {
+                        let id = held.id;
+                        self.hold(hash, id, tier);
+                    }
+                    None => bump(&mut tally.ignored, "unknown_block"),
+                }
+            }
+            bump(&mut tally.applied, "block_stored");
             return;
         }
         if !stored.plain_keys {
@@ -219,7 +339,7 @@ impl RowIngest {
         let mut parent = match &stored.parent_block_hash {
             None => None,
             Some(hash) => match self.map.get(hash) {
-                Some(&id) => Some(id),
+                Some(held) => Some(held.id),
                 None => {
                     bump(&mut tally.refused, "unknown_parent");
                     return;
@@ -245,18 +365,17 @@ impl RowIngest {
                 }
             }
         };
-        for (hash, tokens) in stored
-            .block_hashes
-            .iter()
-            .zip(stored.token_ids.chunks_exact(size))
-        {
+        let mut ids = Vec::with_capacity(stored.block_hashes.len());
+        for tokens in stored.token_ids.chunks_exact(size) {
             let Ok(id) = hasher.chain(parent, tokens) else {
                 bump(&mut tally.refused, "token_count");
                 return;
             };
-            self.map.insert(*hash, id);
-            self.pending.push((KvEventKind::Stored, id));
+            ids.push(id);
             parent = Some(id);
+        }
+        for (hash, id) in stored.block_hashes.into_iter().zip(ids) {
+            self.hold(hash, id, tier);
         }
         bump(&mut tally.applied, "block_stored");
     }
@@ -266,19 +385,41 @@ impl RowIngest {
 mod tests {
     use super::*;
 
+    /// The index a row's updates build: per tier, the router ids held.
     #[derive(Default)]
     struct Recorder {
-        events: Vec<(KvEventKind, u64)>,
+        events: Vec<Update>,
+        held: [std::collections::BTreeSet<u64>; 3],
         clears: usize,
+        tier_clears: Vec<Tier>,
     }
 
     impl Sink for Recorder {
-        fn apply(&mut self, events: &[(KvEventKind, u64)]) {
-            self.events.extend_from_slice(events);
+        fn apply(&mut self, updates: &[Update]) {
+            self.events.extend_from_slice(updates);
+            for &(kind, tier, id) in updates {
+                let set = &mut self.held[tier as usize];
+                let changed = match kind {
+                    KvEventKind::Stored => set.insert(id),
+                    KvEventKind::Evicted => set.remove(&id),
+                };
+                assert!(changed, "{kind:?} of {id:#x} on {tier:?} changes nothing");
+            }
         }
         fn clear(&mut self) {
             self.clears += 1;
             self.events.clear();
+            self.held = Default::default();
+        }
+        fn clear_tier(&mut self, tier: Tier) {
+            self.tier_clears.push(tier);
+            self.held[tier as usize].clear();
+        }
+    }
+
+    impl Recorder {
+        fn on(&self, tier: Tier) -> Vec<u64> {
+            self.held[tier as usize].iter().copied().collect()
         }
     }
 
@@ -321,7 +462,7 @@ mod tests {
             .expect("hasher")
             .prompt_blocks(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &mut prompt);
         assert_eq!(prompt, vec![0xe17b6664480b6fea, 0x866dbff43edc58d6]);
-        let ids: Vec<u64> = sink.events.iter().map(|(_, id)| *id).collect();
+        let ids: Vec<u64> = sink.events.iter().map(|(_, _, id)| *id).collect();
         assert_eq!(ids, prompt);
         assert_eq!(Tally::count(&tally.applied, "block_stored"), 2);
 
@@ -343,14 +484,17 @@ mod tests {
                 }),
                 EngineEvent::BlockRemoved {
                     block_hashes: vec![EngineHash::Int(100)],
-                    medium: Some("CPU".into()),
+                    medium: Some("HBM".into()),
                     group_idx: None,
                 },
             ]),
             &mut sink,
             &mut tally,
         );
-        assert_eq!(sink.events.last(), Some(&(KvEventKind::Evicted, prompt[1])));
+        assert_eq!(
+            sink.events.last(),
+            Some(&(KvEventKind::Evicted, Tier::Device, prompt[1]))
+        );
         assert_eq!(row.len(), 1);
         assert_eq!(Tally::count(&tally.ignored, "unknown_block"), 1);
         assert_eq!(Tally::count(&tally.refused, "unknown_parent"), 1);
@@ -364,7 +508,146 @@ mod tests {
             &mut tally,
         );
         assert!(row.is_empty());
+        assert_eq!(sink.tier_clears, vec![Tier::Device]);
+        row.clear(&mut sink);
         assert_eq!(sink.clears, 1);
+    }
+
+    fn on(tier: &str, event: EngineEvent) -> EngineEvent {
+        match event {
+            EngineEvent::BlockStored(b) => EngineEvent::BlockStored(BlockStored {
+                medium: Some(tier.into()),
+                ..b
+            }),
+            other => other,
+        }
+    }
+
+    fn removed(hashes: &[u64], medium: &str) -> EngineEvent {
+        EngineEvent::BlockRemoved {
+            block_hashes: hashes.iter().map(|&h| EngineHash::Int(h)).collect(),
+            medium: Some(medium.into()),
+            group_idx: None,
+        }
+    }
+
+    /// vLLM's offloading connector without self-describing events: a bare hash, no tokens, no
+    /// parent, block size 0.
+    fn placeholder(hash: u64, medium: &str) -> EngineEvent {
+        EngineEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash::Int(hash)],
+            block_size: Some(0),
+            medium: Some(medium.into()),
+            plain_keys: true,
+            ..BlockStored::default()
+        })
+    }
+
+    #[test]
+    fn offload_tiers_follow_the_device_hashes_and_count_references() {
+        let mut row = RowIngest::new(4).expect("block size");
+        let (mut sink, mut tally) = (Recorder::default(), Tally::default());
+        let mut prompt = Vec::new();
+        BlockHasher::new(4, Tenant::default())
+            .expect("hasher")
+            .prompt_blocks(&[1, 2, 3, 4, 5, 6, 7, 8], &mut prompt);
+        row.apply(
+            batch(vec![
+                stored(&[100], None, vec![1, 2, 3, 4]),
+                stored(&[200], Some(100), vec![5, 6, 7, 8]),
+                // Offloaded: a bare hash the row knows, one it does not.
+                placeholder(100, "CPU"),
+                placeholder(777, "CPU"),
+                // Self-describing, announced twice (two overlapping chunks), on disk.
+                on(
+                    "STORAGE",
+                    stored(&[100, 200], None, vec![1, 2, 3, 4, 5, 6, 7, 8]),
+                ),
+                on("STORAGE", stored(&[200], Some(100), vec![5, 6, 7, 8])),
+            ]),
+            &mut sink,
+            &mut tally,
+        );
+        assert_eq!(sink.on(Tier::Device), sorted(&prompt));
+        assert_eq!(sink.on(Tier::Host), vec![prompt[0]]);
+        assert_eq!(sink.on(Tier::Disk), sorted(&prompt));
+        assert_eq!(Tally::count(&tally.ignored, "unknown_block"), 1);
+        assert_eq!(
+            (
+                row.blocks_on(Tier::Device),
+                row.blocks_on(Tier::Host),
+                row.blocks_on(Tier::Disk)
+            ),
+            (2, 1, 2)
+        );
+
+        // The device copy goes; the host still maps the hash, and a later bare store of it
+        // on disk still resolves.
+        row.apply(
+            batch(vec![
+                removed(&[100, 200], "GPU"),
+                removed(&[200], "STORAGE"),
+            ]),
+            &mut sink,
+            &mut tally,
+        );
+        assert!(sink.on(Tier::Device).is_empty());
+        // 200 was announced twice on disk: one removal keeps it.
+        assert_eq!(sink.on(Tier::Disk), sorted(&prompt));
+        row.apply(
+            batch(vec![removed(&[200], "STORAGE"), placeholder(100, "CPU")]),
+            &mut sink,
+            &mut tally,
+        );
+        assert_eq!(sink.on(Tier::Disk), vec![prompt[0]]);
+        let seeded: Vec<Update> = {
+            let mut s: Vec<Update> = row.holdings().collect();
+            s.sort();
+            s
+        };
+        assert_eq!(
+            seeded,
+            vec![
+                (KvEventKind::Stored, Tier::Host, prompt[0]),
+                (KvEventKind::Stored, Tier::Disk, prompt[0]),
+            ]
+        );
+        // Two host stores of 100 (the second above) need two removals.
+        row.apply(batch(vec![removed(&[100], "CPU")]), &mut sink, &mut tally);
+        assert_eq!(sink.on(Tier::Host), vec![prompt[0]]);
+        row.apply(
+            batch(vec![removed(&[100], "CPU"), removed(&[100], "CPU")]),
+            &mut sink,
+            &mut tally,
+        );
+        assert!(sink.on(Tier::Host).is_empty());
+        assert_eq!(Tally::count(&tally.ignored, "unknown_block"), 2);
+        // AllBlocksCleared is the device's; the disk copy stays. A restart clears all.
+        row.apply(
+            batch(vec![EngineEvent::AllBlocksCleared { medium: None }]),
+            &mut sink,
+            &mut tally,
+        );
+        assert_eq!(sink.on(Tier::Disk), vec![prompt[0]]);
+        assert_eq!(row.len(), 1);
+        row.clear(&mut sink);
+        assert!(row.is_empty() && sink.on(Tier::Disk).is_empty());
+        assert!(row.has_seen(Tier::Host) && row.has_seen(Tier::Disk));
+    }
+
+    fn sorted(ids: &[u64]) -> Vec<u64> {
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn mediums_map_to_tiers() {
+        assert_eq!(tier_of(None), Some(Tier::Device));
+        assert_eq!(tier_of(Some("gpu")), Some(Tier::Device));
+        assert_eq!(tier_of(Some("CPU")), Some(Tier::Host));
+        assert_eq!(tier_of(Some("STORAGE")), Some(Tier::Disk));
+        assert_eq!(tier_of(Some("NVME")), None);
     }
 
     #[test]

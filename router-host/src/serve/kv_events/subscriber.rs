@@ -10,14 +10,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use router_core::kv_index::KvEventKind;
+use router_core::kv_index::Tier;
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use super::decode::{decode_payload, decode_seq, DecodeError};
-use super::ingest::{RowIngest, SeqCheck, Sink, Tally};
+use super::ingest::{RowIngest, SeqCheck, Sink, Tally, Update};
 use super::Spec;
 use crate::model::RowId;
-use crate::serve::metrics::{KvKindLabels, KvMetrics, RowLabels};
+use crate::serve::metrics::{KvKindLabels, KvMetrics, RowLabels, RowTierLabels};
 use crate::serve::state::Current;
 use crate::serve::Stop;
 
@@ -37,12 +37,16 @@ struct CoreSink<'a> {
 }
 
 impl Sink for CoreSink<'_> {
-    fn apply(&mut self, events: &[(KvEventKind, u64)]) {
-        self.core.apply_kv_events(self.row, events.iter().copied());
+    fn apply(&mut self, updates: &[Update]) {
+        self.core.apply_kv_events(self.row, updates.iter().copied());
     }
 
     fn clear(&mut self) {
         self.core.clear_kv_row(self.row);
+    }
+
+    fn clear_tier(&mut self, tier: Tier) {
+        self.core.clear_kv_row_tier(self.row, tier);
     }
 }
 
@@ -89,6 +93,14 @@ impl Subscriber {
         RowLabels {
             worker: self.spec.worker.to_string(),
             dp_rank: self.spec.rank.to_string(),
+        }
+    }
+
+    fn tier_labels(&self, tier: Tier) -> RowTierLabels {
+        RowTierLabels {
+            worker: self.spec.worker.to_string(),
+            dp_rank: self.spec.rank.to_string(),
+            tier: tier.name().to_owned(),
         }
     }
 
@@ -201,10 +213,7 @@ impl Subscriber {
         let row = self.row();
         let core = generation.host.core();
         core.clear_kv_row(row);
-        core.apply_kv_events(
-            row,
-            self.ingest.router_ids().map(|id| (KvEventKind::Stored, id)),
-        );
+        core.apply_kv_events(row, self.ingest.holdings());
     }
 
     fn count_decode_error(&mut self, kind: &'static str, err: &DecodeError) {
@@ -280,10 +289,16 @@ impl Subscriber {
     }
 
     fn update_blocks(&self) {
-        self.metrics
-            .blocks
-            .get_or_create(&self.row_labels())
-            .set(i64::try_from(self.ingest.len()).unwrap_or(i64::MAX));
+        for tier in Tier::ALL {
+            if tier != Tier::Device && !self.ingest.has_seen(tier) {
+                continue; // no offload tier on this engine (yet): no series for it
+            }
+            let blocks = self.ingest.blocks_on(tier);
+            self.metrics
+                .blocks
+                .get_or_create(&self.tier_labels(tier))
+                .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+        }
     }
 
     /// Decode and apply one payload.
