@@ -228,10 +228,11 @@ impl LocalTokenizer {
     }
 
     /// Encode text; `special` adds the tokenizer's special tokens (vLLM does for completion
-    /// prompts, not for rendered chat templates, which carry their own).
+    /// prompts, not for rendered chat templates, which carry their own). Ids only: `encode_fast`
+    /// skips the offsets `encode` computes (the same ids, 5 to 15 % less time).
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         self.tokenizer
-            .encode(text, special)
+            .encode_fast(text, special)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|err| TokenizeError::Invalid(format!("cannot tokenize the prompt: {err}")))
     }
