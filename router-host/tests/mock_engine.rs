@@ -414,8 +414,11 @@ async fn a_batch_lost_live_is_filled_from_the_replay_socket() {
     router.stop().await;
 }
 
+/// A `cache_salt` travels as the first block's extra key, as with vLLM: the router roots the
+/// chain in the salted tenant, so the salted prompt's ids (the proxy's) are indexed and the
+/// same tokens without the salt match nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn salted_prompts_carry_their_salt_and_the_router_refuses_them() {
+async fn salted_prompts_are_indexed_under_their_salt() {
     let m = mock(&[]);
     let router = Router::start("mock_engine_salt", &yaml(&[(1, &m, 1)], false)).await;
     m.sync(&router, 1, 0).await;
@@ -425,13 +428,26 @@ async fn salted_prompts_carry_their_salt_and_the_router_refuses_them() {
     let response = post(&http, &router.url("/v1/completions"), &body).await;
     assert_eq!(response.status(), 200);
     let _ = response.bytes().await;
-    // As with vLLM: the salt is the first block's extra key, which the router cannot hash from
-    // tokens, so it refuses the event (never indexes the block under an unsalted id).
-    let refused = "router_kv_events_refused_total{worker=\"1\",dp_rank=\"0\",kind=\"extra_keys\"}";
-    assert!(eventually(WAIT, || router.metric(refused) == 1.0).await);
+    assert!(eventually(WAIT, || blocks(&router, 1, 0) == 2.0).await);
     assert_eq!(m.published(0).await, 2.0);
-    assert_eq!(blocks(&router, 1, 0), 0.0);
-    assert_eq!(held(&router, 1, &prompt), 0);
+    let mut salted = Vec::new();
+    BlockHasher::new(
+        BLOCK,
+        Tenant {
+            lora: None,
+            cache_salt: Some("t1"),
+        },
+    )
+    .expect("hasher")
+    .prompt_blocks(&prompt, &mut salted);
+    assert_eq!(common::engine::held_ids(&router, 1, &salted), 2);
+    assert_eq!(
+        held(&router, 1, &prompt),
+        0,
+        "the unsalted ids match nothing"
+    );
+    let refused = "router_kv_events_refused_total{worker=\"1\",dp_rank=\"0\",kind=\"extra_keys\"}";
+    assert_eq!(router.metric(refused), 0.0);
     router.stop().await;
 }
 

@@ -152,7 +152,7 @@ fn every_captured_message_decodes_with_every_field_as_vllm_sent_it() {
                         );
                         assert_eq!(b.medium.as_deref(), Some("GPU"), "{}", m.name);
                         assert_eq!(b.group_idx, Some(0), "{}", m.name);
-                        assert!(b.plain_keys, "{}: extra_keys are all null", m.name);
+                        assert!(b.plain_keys(), "{}: extra_keys are all null", m.name);
                         assert_eq!(b.lora_name, None, "{}", m.name);
                         for h in b.block_hashes.iter().chain(&b.parent_block_hash) {
                             match h {

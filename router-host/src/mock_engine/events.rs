@@ -444,12 +444,12 @@ mod tests {
             assert_eq!(stored.parent_block_hash, None);
             assert_eq!(stored.token_ids, (1..=8).collect::<Vec<u32>>());
             assert_eq!(stored.block_size, Some(4));
-            assert!(stored.plain_keys);
+            assert!(stored.plain_keys());
             assert_eq!(stored.medium.as_deref(), Some("GPU"));
             let Ok(EngineEvent::BlockStored(salted)) = &batch.events[1] else {
                 panic!("not a BlockStored: {:?}", batch.events[1]);
             };
-            assert!(!salted.plain_keys);
+            assert!(!salted.plain_keys());
             assert_eq!(
                 batch.events[2],
                 Ok(EngineEvent::BlockRemoved {

@@ -498,7 +498,7 @@ mod tests {
         let (_, EngineEvent::BlockStored(stored)) = &got[0] else {
             panic!("{got:?}")
         };
-        assert!(!stored.plain_keys);
+        assert!(!stored.plain_keys());
         assert_eq!(stored.block_hashes.len(), 2);
         // The same tokens without the salt share nothing with it.
         assert_eq!(run(&r, &tokens, 1).await, 0);
@@ -506,7 +506,7 @@ mod tests {
         let (_, EngineEvent::BlockStored(plain)) = &got[0] else {
             panic!("{got:?}")
         };
-        assert!(plain.plain_keys);
+        assert!(plain.plain_keys());
         assert_ne!(plain.block_hashes[0], stored.block_hashes[0]);
     }
 

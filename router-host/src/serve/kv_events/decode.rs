@@ -53,9 +53,31 @@ pub struct BlockStored {
     pub lora_name: Option<String>,
     /// `"GPU"`, `"CPU"`, `"STORAGE"`, ...; `None` on engines that do not send it (device).
     pub medium: Option<String>,
-    /// `true` when `extra_keys` is absent or every entry is null (plain token blocks).
-    pub plain_keys: bool,
+    /// Per block, its `extra_keys` entry (empty when the field is absent or null).
+    pub extra_keys: Vec<BlockKeys>,
     pub group_idx: Option<u64>,
+}
+
+impl BlockStored {
+    /// No block has extra keys: plain token blocks.
+    pub fn plain_keys(&self) -> bool {
+        self.extra_keys.iter().all(|k| *k == BlockKeys::None)
+    }
+}
+
+/// One block's `extra_keys` entry, as far as router ids can follow it. vLLM publishes a
+/// block's keys untagged: a LoRA adapter's name, then on a prompt's first block its
+/// `cache_salt`, as bare strings; multimodal inputs as `(identifier, offset)` pairs and prompt
+/// embeddings as digests.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum BlockKeys {
+    /// `null`: the block is its tokens alone.
+    #[default]
+    None,
+    /// Only strings: LoRA names and cache salts.
+    Strings(Vec<String>),
+    /// Anything else (multimodal, prompt embeddings): ids from the tokens cannot match.
+    Other,
 }
 
 /// One decoded event.
@@ -174,10 +196,10 @@ fn decode_event(value: Value) -> Result<EngineEvent, DecodeError> {
             let block_size = uint(f.take("block_size", 4), "block_size")?;
             let medium = string(f.take("medium", 6), "medium")?;
             let lora_name = string(f.take("lora_name", 7), "lora_name")?;
-            let plain_keys = match f.take("extra_keys", 8) {
-                None => true,
-                Some(Value::Array(keys)) => keys.iter().all(Value::is_nil),
-                Some(_) => false,
+            let extra_keys = match f.take("extra_keys", 8) {
+                None | Some(Value::Nil) => Vec::new(),
+                Some(Value::Array(keys)) => keys.into_iter().map(block_keys).collect(),
+                Some(_) => vec![BlockKeys::Other],
             };
             let group_idx = uint(f.take("group_idx", 9), "group_idx")?;
             Ok(EngineEvent::BlockStored(BlockStored {
@@ -187,7 +209,7 @@ fn decode_event(value: Value) -> Result<EngineEvent, DecodeError> {
                 block_size,
                 lora_name,
                 medium,
-                plain_keys,
+                extra_keys,
                 group_idx,
             }))
         }
@@ -252,6 +274,21 @@ fn uint(value: Option<Value>, name: &'static str) -> Result<Option<u64>, DecodeE
     value
         .map(|v| v.as_u64().ok_or(DecodeError::Field(name)))
         .transpose()
+}
+
+fn block_keys(keys: Value) -> BlockKeys {
+    match keys {
+        Value::Nil => BlockKeys::None,
+        Value::Array(items) => items
+            .into_iter()
+            .map(|item| match item {
+                Value::String(s) => s.into_str(),
+                _ => None,
+            })
+            .collect::<Option<Vec<String>>>()
+            .map_or(BlockKeys::Other, BlockKeys::Strings),
+        _ => BlockKeys::Other,
+    }
 }
 
 fn string(value: Option<Value>, name: &'static str) -> Result<Option<String>, DecodeError> {
@@ -327,7 +364,7 @@ mod tests {
         assert_eq!(b.token_ids, vec![1, 2, 3, 4]);
         assert_eq!(b.block_size, Some(4));
         assert_eq!(b.medium.as_deref(), Some("GPU"));
-        assert!(b.plain_keys);
+        assert!(b.plain_keys());
         assert_eq!(b.group_idx, Some(0));
     }
 
@@ -358,7 +395,7 @@ mod tests {
                 block_size: Some(4),
                 lora_name: None,
                 medium: Some("GPU".into()),
-                plain_keys: true,
+                extra_keys: Vec::new(),
                 group_idx: None,
             }))
         );
@@ -457,6 +494,22 @@ mod tests {
         let Ok(EngineEvent::BlockStored(b)) = &batch.events[0] else {
             panic!("not a BlockStored")
         };
-        assert!(!b.plain_keys);
+        assert!(!b.plain_keys());
+        assert_eq!(b.extra_keys, vec![BlockKeys::Strings(vec!["salt".into()])]);
+        // A multimodal `(identifier, offset)` pair is not a string key.
+        let bytes = payload(vec![stored_map(
+            vec![Value::from(1)],
+            Value::Nil,
+            &[1, 2, 3, 4],
+            Value::Array(vec![Value::Array(vec![Value::Array(vec![
+                s("img-hash"),
+                Value::from(0),
+            ])])]),
+        )]);
+        let batch = decode_payload(&bytes).expect("decodes");
+        let Ok(EngineEvent::BlockStored(b)) = &batch.events[0] else {
+            panic!("not a BlockStored")
+        };
+        assert_eq!(b.extra_keys, vec![BlockKeys::Other]);
     }
 }

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use router_core::blocks::{BlockHasher, Tenant};
 use router_core::kv_index::{KvEventKind, Tier};
 
-use super::decode::{BlockStored, EngineEvent, EngineHash, EventBatch};
+use super::decode::{BlockKeys, BlockStored, EngineEvent, EngineHash, EventBatch};
 
 /// One index update: what happened to which router block on which tier.
 pub type Update = (KvEventKind, Tier, u64);
@@ -117,6 +117,33 @@ pub fn tier_of(medium: Option<&str>) -> Option<Tier> {
     ]
     .into_iter()
     .find_map(|(name, tier)| medium.eq_ignore_ascii_case(name).then_some(tier))
+}
+
+/// The `cache_salt` a store's extra keys carry (`Some(None)`: none), or `None` when they hold
+/// something router ids cannot follow. vLLM's keys per block are the LoRA adapter's name (when
+/// the event names one), then, on a prompt's first block only (a null parent, first hash), the
+/// request's salt; multimodal and prompt-embedding keys are not strings.
+fn cache_salt(stored: &BlockStored) -> Option<Option<&str>> {
+    let mut salt = None;
+    for (i, keys) in stored.extra_keys.iter().enumerate() {
+        let strings = match keys {
+            BlockKeys::None => continue,
+            BlockKeys::Other => return None,
+            BlockKeys::Strings(strings) => strings.as_slice(),
+        };
+        // An event that names an adapter keys every block with it first.
+        let rest = match (stored.lora_name.as_deref(), strings.split_first()) {
+            (None, _) => strings,
+            (Some(lora), Some((first, rest))) if first == lora => rest,
+            (Some(_), _) => return None,
+        };
+        match rest {
+            [] => {}
+            [s] if i == 0 && stored.parent_block_hash.is_none() => salt = Some(s.as_str()),
+            _ => return None,
+        }
+    }
+    Some(salt)
 }
 
 impl RowIngest {
@@ -324,11 +351,11 @@ impl RowIngest {
             bump(&mut tally.applied, "block_stored");
             return;
         }
-        if !stored.plain_keys {
-            // Multimodal hashes, a cache salt...: ids from the tokens alone would be wrong.
+        let Some(salt) = cache_salt(&stored) else {
+            // Multimodal inputs, prompt embeddings: ids from the tokens would be wrong.
             bump(&mut tally.refused, "extra_keys");
             return;
-        }
+        };
         let size = self.block_size as usize;
         if stored.block_hashes.is_empty()
             || stored.token_ids.len() != stored.block_hashes.len().saturating_mul(size)
@@ -346,20 +373,16 @@ impl RowIngest {
                 }
             },
         };
-        let lora_hasher;
-        let hasher = match stored.lora_name.as_deref() {
-            None => &self.hasher,
-            Some(lora) => {
-                match BlockHasher::new(
-                    self.block_size,
-                    Tenant {
-                        lora: Some(lora),
-                        cache_salt: None,
-                    },
-                ) {
+        // The tenant's root starts a chain (a null parent): the adapter and the salt separate
+        // its blocks from everyone else's, as the proxy's ids of the same prompt do.
+        let tenant_hasher;
+        let hasher = match (stored.lora_name.as_deref(), salt) {
+            (None, None) => &self.hasher,
+            (lora, cache_salt) => {
+                match BlockHasher::new(self.block_size, Tenant { lora, cache_salt }) {
                     Ok(h) => {
-                        lora_hasher = h;
-                        &lora_hasher
+                        tenant_hasher = h;
+                        &tenant_hasher
                     }
                     Err(_) => return,
                 }
@@ -384,6 +407,7 @@ impl RowIngest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::kv_events::decode::BlockKeys;
 
     /// The index a row's updates build: per tier, the router ids held.
     #[derive(Default)]
@@ -438,7 +462,7 @@ mod tests {
             token_ids: tokens,
             block_size: Some(4),
             medium: Some("GPU".into()),
-            plain_keys: true,
+            extra_keys: Vec::new(),
             ..BlockStored::default()
         })
     }
@@ -538,7 +562,7 @@ mod tests {
             block_hashes: vec![EngineHash::Int(hash)],
             block_size: Some(0),
             medium: Some(medium.into()),
-            plain_keys: true,
+            extra_keys: Vec::new(),
             ..BlockStored::default()
         })
     }
@@ -639,6 +663,76 @@ mod tests {
         let mut ids = ids.to_vec();
         ids.sort_unstable();
         ids
+    }
+
+    /// vLLM's untagged keys: the adapter's name on every block, the salt on the first.
+    #[test]
+    fn lora_and_salt_keys_root_the_chain_in_their_tenant() {
+        let strings =
+            |keys: &[&str]| BlockKeys::Strings(keys.iter().map(|k| k.to_string()).collect());
+        let keyed =
+            |hashes: &[u64], parent: Option<u64>, keys: Vec<BlockKeys>, lora: Option<&str>| {
+                EngineEvent::BlockStored(BlockStored {
+                    block_hashes: hashes.iter().map(|&h| EngineHash::Int(h)).collect(),
+                    parent_block_hash: parent.map(EngineHash::Int),
+                    token_ids: (1..=4 * hashes.len() as u32).collect(),
+                    block_size: Some(4),
+                    lora_name: lora.map(str::to_owned),
+                    medium: Some("GPU".into()),
+                    extra_keys: keys,
+                    ..BlockStored::default()
+                })
+            };
+        let ids = |lora, cache_salt| {
+            let mut out = Vec::new();
+            BlockHasher::new(4, Tenant { lora, cache_salt })
+                .expect("hasher")
+                .prompt_blocks(&(1..=8).collect::<Vec<u32>>(), &mut out);
+            out
+        };
+        for (keys, lora, expected) in [
+            (
+                vec![strings(&["ad"]), strings(&["ad"])],
+                Some("ad"),
+                ids(Some("ad"), None),
+            ),
+            (
+                vec![strings(&["ad", "s1"]), strings(&["ad"])],
+                Some("ad"),
+                ids(Some("ad"), Some("s1")),
+            ),
+            (
+                vec![strings(&["s1"]), BlockKeys::None],
+                None,
+                ids(None, Some("s1")),
+            ),
+        ] {
+            let mut row = RowIngest::new(4).expect("block size");
+            let (mut sink, mut tally) = (Recorder::default(), Tally::default());
+            row.apply(
+                batch(vec![keyed(&[1, 2], None, keys.clone(), lora)]),
+                &mut sink,
+                &mut tally,
+            );
+            let got: Vec<u64> = sink.events.iter().map(|(_, _, id)| *id).collect();
+            assert_eq!(got, expected, "{keys:?}");
+        }
+        let mut row = RowIngest::new(4).expect("block size");
+        let (mut sink, mut tally) = (Recorder::default(), Tally::default());
+        row.apply(
+            batch(vec![
+                keyed(&[1], None, vec![BlockKeys::None], None),
+                // A salt-like key past a prompt's first block, a multimodal key, an adapter's
+                // key on an event that names another adapter: none can be followed.
+                keyed(&[2], Some(1), vec![strings(&["s1"])], None),
+                keyed(&[3], None, vec![BlockKeys::Other], None),
+                keyed(&[4], None, vec![strings(&["other"])], Some("ad")),
+            ]),
+            &mut sink,
+            &mut tally,
+        );
+        assert_eq!(sink.events.len(), 1);
+        assert_eq!(Tally::count(&tally.refused, "extra_keys"), 3);
     }
 
     #[test]
