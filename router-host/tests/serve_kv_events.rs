@@ -358,6 +358,66 @@ async fn offloaded_blocks_count_as_host_overlap_after_the_device_copy_goes() {
     router.stop().await;
 }
 
+/// A LoRA adapter's blocks (vLLM names the adapter in `lora_name` and in every block's
+/// `extra_keys`) are indexed in the adapter's tenant; with the adapter in
+/// `serve.lora_adapters`, a request for it matches them, and the base model's does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_blocks_match_only_requests_for_that_adapter() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
+    let config =
+        yaml(&[(&e1, &p1), (&e2, &p2)]).replace("serve:\n", "serve:\n  lora_adapters: [ad]\n");
+    let router = Router::start("serve_kv_lora", &config).await;
+    p1.prime(&router, 1).await;
+    p2.prime(&router, 2).await;
+
+    let tokens: Vec<u32> = (900..908).collect(); // 2 full blocks
+                                                 // Worker 1 caches the tokens for the base model, worker 2 for the adapter.
+    p1.send(vec![stored_map(&[11, 12], None, &tokens, 4)]).await;
+    let with_adapter = |event: Value| match event {
+        Value::Map(fields) => Value::Map(
+            fields
+                .into_iter()
+                .map(|(k, v)| match k.as_str() {
+                    Some("lora_name") => (k, s("ad")),
+                    Some("extra_keys") => (k, Value::Array(vec![Value::Array(vec![s("ad")]); 2])),
+                    _ => (k, v),
+                })
+                .collect(),
+        ),
+        other => other,
+    };
+    p2.send(vec![with_adapter(stored_map(&[21, 22], None, &tokens, 4))])
+        .await;
+    assert!(eventually(WAIT, || blocks_metric(&router, 2) == 2.0).await);
+    assert_eq!(
+        router.metric(
+            "router_kv_events_refused_total{worker=\"2\",dp_rank=\"0\",kind=\"extra_keys\"}"
+        ),
+        0.0
+    );
+    assert!(eventually(WAIT, || held(&router, 1, &prompt_ids(&tokens)) == 2).await);
+    assert_eq!(
+        held(&router, 2, &prompt_ids(&tokens)),
+        0,
+        "the adapter's ids differ"
+    );
+
+    let http = client();
+    let url = router.url("/v1/completions");
+    for (model, worker) in [("ad", "2"), ("tiny", "1"), ("ad", "2"), ("tiny", "1")] {
+        let response = post(&http, &url, &json!({"model": model, "prompt": tokens})).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            header(&response, "x-router-worker"),
+            worker,
+            "model {model}"
+        );
+        let _ = response.bytes().await;
+    }
+    router.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clears_restarts_gaps_refusals_and_malformed_messages() {
     let e1 = Engine::start(1).await;

@@ -45,6 +45,9 @@ pub struct ServeConfig {
     pub decision_headers: bool,
     /// Served by `GET /v1/models` instead of asking an engine; empty = ask the first healthy one.
     pub models: Vec<String>,
+    /// `model` names that are LoRA adapters (vLLM's `--lora-modules` names): their prompts are
+    /// hashed in the adapter's tenant, as the engine's KV events name them.
+    pub lora_adapters: Vec<String>,
     /// Request bodies over this many bytes get 413.
     pub max_body_bytes: u64,
     /// Prompts of more tokens get 400; `None` = only the engine's `max_model_len` (when known).
@@ -72,6 +75,7 @@ impl Default for ServeConfig {
                 .collect(),
             decision_headers: true,
             models: Vec::new(),
+            lora_adapters: Vec::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_prompt_tokens: None,
             retries: DEFAULT_RETRIES,
@@ -158,6 +162,8 @@ pub(super) struct RawServe {
     decision_headers: Option<bool>,
     #[serde(default, deserialize_with = "de_name_list")]
     models: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "de_name_list")]
+    lora_adapters: Option<Vec<String>>,
     #[serde(default, deserialize_with = "de_body_bytes")]
     max_body_bytes: Option<u64>,
     #[serde(default, deserialize_with = "de_positive")]
@@ -458,6 +464,7 @@ impl Builder<'_> {
                 .unwrap_or(defaults.session_body_fields),
             decision_headers: raw.decision_headers.unwrap_or(defaults.decision_headers),
             models: raw.models.unwrap_or_default(),
+            lora_adapters: raw.lora_adapters.unwrap_or_default(),
             max_body_bytes: raw.max_body_bytes.unwrap_or(defaults.max_body_bytes),
             max_prompt_tokens: raw.max_prompt_tokens,
             retries: raw
@@ -505,6 +512,7 @@ serve:
   session_body_fields: [user, session_id]
   decision_headers: false
   models: [m1]
+  lora_adapters: [sql-lora]
   max_body_bytes: 1024
   max_prompt_tokens: 100
   retries: 0
@@ -538,6 +546,7 @@ serve:
         assert_eq!(s.session_body_fields, ["user", "session_id"]);
         assert!(!s.decision_headers);
         assert_eq!(s.models, ["m1"]);
+        assert_eq!(s.lora_adapters, ["sql-lora"]);
         assert_eq!(
             (s.max_body_bytes, s.max_prompt_tokens, s.retries),
             (1024, Some(100), 0)

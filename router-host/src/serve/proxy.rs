@@ -473,8 +473,10 @@ async fn proxy(
             }
         }
     }
+    // An adapter's KV is its own: vLLM keys its blocks with the adapter's name.
+    let lora = Some(parsed.model.as_str()).filter(|m| serve.lora_adapters.iter().any(|a| a == m));
     let tenant = Tenant {
-        lora: None,
+        lora,
         cache_salt: parsed.cache_salt.as_deref(),
     };
     let hasher = BlockHasher::new(generation.config.block_size, tenant)
