@@ -7,6 +7,11 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+// The binary only: the library leaves the allocator to whoever links it. Plugins keep their own
+// (everything that crosses the ABI is freed by the side that allocated it, through abi_stable).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod engine_flags;
 mod mock_engine;
 mod replay_cli;
