@@ -126,3 +126,60 @@ async fn a_missing_local_tokenizer_is_a_startup_error_naming_the_key() {
         "{err}"
     );
 }
+
+/// `serve.forward_token_ids`: a completion's text prompt reaches the engine as the ids the
+/// router computed (the engine's own ids here: the fixture is the engine's tokenizer), and the
+/// rest of the body unchanged; chat and prompts given as ids go as they came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_token_ids_sends_the_routers_ids_for_a_text_completion() {
+    let engine = Engine::start(1).await;
+    let local = LocalTokenizer::load(&tokenizer_dir()).expect("the fixture loads");
+    let yaml = format!(
+        "block_size: 4\nserve:\n  forward_token_ids: true\n  tokenizer:\n    path: {}\n{}",
+        tokenizer_dir().display(),
+        workers_yaml(&[&engine])
+    );
+    let router = Router::start("serve_forward_ids", &yaml).await;
+    let http = client();
+    let last_body = || {
+        engine
+            .state
+            .seen
+            .last_body
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("a body")
+    };
+    let text = "The quick brown fox jumps over the lazy dog.";
+    let body = json!({"model": "tiny", "prompt": text, "max_tokens": 3, "temperature": 0});
+    let response = post(&http, &router.url("/v1/completions"), &body).await;
+    assert_eq!(response.status(), 200);
+    let _ = response.bytes().await;
+    let sent = last_body();
+    let expected = local.encode(text, true).expect("tokenizes");
+    assert!(!expected.is_empty());
+    assert_eq!(sent["prompt"], json!(expected));
+    assert_eq!(
+        (sent["max_tokens"].clone(), sent["temperature"].clone()),
+        (json!(3), json!(0))
+    );
+
+    for unchanged in [
+        json!({"model": "tiny", "prompt": [5, 6, 7]}),
+        json!({"model": "tiny", "prompt": ["two", "prompts"]}),
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "hello world"}]}),
+    ] {
+        let url = if unchanged.get("messages").is_some() {
+            router.url("/v1/chat/completions")
+        } else {
+            router.url("/v1/completions")
+        };
+        let response = post(&http, &url, &unchanged).await;
+        assert_eq!(response.status(), 200, "{unchanged}");
+        let _ = response.bytes().await;
+        assert_eq!(last_body(), unchanged);
+    }
+    assert_eq!(engine.state.seen.tokenize.load(Ordering::SeqCst), 0);
+    router.stop().await;
+}

@@ -45,6 +45,10 @@ pub struct ServeConfig {
     pub decision_headers: bool,
     /// Served by `GET /v1/models` instead of asking an engine; empty = ask the first healthy one.
     pub models: Vec<String>,
+    /// Send a completion's text prompt to the engine as the token ids the router computed, so
+    /// the engine does not tokenize it again. Safe only when those ids are the engine's: remote
+    /// tokenization, or a local tokenizer directory holding the engine's own files.
+    pub forward_token_ids: bool,
     /// `model` names that are LoRA adapters (vLLM's `--lora-modules` names): their prompts are
     /// hashed in the adapter's tenant, as the engine's KV events name them.
     pub lora_adapters: Vec<String>,
@@ -76,6 +80,7 @@ impl Default for ServeConfig {
             decision_headers: true,
             models: Vec::new(),
             lora_adapters: Vec::new(),
+            forward_token_ids: false,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_prompt_tokens: None,
             retries: DEFAULT_RETRIES,
@@ -164,6 +169,8 @@ pub(super) struct RawServe {
     models: Option<Vec<String>>,
     #[serde(default, deserialize_with = "de_name_list")]
     lora_adapters: Option<Vec<String>>,
+    #[serde(default)]
+    forward_token_ids: Option<bool>,
     #[serde(default, deserialize_with = "de_body_bytes")]
     max_body_bytes: Option<u64>,
     #[serde(default, deserialize_with = "de_positive")]
@@ -465,6 +472,7 @@ impl Builder<'_> {
             decision_headers: raw.decision_headers.unwrap_or(defaults.decision_headers),
             models: raw.models.unwrap_or_default(),
             lora_adapters: raw.lora_adapters.unwrap_or_default(),
+            forward_token_ids: raw.forward_token_ids.unwrap_or(defaults.forward_token_ids),
             max_body_bytes: raw.max_body_bytes.unwrap_or(defaults.max_body_bytes),
             max_prompt_tokens: raw.max_prompt_tokens,
             retries: raw
@@ -513,6 +521,7 @@ serve:
   decision_headers: false
   models: [m1]
   lora_adapters: [sql-lora]
+  forward_token_ids: true
   max_body_bytes: 1024
   max_prompt_tokens: 100
   retries: 0
@@ -547,6 +556,7 @@ serve:
         assert!(!s.decision_headers);
         assert_eq!(s.models, ["m1"]);
         assert_eq!(s.lora_adapters, ["sql-lora"]);
+        assert!(s.forward_token_ids);
         assert_eq!(
             (s.max_body_bytes, s.max_prompt_tokens, s.retries),
             (1024, Some(100), 0)

@@ -1,6 +1,7 @@
 //! The OpenAI endpoints: read and check the body, tokenize the prompt, turn its tokens into
 //! block ids, route it through the core (`submit_indexed`: sessions, admission, the policy,
-//! booking), forward the body unchanged to the chosen engine and relay its answer byte for byte.
+//! booking), forward the body (unchanged, or with the prompt as its ids under
+//! `serve.forward_token_ids`) to the chosen engine and relay its answer byte for byte.
 //! The routing rules are the core's; this file only maps HTTP onto them.
 
 use std::sync::Arc;
@@ -147,6 +148,22 @@ async fn tokens_for(
             Ok(None)
         }
     }
+}
+
+/// `serve.forward_token_ids`: the body with a completion's one text prompt replaced by its token
+/// ids (vLLM takes `prompt` as ids), so the engine skips its own tokenization. `None` (the body
+/// goes as received) for chat, a batch of prompts, ids already, or a prompt not tokenized.
+fn with_token_ids(endpoint: Endpoint, parsed: &Parsed, ids: &[u32]) -> Option<Bytes> {
+    let text_prompt = parsed
+        .body
+        .get("prompt")
+        .is_some_and(serde_json::Value::is_string);
+    if endpoint != Endpoint::Completions || !text_prompt || ids.is_empty() {
+        return None;
+    }
+    let mut body = parsed.body.clone();
+    body.insert("prompt".to_owned(), serde_json::Value::from(ids.to_vec()));
+    serde_json::to_vec(&body).ok().map(Bytes::from)
 }
 
 /// Why a request was not routed, as the client is told.
@@ -488,6 +505,12 @@ async fn proxy(
         .get("max_completion_tokens")
         .or_else(|| parsed.body.get("max_tokens"))
         .and_then(serde_json::Value::as_u64);
+
+    let bytes = if serve.forward_token_ids {
+        with_token_ids(endpoint, &parsed, &ids).unwrap_or(bytes)
+    } else {
+        bytes
+    };
 
     let attempts = 1 + serve.retries as usize;
     let mut excluded: Vec<u64> = Vec::new();

@@ -57,6 +57,8 @@ pub struct Seen {
     pub streams_cut: AtomicUsize,
     /// Headers of the last completion request.
     pub last_headers: Mutex<Option<HeaderMap>>,
+    /// Body of the last completion request.
+    pub last_body: Mutex<Option<Value>>,
 }
 
 pub struct EngineState {
@@ -240,6 +242,7 @@ async fn complete(
         Ok(v) => v,
         Err(_) => return error(StatusCode::BAD_REQUEST, "not JSON"),
     };
+    *state.seen.last_body.lock().unwrap() = Some(body.clone());
     state.seen.active.fetch_add(1, Ordering::SeqCst);
     let mut active = Active {
         state: state.clone(),
