@@ -243,6 +243,9 @@ def _router_host_config(
         f"  tokenizer: {tokenizer}"
         f"  session_headers: [{session_header}]\n"
         "  decision_headers: true\n"
+        # The router's ids are the engine's in both modes (remote: the engine's own /tokenize;
+        # local: the engines' tokenizer_dir), so completions go as ids and are tokenized once.
+        "  forward_token_ids: true\n"
     )
 
 
