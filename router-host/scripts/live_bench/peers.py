@@ -610,7 +610,8 @@ def peer_versions(bins: Bins, repo: Path | None = None) -> dict[str, str]:
     out["router-host"] = run([str(bins.router_host), "--version"])
     repo = repo or Path(__file__).resolve().parents[3]
     rev = run(["git", "rev-parse", "HEAD"], cwd=repo)
-    dirty = run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
+    # --no-optional-locks: reading the state must not refresh (write) the index.
+    dirty = run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     out["router-host-git"] = rev + (" (with uncommitted changes)" if dirty and not dirty.startswith("unknown") else "")
     return out
 
