@@ -729,15 +729,8 @@ def main() -> int:
     known = list(peers.ALL_ROUTERS) + [peers.TWO_TIER_REMOTE_TOKENIZER]
     specs = list(known)
     if args.routers:
-        wanted = [w.strip() for w in args.routers.split(",") if w.strip()]
-        # In the order given (to see whether running first or last matters); exact labels, or
-        # parts of labels.
-        specs = []
-        for w in wanted:
-            exact = [s for s in known if s.label == w]
-            for s in exact or [s for s in known if w in s.label]:
-                if s not in specs:
-                    specs.append(s)
+        # In the order given (to see whether running first or last matters).
+        specs = peers.select_routers(known, args.routers)
         if not specs:
             raise SystemExit(f"cache_quality: --routers {args.routers!r} matches none of "
                              f"{[s.label for s in known]}")

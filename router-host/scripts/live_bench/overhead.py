@@ -615,9 +615,8 @@ def main() -> int:
         if spec.name == "router-host" and spec.policy == "two-tier":
             specs.append(peers.TWO_TIER_REMOTE_TOKENIZER)
     if args.routers:
-        wanted = [w.strip() for w in args.routers.split(",") if w.strip()]
         known = [s.label for s in specs]
-        specs = [s for s in specs if any(w == s.label or w in s.label for w in wanted)]
+        specs = peers.select_routers(specs, args.routers)
         if not specs:
             ap.error(f"--routers {args.routers!r} matches none of {known}")
     try:

@@ -249,6 +249,26 @@ def _router_host_config(
     )
 
 
+def select_routers(known: list[RouterSpec], wanted: str | None) -> list[RouterSpec]:
+    """The parts' `--routers`: labels, or parts of labels, separated by `;` or `,`, in the order
+    given (an exact label wins over the labels it is part of). An argument that is one whole
+    label is that label, commas and all ("router-host two-tier, remote tokenizer"). Empty when
+    nothing matches; every router of `known` when `wanted` is empty."""
+    if not wanted or not wanted.strip():
+        return list(known)
+    whole = [s for s in known if s.label == wanted.strip()]
+    if whole:
+        return whole
+    out: list[RouterSpec] = []
+    for w in (w.strip() for w in wanted.replace(";", ",").split(",")):
+        if not w:
+            continue
+        for s in [s for s in known if s.label == w] or [s for s in known if w in s.label]:
+            if s not in out:
+                out.append(s)
+    return out
+
+
 # The shipped multi-turn configuration (examples/two-tier-soft-affinity.yaml).
 DEFAULT_TWO_TIER_PARAMETERS = {"respect_soft_affinity": True, "soft_affinity_load_gate": True}
 
