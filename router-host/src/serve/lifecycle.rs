@@ -21,6 +21,7 @@ use futures_util::Stream;
 use plugin_api::abi::CompletionCode;
 use prometheus_client::metrics::gauge::Gauge;
 
+use super::coalesce::Coalesce;
 use super::state::Generation;
 use super::App;
 use crate::host::{RequestId, RouteError, Routed, Ticket};
@@ -184,7 +185,7 @@ impl Relay {
         ok: bool,
     ) -> Relay {
         Relay {
-            inner: Box::pin(response.bytes_stream()),
+            inner: Box::pin(Coalesce::new(response.bytes_stream())),
             flight: Some(flight),
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
             idle_timeout,

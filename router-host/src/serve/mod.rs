@@ -10,8 +10,10 @@
 //! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
 //!
 //! Files: `request.rs` (the OpenAI bodies), `errors.rs` (start-up errors and the OpenAI-style
-//! error bodies), `state.rs` (generations), and this file (the server, reload, shutdown).
+//! error bodies), `state.rs` (generations), `coalesce.rs` (the relayed body's ready chunks
+//! joined into one write), and this file (the server, reload, shutdown).
 
+pub mod coalesce;
 pub mod errors;
 pub mod health;
 pub mod kv_events;

@@ -353,10 +353,9 @@ async fn send(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<reqwest::Response, UpstreamFailure> {
-    let url = format!("{}{}", upstream.base, endpoint.path());
     let mut request = generation
         .client
-        .post(&url)
+        .post(upstream.url(endpoint))
         .header(header::CONTENT_TYPE, "application/json")
         .body(body);
     for name in FORWARDED {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::errors::ServeError;
+use super::request::Endpoint;
 use super::tokenize::LocalTokenizer;
 use crate::config::{RouterConfig, ServeConfig, TokenizerConfig};
 use crate::host::Host;
@@ -34,6 +35,35 @@ pub struct Upstream {
     /// Base URL without a trailing `/`.
     pub base: String,
     pub dp_size: u32,
+    /// `base` + `/v1/completions` and `/v1/chat/completions`, parsed once at load rather than
+    /// for every request.
+    completions: reqwest::Url,
+    chat_completions: reqwest::Url,
+}
+
+impl Upstream {
+    fn new(id: u64, base: &str, dp_size: u32) -> Result<Upstream, String> {
+        let base = base.trim_end_matches('/').to_owned();
+        reqwest::Url::parse(&base).map_err(|err| err.to_string())?;
+        let url = |endpoint: Endpoint| {
+            reqwest::Url::parse(&format!("{base}{}", endpoint.path())).map_err(|e| e.to_string())
+        };
+        Ok(Upstream {
+            id,
+            completions: url(Endpoint::Completions)?,
+            chat_completions: url(Endpoint::ChatCompletions)?,
+            base,
+            dp_size,
+        })
+    }
+
+    /// Where a request to `endpoint` goes on this engine.
+    pub fn url(&self, endpoint: Endpoint) -> reqwest::Url {
+        match endpoint {
+            Endpoint::ChatCompletions => self.chat_completions.clone(),
+            Endpoint::Completions | Endpoint::Models => self.completions.clone(),
+        }
+    }
 }
 
 /// One loaded configuration.
@@ -81,23 +111,22 @@ impl Generation {
         let mut upstreams = Vec::with_capacity(config.workers.len());
         let mut workers = Vec::with_capacity(config.workers.len());
         for (index, w) in config.workers.iter().enumerate() {
-            if let Err(err) = reqwest::Url::parse(&w.url) {
-                return Err(ServeError::WorkerUrl {
-                    file,
-                    index,
-                    url: w.url.clone(),
-                    reason: err.to_string(),
-                });
-            }
+            let upstream = match Upstream::new(w.id, &w.url, w.dp_size) {
+                Ok(upstream) => upstream,
+                Err(reason) => {
+                    return Err(ServeError::WorkerUrl {
+                        file,
+                        index,
+                        url: w.url.clone(),
+                        reason,
+                    })
+                }
+            };
             let mut worker = Worker::new(w.id).with_ranks(0, w.dp_size);
             worker.max_num_batched_tokens = w.max_num_batched_tokens;
             worker.total_kv_blocks = w.total_kv_blocks;
             workers.push(worker);
-            upstreams.push(Upstream {
-                id: w.id,
-                base: w.url.clone(),
-                dp_size: w.dp_size,
-            });
+            upstreams.push(upstream);
         }
         upstreams.sort_by_key(|u| u.id);
         let cluster = Cluster::new(workers).map_err(|err| ServeError::Cluster {
