@@ -96,8 +96,8 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Bytes,
 }
 
 /// A rough token count for a prompt that could not be tokenized (routing without overlap).
-fn estimate_tokens(parsed: &Parsed) -> u64 {
-    let bytes = match &parsed.prompt {
+fn estimate_tokens(prompt: &Prompt) -> u64 {
+    let bytes = match prompt {
         Prompt::Text(text) => text.len(),
         Prompt::Tokens(ids) => return ids.len() as u64,
         Prompt::Chat(messages) => messages
@@ -108,34 +108,33 @@ fn estimate_tokens(parsed: &Parsed) -> u64 {
     (bytes as u64).div_ceil(4)
 }
 
-/// The prompt's tokens; `Ok(None)` when the remote tokenizer is unavailable (counted and
-/// logged: the request is routed without overlap).
+/// Every prompt's tokens, in order (one entry but for a batched completion); `Ok(None)` when
+/// the remote tokenizer is unavailable for any of them (counted and logged: the request is
+/// routed without overlap).
 async fn tokens_for(
     app: &App,
     generation: &Generation,
     parsed: &Parsed,
-) -> Result<Option<Tokens>, ApiError> {
-    if let Prompt::Tokens(ids) = &parsed.prompt {
-        return Ok(Some(Tokens {
-            ids: ids.clone(),
-            max_model_len: None,
-        }));
+) -> Result<Option<Vec<Tokens>>, ApiError> {
+    let given: Option<Vec<Tokens>> = parsed
+        .prompts()
+        .map(|prompt| prompt.token_ids().map(Tokens::given))
+        .collect();
+    if given.is_some() {
+        return Ok(given);
     }
     if let Some(local) = &generation.tokenizer {
         return local
-            .tokenize(parsed)
+            .tokenize_all(parsed)
             .map(Some)
             .map_err(TokenizeError::into_api);
     }
-    let Some(body) = tokenize::tokenize_body(parsed) else {
-        return Ok(None);
-    };
     let Some(upstream) = app.tokenizer_upstream(generation) else {
         app.metrics.tokenize_fallbacks.inc();
         return Ok(None);
     };
     let timeout = generation.serve.timeouts.tokenize;
-    match tokenize::remote(&generation.client, &upstream.base, &body, timeout).await {
+    match tokenize::remote_all(&generation.client, &upstream.base, parsed, timeout).await {
         Ok(tokens) => Ok(Some(tokens)),
         Err(TokenizeError::Invalid(message)) => Err(TokenizeError::Invalid(message).into_api()),
         Err(TokenizeError::Unavailable(message)) => {
@@ -150,19 +149,27 @@ async fn tokens_for(
     }
 }
 
-/// `serve.forward_token_ids`: the body with a completion's one text prompt replaced by its token
-/// ids (vLLM takes `prompt` as ids), so the engine skips its own tokenization. `None` (the body
-/// goes as received) for chat, a batch of prompts, ids already, or a prompt not tokenized.
-fn with_token_ids(endpoint: Endpoint, parsed: &Parsed, ids: &[u32]) -> Option<Bytes> {
-    let text_prompt = parsed
-        .body
-        .get("prompt")
-        .is_some_and(serde_json::Value::is_string);
-    if endpoint != Endpoint::Completions || !text_prompt || ids.is_empty() {
+/// `serve.forward_token_ids`: the body with a completion's text prompt replaced by its token ids
+/// (vLLM takes `prompt` as ids), and a list of text prompts by the list of their id lists, so
+/// the engine skips its own tokenization. `ids` holds each prompt's ids, in order. `None` (the
+/// body goes as received) for chat, ids already, or prompts not tokenized.
+fn with_token_ids(endpoint: Endpoint, parsed: &Parsed, ids: &[Vec<u32>]) -> Option<Bytes> {
+    use serde_json::Value;
+    if endpoint != Endpoint::Completions
+        || ids.len() != parsed.prompt_count()
+        || ids.iter().any(Vec::is_empty)
+    {
         return None;
     }
+    let prompt = match (parsed.body.get("prompt"), ids) {
+        (Some(Value::String(_)), [one]) => Value::from(one.clone()),
+        (Some(Value::Array(texts)), _) if texts.iter().all(Value::is_string) => {
+            Value::from(ids.to_vec())
+        }
+        _ => return None,
+    };
     let mut body = parsed.body.clone();
-    body.insert("prompt".to_owned(), serde_json::Value::from(ids.to_vec()));
+    body.insert("prompt".to_owned(), prompt);
     serde_json::to_vec(&body).ok().map(Bytes::from)
 }
 
@@ -462,32 +469,49 @@ async fn proxy(
     let tokens = tokens_for(app, generation, &parsed).await?;
     let tokenize_time = tokenize_started.elapsed();
     app.metrics.stage("tokenize", tokenize_time.as_secs_f64());
-    let (ids, max_model_len) = match tokens {
-        Some(tokens) => (tokens.ids, tokens.max_model_len),
+    // Each prompt's ids, in order (none when it could not be tokenized).
+    let (ids, max_model_len): (Vec<Vec<u32>>, Option<u64>) = match tokens {
+        Some(tokens) => {
+            let max_model_len = tokens.iter().filter_map(|t| t.max_model_len).min();
+            (tokens.into_iter().map(|t| t.ids).collect(), max_model_len)
+        }
         None => (Vec::new(), None),
     };
-    let isl = if ids.is_empty() {
-        estimate_tokens(&parsed)
-    } else {
-        ids.len() as u64
-    };
+    let lengths: Vec<u64> = parsed
+        .prompts()
+        .enumerate()
+        .map(|(i, prompt)| match ids.get(i) {
+            Some(ids) if !ids.is_empty() => ids.len() as u64,
+            _ => estimate_tokens(prompt),
+        })
+        .collect();
+    // The engine prefills every prompt of a batch: all of them are booked.
+    let isl = lengths.iter().fold(0u64, |sum, &n| sum.saturating_add(n));
+    // The limits hold per prompt, as vLLM checks them.
     for (limit, what) in [
         (serve.max_prompt_tokens, "serve.max_prompt_tokens"),
         (max_model_len, "the engine's max_model_len"),
     ] {
-        if let Some(limit) = limit {
-            if isl > limit {
-                return Err(ApiError::bad_request(
-                    "prompt_too_long",
-                    format!("the prompt has {isl} tokens, over the limit of {limit} ({what})"),
-                )
-                .param(if endpoint == Endpoint::Completions {
-                    "prompt"
-                } else {
-                    "messages"
-                }));
-            }
-        }
+        let Some(limit) = limit else { continue };
+        let Some((index, &n)) = lengths.iter().enumerate().find(|&(_, &n)| n > limit) else {
+            continue;
+        };
+        let message = if lengths.len() == 1 {
+            format!("the prompt has {n} tokens, over the limit of {limit} ({what})")
+        } else {
+            format!(
+                "prompt {index} has {n} tokens, over the limit of {limit} ({what}); the batch's \
+                 {} prompts count from 0",
+                lengths.len()
+            )
+        };
+        return Err(ApiError::bad_request("prompt_too_long", message).param(
+            if endpoint == Endpoint::Completions {
+                "prompt"
+            } else {
+                "messages"
+            },
+        ));
     }
     // An adapter's KV is its own: vLLM keys its blocks with the adapter's name.
     let lora = Some(parsed.model.as_str()).filter(|m| serve.lora_adapters.iter().any(|a| a == m));
@@ -497,8 +521,11 @@ async fn proxy(
     };
     let hasher = BlockHasher::new(generation.config.block_size, tenant)
         .map_err(|err| ApiError::internal(err.to_string()))?;
+    // The core's `Request` carries one block chain, so a batch is routed by its first prompt's
+    // blocks: a batch's shared preamble is in its first prompt, and the others' own overlap is
+    // not credited. `isl` above still counts every prompt.
     let mut blocks = Vec::new();
-    hasher.prompt_blocks(&ids, &mut blocks);
+    hasher.prompt_blocks(ids.first().map_or(&[][..], Vec::as_slice), &mut blocks);
     let expected_output_tokens = parsed
         .body
         .get("max_completion_tokens")

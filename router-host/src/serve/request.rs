@@ -37,15 +37,25 @@ impl Endpoint {
     }
 }
 
-/// What has to be tokenized for routing.
+/// What has to be tokenized for routing: one prompt.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
-    /// A completion prompt as text (the first one, when the request has a list).
+    /// A completion prompt as text (one of a list of strings, or the string).
     Text(String),
-    /// A completion prompt given as token ids (the first one, for a list of lists).
+    /// A completion prompt given as token ids (the list of ids, or one of a list of lists).
     Tokens(Vec<u32>),
     /// Chat messages (validated to be a non-empty list of objects with a string `role`).
     Chat(Vec<Value>),
+}
+
+impl Prompt {
+    /// The ids of a prompt given as token ids (`None`: text or chat, to be tokenized).
+    pub fn token_ids(&self) -> Option<&[u32]> {
+        match self {
+            Prompt::Tokens(ids) => Some(ids),
+            Prompt::Text(_) | Prompt::Chat(_) => None,
+        }
+    }
 }
 
 /// A parsed request body.
@@ -54,11 +64,28 @@ pub struct Parsed {
     pub endpoint: Endpoint,
     pub model: String,
     pub stream: bool,
+    /// The chat messages, or the completion's prompt (the first one of a batch).
     pub prompt: Prompt,
+    /// A batched completion's prompts after the first, in order (empty for a single prompt, a
+    /// list of one, and chat). Kept apart from `prompt` so code that reads one prompt reads the
+    /// first, as vLLM's own `/tokenize` does.
+    pub more_prompts: Vec<Prompt>,
     /// The body as received (its fields are passed to `/tokenize` for chat requests).
     pub body: Map<String, Value>,
     /// vLLM's `cache_salt`, part of the block ids' root.
     pub cache_salt: Option<String>,
+}
+
+impl Parsed {
+    /// Every prompt, in order: the one of a chat or single-prompt request, each of a batch's.
+    pub fn prompts(&self) -> impl Iterator<Item = &Prompt> + Clone {
+        std::iter::once(&self.prompt).chain(&self.more_prompts)
+    }
+
+    /// How many prompts the request has (1 but for a batched completion).
+    pub fn prompt_count(&self) -> usize {
+        1 + self.more_prompts.len()
+    }
 }
 
 fn wrong_type(param: &'static str, expected: &str, found: &Value) -> ApiError {
@@ -85,13 +112,35 @@ fn token_id(value: &Value) -> Option<u32> {
     value.as_u64().and_then(|n| u32::try_from(n).ok())
 }
 
-fn token_list(items: &[Value]) -> Option<Vec<u32>> {
-    items.iter().map(token_id).collect()
+/// The ids of a list of token ids at `where_` (`prompt` or `prompt[i]`), or a 400 naming the
+/// first element that is not one.
+fn token_list(items: &[Value], where_: &str) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            token_id(item).ok_or_else(|| {
+                let found = match item {
+                    Value::Number(n) => n.to_string(),
+                    other => describe(other).to_owned(),
+                };
+                ApiError::bad_request(
+                    "invalid_value",
+                    format!(
+                        "`{where_}` token ids must be integers from 0 to 4294967295; \
+                         `{where_}[{i}]` is {found}"
+                    ),
+                )
+                .param("prompt")
+            })
+        })
+        .collect()
 }
 
-/// The first prompt of a completion request: a string, a list of strings, a list of token ids
-/// or a list of lists of token ids, as vLLM accepts them.
-fn completion_prompt(value: Option<&Value>) -> Result<Prompt, ApiError> {
+/// Every prompt of a completion request: a string, a list of strings, a list of token ids or a
+/// list of lists of token ids, as vLLM accepts them (a list of one is the same as one prompt).
+/// A list's items must all be of its first item's kind.
+fn completion_prompts(value: Option<&Value>) -> Result<Vec<Prompt>, ApiError> {
     const EXPECTED: &str =
         "a string, a list of strings, a list of token ids or a list of lists of token ids";
     let value = match value {
@@ -102,47 +151,48 @@ fn completion_prompt(value: Option<&Value>) -> Result<Prompt, ApiError> {
         }
         Some(value) => value,
     };
-    let empty = || {
-        ApiError::bad_request("invalid_value", "`prompt` must not be an empty list").param("prompt")
+    let empty = |where_: &str| {
+        ApiError::bad_request(
+            "invalid_value",
+            format!("`{where_}` must not be an empty list"),
+        )
+        .param("prompt")
+    };
+    let unlike_the_first = |i: usize, kind: &str, found: &Value| {
+        ApiError::bad_request(
+            "invalid_type",
+            format!(
+                "`prompt[{i}]` must be {kind} like `prompt[0]` (a batch's prompts are all of one \
+                 kind), found {}",
+                describe(found)
+            ),
+        )
+        .param("prompt")
     };
     match value {
-        Value::String(text) => Ok(Prompt::Text(text.clone())),
+        Value::String(text) => Ok(vec![Prompt::Text(text.clone())]),
         Value::Array(items) => match items.first() {
-            None => Err(empty()),
-            Some(Value::String(_)) => {
-                if items.iter().all(Value::is_string) {
-                    Ok(Prompt::Text(
-                        items[0].as_str().unwrap_or_default().to_owned(),
-                    ))
-                } else {
-                    Err(wrong_type("prompt", EXPECTED, value))
-                }
-            }
-            Some(Value::Number(_)) => token_list(items).map(Prompt::Tokens).ok_or_else(|| {
-                ApiError::bad_request(
-                    "invalid_value",
-                    "`prompt` token ids must be integers from 0 to 4294967295",
-                )
-                .param("prompt")
-            }),
-            Some(Value::Array(_)) => {
-                let lists: Option<Vec<Vec<u32>>> = items
-                    .iter()
-                    .map(|item| item.as_array().and_then(|ids| token_list(ids)))
-                    .collect();
-                match lists {
-                    Some(lists) if lists.iter().all(|l| !l.is_empty()) => {
-                        Ok(Prompt::Tokens(lists.into_iter().next().unwrap_or_default()))
+            None => Err(empty("prompt")),
+            Some(Value::String(_)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::String(text) => Ok(Prompt::Text(text.clone())),
+                    other => Err(unlike_the_first(i, "a string", other)),
+                })
+                .collect(),
+            Some(Value::Number(_)) => Ok(vec![Prompt::Tokens(token_list(items, "prompt")?)]),
+            Some(Value::Array(_)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::Array(ids) if ids.is_empty() => Err(empty(&format!("prompt[{i}]"))),
+                    Value::Array(ids) => {
+                        token_list(ids, &format!("prompt[{i}]")).map(Prompt::Tokens)
                     }
-                    Some(_) => Err(empty()),
-                    None => Err(ApiError::bad_request(
-                        "invalid_value",
-                        "`prompt` as a list of lists must hold token ids (integers from 0 to \
-                         4294967295)",
-                    )
-                    .param("prompt")),
-                }
-            }
+                    other => Err(unlike_the_first(i, "a list of token ids", other)),
+                })
+                .collect(),
             Some(_) => Err(wrong_type("prompt", EXPECTED, value)),
         },
         other => Err(wrong_type("prompt", EXPECTED, other)),
@@ -260,9 +310,17 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
         None | Some(Value::Null | Value::Object(_)) => {}
         Some(other) => return Err(wrong_type("stream_options", "an object", other)),
     }
-    let prompt = match endpoint {
-        Endpoint::Completions => completion_prompt(body.get("prompt"))?,
-        Endpoint::ChatCompletions | Endpoint::Models => chat_messages(body.get("messages"))?,
+    let (prompt, more_prompts) = match endpoint {
+        Endpoint::Completions => {
+            let mut prompts = completion_prompts(body.get("prompt"))?.into_iter();
+            match prompts.next() {
+                Some(first) => (first, prompts.collect()),
+                None => return Err(ApiError::internal("a parsed `prompt` has no prompt")),
+            }
+        }
+        Endpoint::ChatCompletions | Endpoint::Models => {
+            (chat_messages(body.get("messages"))?, Vec::new())
+        }
     };
     let cache_salt = body
         .get("cache_salt")
@@ -273,6 +331,7 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
         model,
         stream,
         prompt,
+        more_prompts,
         body,
         cache_salt,
     })
@@ -349,37 +408,113 @@ pub fn content_text(content: Option<&Value>) -> String {
 mod tests {
     use super::*;
 
+    /// Every prompt of a completions body, in order.
+    fn prompts(body: &str) -> Result<Vec<Prompt>, ApiError> {
+        parse(Endpoint::Completions, body.as_bytes()).map(|p| p.prompts().cloned().collect())
+    }
+
     #[test]
     fn prompts_in_every_shape_vllm_accepts() {
-        let p = |body: &str| parse(Endpoint::Completions, body.as_bytes()).map(|p| p.prompt);
+        let text = |t: &str| Prompt::Text(t.into());
         assert_eq!(
-            p(r#"{"model":"m","prompt":"hi"}"#).unwrap(),
-            Prompt::Text("hi".into())
+            prompts(r#"{"model":"m","prompt":"hi"}"#).unwrap(),
+            [text("hi")]
         );
         assert_eq!(
-            p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap(),
-            Prompt::Text("a".into())
+            prompts(r#"{"model":"m","prompt":["a","b",""]}"#).unwrap(),
+            [text("a"), text("b"), text("")]
         );
         assert_eq!(
-            p(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap(),
-            Prompt::Tokens(vec![1, 2, 3])
+            prompts(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap(),
+            [Prompt::Tokens(vec![1, 2, 3])]
         );
         assert_eq!(
-            p(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap(),
-            Prompt::Tokens(vec![4, 5])
+            prompts(r#"{"model":"m","prompt":[[4,5],[6],[4294967295]]}"#).unwrap(),
+            [
+                Prompt::Tokens(vec![4, 5]),
+                Prompt::Tokens(vec![6]),
+                Prompt::Tokens(vec![u32::MAX])
+            ]
         );
-        for bad in [
-            r#"{"model":"m","prompt":[]}"#,
-            r#"{"model":"m","prompt":[1,-2]}"#,
-            r#"{"model":"m","prompt":[1,"a"]}"#,
-            r#"{"model":"m","prompt":[[1],[]]}"#,
-            r#"{"model":"m","prompt":5}"#,
-            r#"{"model":"m","prompt":[4294967296]}"#,
-            r#"{"model":"m"}"#,
+        // The first prompt is `prompt`, the others `more_prompts`; chat has one.
+        let batch = parse(
+            Endpoint::Completions,
+            br#"{"model":"m","prompt":["a","b"]}"#,
+        )
+        .unwrap();
+        assert_eq!(batch.prompt_count(), 2);
+        assert_eq!(
+            (batch.prompt, batch.more_prompts),
+            (text("a"), vec![text("b")])
+        );
+        let chat = parse(
+            Endpoint::ChatCompletions,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((chat.prompt_count(), chat.more_prompts.len()), (1, 0));
+    }
+
+    #[test]
+    fn a_list_of_one_is_the_same_as_one_prompt() {
+        let one = |body: &str| {
+            let parsed = parse(Endpoint::Completions, body.as_bytes()).unwrap();
+            assert_eq!(parsed.prompt_count(), 1, "{body}");
+            parsed.prompt
+        };
+        assert_eq!(
+            one(r#"{"model":"m","prompt":["hi"]}"#),
+            one(r#"{"model":"m","prompt":"hi"}"#)
+        );
+        assert_eq!(
+            one(r#"{"model":"m","prompt":[[7,8]]}"#),
+            one(r#"{"model":"m","prompt":[7,8]}"#)
+        );
+    }
+
+    #[test]
+    fn bad_prompts_are_refused_naming_the_prompt_and_the_item() {
+        for (bad, code, says) in [
+            (r#"{"model":"m","prompt":[]}"#, "invalid_value", "`prompt` must not be an empty list"),
+            (
+                r#"{"model":"m","prompt":[1,-2]}"#,
+                "invalid_value",
+                "`prompt` token ids must be integers from 0 to 4294967295; `prompt[1]` is -2",
+            ),
+            (r#"{"model":"m","prompt":[1,"a"]}"#, "invalid_value", "`prompt[1]` is a string"),
+            (r#"{"model":"m","prompt":[4294967296]}"#, "invalid_value", "`prompt[0]` is 4294967296"),
+            (r#"{"model":"m","prompt":[[1],[]]}"#, "invalid_value", "`prompt[1]` must not be an empty list"),
+            (r#"{"model":"m","prompt":[[]]}"#, "invalid_value", "`prompt[0]` must not be an empty list"),
+            (
+                r#"{"model":"m","prompt":[[1],[2,1.5]]}"#,
+                "invalid_value",
+                "`prompt[1]` token ids must be integers from 0 to 4294967295; `prompt[1][1]` is 1.5",
+            ),
+            // Mixed kinds in one batch.
+            (
+                r#"{"model":"m","prompt":["a",1]}"#,
+                "invalid_type",
+                "`prompt[1]` must be a string like `prompt[0]`",
+            ),
+            (
+                r#"{"model":"m","prompt":["a","b",["c"]]}"#,
+                "invalid_type",
+                "`prompt[2]` must be a string like `prompt[0]` (a batch's prompts are all of one kind), found an array",
+            ),
+            (
+                r#"{"model":"m","prompt":[[1],"a"]}"#,
+                "invalid_type",
+                "`prompt[1]` must be a list of token ids like `prompt[0]`",
+            ),
+            (r#"{"model":"m","prompt":[{"a":1}]}"#, "invalid_type", "`prompt` must be a string"),
+            (r#"{"model":"m","prompt":5}"#, "invalid_type", "found a number"),
+            (r#"{"model":"m"}"#, "missing_field", "`prompt` is required"),
         ] {
-            let err = p(bad).unwrap_err();
+            let err = prompts(bad).unwrap_err();
             assert_eq!(err.status, 400, "{bad}");
             assert_eq!(err.param, Some("prompt"), "{bad}");
+            assert_eq!(err.code, code, "{bad}: {}", err.message);
+            assert!(err.message.contains(says), "{bad}: {}", err.message);
         }
     }
 

@@ -3,12 +3,16 @@
 //! chat template of its `tokenizer_config.json`, rendered with `minijinja` the way vLLM renders
 //! it (Jinja2 with `trim_blocks` and `lstrip_blocks`, Python string methods, `raise_exception`).
 //!
+//! A batched completion has every prompt tokenized: locally one after the other, remotely with
+//! one `/tokenize` call per text prompt (vLLM's takes one), a few at a time.
+//!
 //! Either way the ids become block ids through the core's one rule
 //! (`router_core::blocks::BlockHasher`, docs/block-ids.md), in the handler.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures_util::{StreamExt, TryStreamExt};
 use serde_json::{json, Map, Value};
 
 use super::errors::ApiError;
@@ -20,6 +24,16 @@ pub struct Tokens {
     pub ids: Vec<u32>,
     /// The engine's `max_model_len` (remote mode), for refusing a prompt that cannot fit.
     pub max_model_len: Option<u64>,
+}
+
+impl Tokens {
+    /// A prompt given as token ids: used as is.
+    pub fn given(ids: &[u32]) -> Tokens {
+        Tokens {
+            ids: ids.to_vec(),
+            max_model_len: None,
+        }
+    }
 }
 
 /// Why a prompt could not be tokenized.
@@ -39,7 +53,24 @@ impl TokenizeError {
     pub fn into_api(self) -> ApiError {
         ApiError::bad_request("tokenization_failed", self.to_string())
     }
+
+    /// The error of prompt `index` of `parsed`, named as such when the request has several.
+    fn of_prompt(self, index: usize, parsed: &Parsed) -> TokenizeError {
+        if parsed.prompt_count() == 1 {
+            return self;
+        }
+        match self {
+            TokenizeError::Invalid(m) => TokenizeError::Invalid(format!("`prompt[{index}]`: {m}")),
+            TokenizeError::Unavailable(m) => {
+                TokenizeError::Unavailable(format!("`prompt[{index}]`: {m}"))
+            }
+        }
+    }
 }
+
+/// At most this many `/tokenize` calls of one batched request are in flight at a time: a batch
+/// of hundreds of prompts must not open hundreds of connections to one engine.
+pub const MAX_TOKENIZE_IN_FLIGHT: usize = 8;
 
 /// Fields of a chat request that change what vLLM's `/tokenize` renders, forwarded to it.
 const CHAT_TOKENIZE_FIELDS: &[&str] = &[
@@ -52,9 +83,15 @@ const CHAT_TOKENIZE_FIELDS: &[&str] = &[
     "documents",
 ];
 
-/// The `/tokenize` request body for a parsed request (`None`: the prompt is token ids already).
+/// The `/tokenize` request body for a parsed request's first (or only) prompt (`None`: the
+/// prompt is token ids already).
 pub fn tokenize_body(parsed: &Parsed) -> Option<Value> {
-    match &parsed.prompt {
+    prompt_tokenize_body(parsed, &parsed.prompt)
+}
+
+/// The `/tokenize` request body for `prompt`, one of `parsed`'s (`None`: token ids already).
+pub fn prompt_tokenize_body(parsed: &Parsed, prompt: &Prompt) -> Option<Value> {
+    match prompt {
         Prompt::Tokens(_) => None,
         Prompt::Text(text) => Some(json!({"model": parsed.model, "prompt": text})),
         Prompt::Chat(messages) => {
@@ -126,6 +163,56 @@ pub async fn remote(
         ids,
         max_model_len: value.get("max_model_len").and_then(Value::as_u64),
     })
+}
+
+/// Every prompt's tokens, in order, from the engine at `base`: one `/tokenize` call per text
+/// (or chat) prompt, at most [`MAX_TOKENIZE_IN_FLIGHT`] at a time, each within `timeout`; a
+/// prompt of token ids needs none, and the whole batch within `timeout` too (a body of many
+/// tiny prompts must not hold the request for long). The first failure, in prompt order, is
+/// the answer (the calls still in flight are dropped); a batch's error names its prompt.
+pub async fn remote_all(
+    client: &reqwest::Client,
+    base: &str,
+    parsed: &Parsed,
+    timeout: Duration,
+) -> Result<Vec<Tokens>, TokenizeError> {
+    // Futures of a named `async fn`, built first: a closure returning an async block that
+    // borrows would not be `Send` for every lifetime, which axum's handlers must be.
+    let calls: Vec<_> = parsed
+        .prompts()
+        .enumerate()
+        .map(|(index, prompt)| remote_prompt(client, base, parsed, index, prompt, timeout))
+        .collect();
+    let count = calls.len();
+    let all = futures_util::stream::iter(calls)
+        .buffered(MAX_TOKENIZE_IN_FLIGHT)
+        .try_collect();
+    match tokio::time::timeout(timeout, all).await {
+        Ok(result) => result,
+        Err(_) => Err(TokenizeError::Unavailable(format!(
+            "the batch's {count} prompts were not all tokenized within {} ms \
+             (serve.timeouts.tokenize_ms)",
+            timeout.as_millis()
+        ))),
+    }
+}
+
+/// Prompt `index` of `parsed` tokenized by the engine at `base` (token ids as given).
+async fn remote_prompt(
+    client: &reqwest::Client,
+    base: &str,
+    parsed: &Parsed,
+    index: usize,
+    prompt: &Prompt,
+    timeout: Duration,
+) -> Result<Tokens, TokenizeError> {
+    let Some(body) = prompt_tokenize_body(parsed, prompt) else {
+        // Only a prompt of token ids has no `/tokenize` body.
+        return Ok(Tokens::given(prompt.token_ids().unwrap_or_default()));
+    };
+    remote(client, base, &body, timeout)
+        .await
+        .map_err(|err| err.of_prompt(index, parsed))
 }
 
 /// A tokenizer loaded from a directory: `tokenizer.json`, and the chat template and special
@@ -292,10 +379,31 @@ impl LocalTokenizer {
             })
     }
 
-    /// The prompt's token ids, as the engine would compute them.
+    /// The token ids of the request's first (or only) prompt, as the engine would compute them.
     pub fn tokenize(&self, parsed: &Parsed) -> Result<Tokens, TokenizeError> {
-        let ids = match &parsed.prompt {
-            Prompt::Tokens(ids) => ids.clone(),
+        self.tokenize_prompt(parsed, &parsed.prompt)
+    }
+
+    /// Every prompt's token ids, in order; a batch's error names its prompt.
+    pub fn tokenize_all(&self, parsed: &Parsed) -> Result<Vec<Tokens>, TokenizeError> {
+        parsed
+            .prompts()
+            .enumerate()
+            .map(|(index, prompt)| {
+                self.tokenize_prompt(parsed, prompt)
+                    .map_err(|err| err.of_prompt(index, parsed))
+            })
+            .collect()
+    }
+
+    /// The token ids of `prompt`, one of `parsed`'s, as the engine would compute them.
+    pub fn tokenize_prompt(
+        &self,
+        parsed: &Parsed,
+        prompt: &Prompt,
+    ) -> Result<Tokens, TokenizeError> {
+        let ids = match prompt {
+            Prompt::Tokens(ids) => return Ok(Tokens::given(ids)),
             Prompt::Text(text) => self.encode(text, true)?,
             Prompt::Chat(messages) => {
                 let text = self.render_chat(messages, &parsed.body)?;
