@@ -184,3 +184,58 @@ async fn forward_token_ids_sends_the_routers_ids_for_a_text_completion() {
     router.stop().await;
 }
 
+/// The segment cache (docs/serve.md, "The segment cache"): a conversation's later turns take
+/// their system prompt and history from it, and the ids are those of the whole text, which
+/// the engine's own `/tokenize` gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_reuses_its_earlier_pieces_with_the_same_ids() {
+    let engine = Engine::start(1).await;
+    let plain = LocalTokenizer::load(&tokenizer_dir()).expect("the fixture loads");
+    let cached = LocalTokenizer::load(&tokenizer_dir())
+        .expect("the fixture loads")
+        .with_segment_cache(1 << 20);
+    assert!(
+        cached.segment_stats().is_some(),
+        "the fixture's pieces are independent"
+    );
+    let yaml = format!(
+        "block_size: 4\nserve:\n  tokenizer:\n    path: {}\n{}",
+        tokenizer_dir().display(),
+        workers_yaml(&[&engine])
+    );
+    let router = Router::start("serve_segment_cache", &yaml).await;
+    let http = client();
+    let system = "You are a helpful assistant. Answer the question about cats and dogs. ".repeat(3);
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    for turn in 0..4 {
+        messages.push(json!({"role": "user", "content": format!(
+            "Question {turn}: what is the story of the quick brown fox and the lazy dog, in full?"
+        )}));
+        let body = json!({"model": "tiny", "messages": messages});
+        let parsed = parse(Endpoint::ChatCompletions, body.to_string().as_bytes()).unwrap();
+        let whole = plain.tokenize(&parsed).unwrap().ids;
+        assert_eq!(cached.tokenize(&parsed).unwrap().ids, whole, "turn {turn}");
+        let request = tokenize_body(&parsed).unwrap();
+        let engine_ids = remote(&http, &engine.url(), &request, Duration::from_secs(5))
+            .await
+            .unwrap()
+            .ids;
+        assert_eq!(engine_ids, whole, "turn {turn}: the engine's ids");
+        let response = post(&http, &router.url("/v1/chat/completions"), &body).await;
+        assert_eq!(response.status(), 200, "turn {turn}");
+        let _ = response.bytes().await;
+        messages.push(
+            json!({"role": "assistant", "content": format!("answer number {turn} about the dog")}),
+        );
+    }
+    let hits = router.metric("router_tokenizer_segments_total{outcome=\"hit\"}");
+    let misses = router.metric("router_tokenizer_segments_total{outcome=\"miss\"}");
+    // Turn k reuses the system prompt and the k-1 earlier questions (answers are under 64 bytes).
+    assert!(hits >= 1.0 + 2.0 + 3.0, "hits {hits}, misses {misses}");
+    assert!(
+        misses >= 4.0,
+        "each turn's new question is tokenized once: {misses}"
+    );
+    assert!(router.metric("router_tokenizer_cache_bytes") > 0.0);
+    router.stop().await;
+}

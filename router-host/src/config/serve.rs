@@ -96,9 +96,15 @@ pub enum TokenizerConfig {
     /// `remote`: the engine's own `POST /tokenize`.
     Remote,
     /// `{path: DIR}`: `DIR/tokenizer.json` (+ `DIR/tokenizer_config.json` for the chat
-    /// template), resolved against the YAML file's directory.
-    Local { path: PathBuf },
+    /// template), resolved against the YAML file's directory. `cache_bytes`: the segment
+    /// cache's bound (`cache_mib`, 0: off; serve/segments.rs).
+    Local { path: PathBuf, cache_bytes: u64 },
 }
+
+/// `serve.tokenizer.cache_mib` when absent.
+pub const DEFAULT_TOKENIZER_CACHE_MIB: u64 = 64;
+/// The largest `serve.tokenizer.cache_mib`.
+pub const MAX_TOKENIZER_CACHE_MIB: u64 = 64 * 1024;
 
 /// `serve.timeouts`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,17 +220,23 @@ struct RawHealth {
 /// `tokenizer:` as written.
 enum RawTokenizer {
     Remote,
-    Local(String),
+    Local(RawLocalTokenizer),
 }
 
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a local tokenizer mapping `{path: DIR}`"
+    expecting = "a local tokenizer mapping `{path: DIR}` (optionally with `cache_mib`)"
 )]
 struct RawLocalTokenizer {
     #[serde(deserialize_with = "de_dir")]
     path: String,
+    #[serde(default, deserialize_with = "de_cache_mib")]
+    cache_mib: Option<u64>,
+}
+
+fn de_cache_mib<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 0, MAX_TOKENIZER_CACHE_MIB)
 }
 
 fn de_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -328,7 +340,7 @@ impl<'de> Visitor<'de> for TokenizerVisitor {
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         let local = RawLocalTokenizer::deserialize(de::value::MapAccessDeserializer::new(map))?;
-        Ok(Some(RawTokenizer::Local(local.path)))
+        Ok(Some(RawTokenizer::Local(local)))
     }
 
     null_is_absent!();
@@ -446,8 +458,8 @@ impl Builder<'_> {
         };
         let tokenizer = match raw.tokenizer {
             None | Some(RawTokenizer::Remote) => TokenizerConfig::Remote,
-            Some(RawTokenizer::Local(dir)) => {
-                let dir = PathBuf::from(dir);
+            Some(RawTokenizer::Local(local)) => {
+                let dir = PathBuf::from(local.path);
                 let path = if dir.is_absolute() {
                     dir
                 } else {
@@ -459,7 +471,10 @@ impl Builder<'_> {
                     let base = std::path::absolute(&base).unwrap_or(base);
                     base.join(dir)
                 };
-                TokenizerConfig::Local { path }
+                TokenizerConfig::Local {
+                    path,
+                    cache_bytes: local.cache_mib.unwrap_or(DEFAULT_TOKENIZER_CACHE_MIB) << 20,
+                }
             }
         };
         Some(ServeConfig {
@@ -515,7 +530,7 @@ mod tests {
   - {id: 1, url: 'https://engine.example:443'}
 serve:
   listen: 0.0.0.0:9000
-  tokenizer: {path: tok}
+  tokenizer: {path: tok, cache_mib: 3}
   session_headers: [X-Session-Id, session-id]
   session_body_fields: [user, session_id]
   decision_headers: false
@@ -548,7 +563,8 @@ serve:
         assert_eq!(
             s.tokenizer,
             TokenizerConfig::Local {
-                path: "/etc/router/tok".into()
+                path: "/etc/router/tok".into(),
+                cache_bytes: 3 << 20,
             }
         );
         assert_eq!(s.session_headers, ["x-session-id", "session-id"]);
@@ -618,6 +634,10 @@ serve:
             (
                 "serve:\n  tokenizer: {dir: x}\n",
                 "serve.tokenizer: unknown field `dir`, expected `path`",
+            ),
+            (
+                "serve:\n  tokenizer: {path: x, cache_mib: 65537}\n",
+                "serve.tokenizer.cache_mib: invalid value: integer `65537` is out of range, expected an integer from 0 to 65536",
             ),
             (
                 "serve:\n  session_headers: [ok, 'bad header']\n",

@@ -478,6 +478,29 @@ impl Collector for StateCollector {
             MetricType::Gauge,
             std::iter::once((Labels::new(), ConstGauge::new(generation.number as i64))),
         )?;
+        if let Some(stats) = generation
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.segment_stats())
+        {
+            // docs/serve.md, "The segment cache": pieces of prompts not tokenized again.
+            family(
+                &mut encoder,
+                "router_tokenizer_segments",
+                "Closed prompt pieces looked up in the local tokenizer's segment cache",
+                MetricType::Counter,
+                [("hit", stats.hits), ("miss", stats.misses)].map(|(outcome, n)| {
+                    (vec![("outcome", outcome.to_owned())], ConstCounter::new(n))
+                }),
+            )?;
+            family(
+                &mut encoder,
+                "router_tokenizer_cache_bytes",
+                "Bytes the local tokenizer's segment cache holds (texts, ids and overhead)",
+                MetricType::Gauge,
+                std::iter::once((Labels::new(), ConstGauge::new(stats.bytes as i64))),
+            )?;
+        }
         if let Some(table) = host.sessions() {
             family(
                 &mut encoder,

@@ -21,6 +21,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod proxy;
 pub mod request;
+pub mod segments;
 pub mod state;
 pub mod tokenize;
 

@@ -141,13 +141,12 @@ impl Generation {
         )?;
         let tokenizer = match &serve.tokenizer {
             TokenizerConfig::Remote => None,
-            TokenizerConfig::Local { path } => {
-                Some(Arc::new(LocalTokenizer::load(path).map_err(|reason| {
-                    ServeError::Tokenizer {
-                        file: file.clone(),
-                        reason,
-                    }
-                })?))
+            TokenizerConfig::Local { path, cache_bytes } => {
+                let local = LocalTokenizer::load(path).map_err(|reason| ServeError::Tokenizer {
+                    file: file.clone(),
+                    reason,
+                })?;
+                Some(Arc::new(local.with_segment_cache(*cache_bytes)))
             }
         };
         let client = reqwest::Client::builder()
