@@ -176,6 +176,14 @@ async fn complete(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: B
         Ok(parsed) => parsed,
         Err(response) => return *response,
     };
+    // The engine model runs one sequence per request; answering a batch for its first prompt
+    // would be a silent fallback.
+    if parsed.prompt_count() > 1 {
+        return bad_request(format!(
+            "the mock engine serves one prompt per request; this one has {} (send them one by one)",
+            parsed.prompt_count()
+        ));
+    }
     let tokens = match app.tokenizer.tokenize(&parsed) {
         Ok(tokens) => tokens,
         Err(err) => return bad_request(err),
