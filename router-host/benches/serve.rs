@@ -13,7 +13,10 @@
 //!
 //! Setups: the built-in `round-robin` and the shipped two-tier policy (from its `.so`), each with
 //! remote tokenization (the stand-in's `/tokenize`) and local tokenization
-//! (`tests/data/tokenizer/`).
+//! (`tests/data/tokenizer/`); and `bare-proxy`, the floor: the same HTTP stack (an axum server
+//! with `TCP_NODELAY`, a reqwest client) forwarding each body round-robin and relaying the
+//! answer, with no parsing, tokenizing, routing, metrics or logging, which is what any proxy
+//! costs on this machine.
 //!
 //! `cargo bench -p router-host --bench serve`; `-- --test` (or any run not started by
 //! `cargo bench`) runs a tiny smoke version. Knobs: `ROUTER_BENCH_SERVE_SECS` (seconds per side
@@ -67,6 +70,7 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 // ---- setups ----------------------------------------------------------------------------------
 
 const SETUPS: &[&str] = &[
+    "bare-proxy",
     "round-robin/local",
     "round-robin/remote",
     "two-tier/remote",
@@ -90,6 +94,109 @@ fn setup_yaml(name: &str, engines: &[&Engine]) -> String {
         "block_size: 16\nserve:\n  tokenizer: {tokenizer}\n  decision_headers: true\n{policy}{}",
         workers_yaml(engines)
     )
+}
+
+// ---- the floor: a proxy that only proxies -------------------------------------------------------
+
+struct BareProxy {
+    addr: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+struct BareState {
+    client: reqwest::Client,
+    upstreams: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+async fn bare_forward(
+    axum::extract::State(state): axum::extract::State<Arc<BareState>>,
+    body: Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let i = state
+        .next
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        % state.upstreams.len();
+    let sent = state
+        .client
+        .post(&state.upstreams[i])
+        .header(axum::http::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await;
+    match sent {
+        Ok(response) => {
+            let status = axum::http::StatusCode::from_u16(response.status().as_u16())
+                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+            let mut out = axum::response::Response::new(axum::body::Body::from_stream(
+                response.bytes_stream(),
+            ));
+            *out.status_mut() = status;
+            out
+        }
+        Err(err) => (axum::http::StatusCode::BAD_GATEWAY, err.to_string()).into_response(),
+    }
+}
+
+async fn start_bare_proxy(engines: &[&Engine]) -> BareProxy {
+    use axum::serve::ListenerExt;
+    let state = Arc::new(BareState {
+        client: reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .build()
+            .expect("bare proxy client"),
+        upstreams: engines
+            .iter()
+            .map(|e| format!("{}/v1/completions", e.url()))
+            .collect(),
+        next: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let app = axum::Router::new()
+        .route("/v1/completions", axum::routing::post(bare_forward))
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bare proxy listens");
+    let addr = listener.local_addr().expect("bare proxy address");
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    BareProxy { addr, task }
+}
+
+/// What requests go through: `serve`, or the floor.
+enum Front {
+    Serve(Router),
+    Bare(BareProxy),
+}
+
+impl Front {
+    fn url(&self, path: &str) -> String {
+        match self {
+            Front::Serve(router) => router.url(path),
+            Front::Bare(bare) => format!("http://{}{path}", bare.addr),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            Front::Serve(router) => router.addr.port(),
+            Front::Bare(bare) => bare.addr.port(),
+        }
+    }
+
+    /// The router's `/metrics` (empty for the floor: it has none).
+    fn metrics_text(&self) -> String {
+        match self {
+            Front::Serve(router) => router.handle.metrics_text(),
+            Front::Bare(_) => String::new(),
+        }
+    }
 }
 
 // ---- the load generator ----------------------------------------------------------------------
@@ -483,12 +590,16 @@ fn main() {
         }
     );
     for setup in &setups {
-        let yaml = setup_yaml(setup, &[&engines[0], &engines[1]]);
-        let router = router_rt.block_on(Router::start(&setup.replace('/', "-"), &yaml));
+        let router = if *setup == "bare-proxy" {
+            Front::Bare(router_rt.block_on(start_bare_proxy(&[&engines[0], &engines[1]])))
+        } else {
+            let yaml = setup_yaml(setup, &[&engines[0], &engines[1]]);
+            Front::Serve(router_rt.block_on(Router::start(&setup.replace('/', "-"), &yaml)))
+        };
         let via_urls: Vec<Arc<str>> = vec![Arc::from(router.url("/v1/completions"))];
         let nodelay = std::env::var("ROUTER_BENCH_SERVE_NODELAY").as_deref() == Ok("1");
         if nodelay {
-            nodelay_on_port(router.addr.port());
+            nodelay_on_port(router.port());
         }
         for &rate in &rates {
             // Warm the connection pools and the router's caches.
@@ -537,14 +648,14 @@ fn main() {
                 }
                 for (urls, side, through) in sides {
                     if nodelay && through {
-                        nodelay_on_port(router.addr.port());
+                        nodelay_on_port(router.port());
                     }
-                    let before = through.then(|| router.handle.metrics_text());
+                    let before = through.then(|| router.metrics_text());
                     drive(
                         &client_rt, &client, urls, rate, per_block, arrivals, &mut rng, side,
                     );
                     if let Some(before) = before {
-                        let after = router.handle.metrics_text();
+                        let after = router.metrics_text();
                         for (sum, stage) in stages.iter_mut().zip(["total", "tokenize", "decide"]) {
                             bucket_sum(
                                 sum,
@@ -585,7 +696,11 @@ fn main() {
             println!("  through serve {}   achieved {:.0} req/s, errors {}, cpu {:.0} us/req, pacer lag max {:?}",
                 fmt4(row.via), row.achieved.1, row.errors.1, row.cpu_us.1, via.max_lag);
             println!("  added         {}", fmt4(row.added));
-            for (stage, buckets) in ["total", "tokenize", "decide"].iter().zip(&stages) {
+            for (stage, buckets) in ["total", "tokenize", "decide"]
+                .iter()
+                .zip(&stages)
+                .filter(|(_, b)| !b.is_empty())
+            {
                 println!(
                     "  router_overhead_seconds{{stage={stage:<8}}} {}   ({} samples, bucket-interpolated)",
                     fmt4(QS.map(|q| bucket_percentile(buckets, q))),
@@ -603,19 +718,30 @@ fn main() {
             }
             rows.push(row);
         }
-        let (inflight, core) = router.in_flight();
-        assert_eq!((inflight, core), (0, 0), "bookings left after {setup}");
-        router_rt.block_on(router.stop());
+        match router {
+            Front::Serve(router) => {
+                let (inflight, core) = router.in_flight();
+                assert_eq!((inflight, core), (0, 0), "bookings left after {setup}");
+                router_rt.block_on(router.stop());
+            }
+            Front::Bare(bare) => bare.task.abort(),
+        }
     }
 
     println!("\n| setup | rate (req/s) | achieved direct / serve | direct p50 / p99 (us) | serve p50 / p99 (us) | added p50 / p90 / p99 / p99.9 (us) | `router_overhead_seconds{{stage=\"total\"}}` p50 / p99 (us) | CPU per request direct / serve (us) | errors |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!(
-            "| {} | {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {} / {} |",
+            "| {} | {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {} | {:.0} / {:.0} | {} / {} |",
             r.setup, r.rate, r.achieved.0, r.achieved.1, r.direct[0], r.direct[2], r.via[0],
-            r.via[2], r.added[0], r.added[1], r.added[2], r.added[3], r.overhead[0],
-            r.overhead[2], r.cpu_us.0, r.cpu_us.1, r.errors.0, r.errors.1
+            r.via[2], r.added[0], r.added[1], r.added[2], r.added[3],
+            // The floor has no histogram.
+            if r.overhead[0].is_nan() {
+                "-".to_owned()
+            } else {
+                format!("{:.0} / {:.0}", r.overhead[0], r.overhead[2])
+            },
+            r.cpu_us.0, r.cpu_us.1, r.errors.0, r.errors.1
         );
     }
     drop(engines);
