@@ -60,9 +60,13 @@ REPO = HERE.parents[2]
 sys.path[:0] = [str(HERE), str(RIG_DIR)]
 
 # Words per prompt part are about one token each with the rig's tokenizer (build_model.py).
-# Full run: 16 sessions x 5 turns = 80 requests per router; the last turn's prompt is ~1.75k
-# tokens, under the rig's max_model_len of 2048.
-FULL = dict(sessions=16, turns=5, concurrency=4)
+# Full run: 32 sessions x 4 turns = 128 requests per router, 16 sessions live at a time; the
+# last turn's prompt is ~1.6k tokens, under the rig's max_model_len of 2048. The live sessions'
+# blocks (16 x ~17 of their own + ~31 of the shared system prompt, block size 32) outgrow one
+# engine's 256 KV blocks and fit in two, as a deployment's sessions outgrow one engine: with
+# fewer live sessions (this part ran 16 x 5, 4 at a time, until 2026-12-01) one engine holds
+# them all and piling every request on it costs nothing.
+FULL = dict(sessions=32, turns=4, concurrency=16)
 QUICK = dict(sessions=4, turns=3, concurrency=2)
 
 

@@ -71,7 +71,9 @@ DIRECT = "engines directly"
 
 # The 4k prompts get lower rates: the engines' own tokenization of 4k tokens of BPE takes
 # several ms of CPU per request, and this machine has 2 cores for engines, router and oha.
-FULL = {"rates": [100, 200, 400, 800, 1600], "step_s": 8.0, "warmup_s": 2.0, "idle_s": 3.0,
+# 3,200 req/s of short streams is past what the 2 cores hold with every router (and direct):
+# the step shows which routers degrade least there, rather than all stopping at "held 1,600".
+FULL = {"rates": [100, 200, 400, 800, 1600, 3200], "step_s": 8.0, "warmup_s": 2.0, "idle_s": 3.0,
         "rates_by_workload": {"prompt-4k": [25, 50, 100, 200, 400]}}
 QUICK = {"rates": [100, 400, 1600], "step_s": 2.0, "warmup_s": 0.5, "idle_s": 1.0,
          "rates_by_workload": {"prompt-4k": [25, 100, 400]}}
@@ -451,7 +453,8 @@ def ladder(
     `pid` None: `url` is engine 1 and oha spreads its connections over every engine.
     `direct`: the engines' own points; each point then gets its added latency, and with
     `stop_early` the ladder stops after the first rate where the router does not hold
-    (held_added: an error, under 90 % achieved, or an added p99 of 10 ms or more)."""
+    (held_added: an error, under 90 % achieved, or an added p99 of 10 ms or more) in two
+    runs in a row."""
     spread = None if pid else [e.url for e in engines]
     idle = None
     if pid:
@@ -465,7 +468,8 @@ def ladder(
     points = []
     commands = []
     stopped = None
-    for rate in cfg["rates"]:
+
+    def measure(rate: float) -> dict:
         served0 = engine_requests(engines)
         cpu0 = proc_cpu_seconds(pid) if pid else None
         ecpu0 = engine_cpu(engine_children)
@@ -485,7 +489,6 @@ def ladder(
         if direct is not None:
             add_deltas([p], direct)
         commands.append(p["command"])
-        points.append(p)
         log(
             f"  {label} @ {rate:g} req/s: {p['ok']}/{p['requests']} ok, {p['achieved_rps']:.0f} req/s, "
             f"p50 {p['p50_ms']} ms, p99 {p['p99_ms']} ms, p99.9 {p['p99_9_ms']} ms"
@@ -495,6 +498,20 @@ def ladder(
             + ("" if p["held"] else f"  NOT HELD: {p['not_held_because']}")
             + ("" if direct is None or p["held_added"] else f"; NOT HELD (added): {p['not_held_added_because']}")
         )
+        return p
+
+    for rate in cfg["rates"]:
+        p = measure(rate)
+        if stop_early and direct is not None and not p["held_added"]:
+            # One stall of the shared machine (a few hundred ms) is enough to fail a p99 over
+            # 8 s; a rate that fails is run once more, for every router alike, and both runs
+            # are kept (`first_attempt`).
+            log(f"  {label} @ {rate:g} req/s: not held; once more")
+            first = {k: p[k] for k in ("p50_ms", "p99_ms", "p99_9_ms", "added_p99_ms", "ok", "requests",
+                                       "achieved_rps", "not_held_added_because") if k in p}
+            p = measure(rate)
+            p["first_attempt"] = first
+        points.append(p)
         if stop_early and direct is not None and not p["held_added"]:
             stopped = f"stopped after {rate:g} req/s: {p['not_held_added_because']}"
             break
