@@ -236,6 +236,70 @@ async fn a_conversation_reuses_its_earlier_pieces_with_the_same_ids() {
         misses >= 4.0,
         "each turn's new question is tokenized once: {misses}"
     );
-    assert!(router.metric("router_tokenizer_cache_bytes") > 0.0);
+    assert!(router.metric("router_tokenizer_cache_bytes{cache=\"segments\"}") > 0.0);
+    router.stop().await;
+}
+
+/// The word split (docs/serve.md, "The word split") on a trained byte-level BPE
+/// (tests/data/bpe-tokenizer): completion prompts reach the engine as exactly the ids HF
+/// `tokenizers` gives the whole text, and words seen before come from the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_level_bpe_prompt_reaches_the_engine_as_tokenizers_own_ids() {
+    let bpe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bpe-tokenizer");
+    let reference =
+        tokenizers::Tokenizer::from_file(bpe.join("tokenizer.json")).expect("the fixture loads");
+    let engine = Engine::start(1).await;
+    let yaml = format!(
+        "block_size: 16\nserve:\n  forward_token_ids: true\n  tokenizer:\n    path: {}\n{}",
+        bpe.display(),
+        workers_yaml(&[&engine])
+    );
+    let router = Router::start("serve_word_split", &yaml).await;
+    let http = client();
+    let base = "The router sends each session back to the engine that holds its cache. ";
+    let prompts = [
+        base.repeat(20),
+        format!(
+            "{}  two spaces,\ta tab,\n\nblank lines, 12345 digits",
+            base.repeat(3)
+        ),
+        format!("{base}<|user|>\nan added token inside a completion prompt</s> and after it"),
+        "Zürich, 東京, 😀 — bytes the vocabulary lacks; trailing spaces   ".to_owned(),
+        format!("{}unheardofword anotherunseenword", base.repeat(2)),
+    ];
+    for (i, text) in prompts.iter().enumerate() {
+        let body = json!({"model": "tiny", "prompt": text, "max_tokens": 2});
+        let response = post(&http, &router.url("/v1/completions"), &body).await;
+        assert_eq!(response.status(), 200, "prompt {i}");
+        let _ = response.bytes().await;
+        let sent = engine
+            .state
+            .seen
+            .last_body
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("a body");
+        let want = reference
+            .encode_fast(text.as_str(), true)
+            .expect("tokenizes");
+        assert!(want.len() > 10, "prompt {i}");
+        assert_eq!(
+            sent["prompt"],
+            json!(want.get_ids()),
+            "prompt {i}: {text:?}"
+        );
+    }
+    let hits = router.metric("router_tokenizer_words_total{outcome=\"hit\"}");
+    let misses = router.metric("router_tokenizer_words_total{outcome=\"miss\"}");
+    assert!(
+        misses > 0.0 && hits > misses,
+        "hits {hits}, misses {misses}"
+    );
+    assert_eq!(
+        router.metric("router_tokenizer_words_total{outcome=\"fallback\"}"),
+        0.0
+    );
+    assert!(router.metric("router_tokenizer_cache_bytes{cache=\"words\"}") > 0.0);
     router.stop().await;
 }

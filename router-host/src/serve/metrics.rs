@@ -493,12 +493,37 @@ impl Collector for StateCollector {
                     (vec![("outcome", outcome.to_owned())], ConstCounter::new(n))
                 }),
             )?;
+            let words = generation.tokenizer.as_ref().and_then(|t| t.word_stats());
+            if let Some(words) = words {
+                // docs/serve.md, "The word split": words not tokenized again.
+                family(
+                    &mut encoder,
+                    "router_tokenizer_words",
+                    "Words of prompts looked up in the local tokenizer's word cache \
+                     (fallback: a piece tokenized whole by tokenizers)",
+                    MetricType::Counter,
+                    [
+                        ("hit", words.hits),
+                        ("miss", words.misses),
+                        ("fallback", words.fallbacks),
+                    ]
+                    .map(|(outcome, n)| {
+                        (vec![("outcome", outcome.to_owned())], ConstCounter::new(n))
+                    }),
+                )?;
+            }
+            let bytes = [
+                ("segments", Some(stats.bytes)),
+                ("words", words.map(|w| w.bytes)),
+            ];
             family(
                 &mut encoder,
                 "router_tokenizer_cache_bytes",
-                "Bytes the local tokenizer's segment cache holds (texts, ids and overhead)",
+                "Bytes the local tokenizer's caches hold (texts, ids and overhead), per cache",
                 MetricType::Gauge,
-                std::iter::once((Labels::new(), ConstGauge::new(stats.bytes as i64))),
+                bytes.into_iter().filter_map(|(cache, bytes)| {
+                    bytes.map(|b| (vec![("cache", cache.to_owned())], ConstGauge::new(b as i64)))
+                }),
             )?;
         }
         if let Some(table) = host.sessions() {

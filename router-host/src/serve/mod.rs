@@ -23,7 +23,10 @@ pub mod proxy;
 pub mod request;
 pub mod segments;
 pub mod state;
+#[cfg(test)]
+mod test_tokenizers;
 pub mod tokenize;
+pub mod words;
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;

@@ -28,8 +28,13 @@ use std::sync::Arc;
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::Tokenizer;
 
+use super::words::{WordStats, Words};
+
 /// Pieces shorter than this are tokenized every time (cheaper than hashing and storing them).
 const MIN_CACHED_BYTES: usize = 64;
+
+/// The share of the cache's bytes that goes to single words (serve/words.rs): 1/8.
+const WORD_SHARE_SHIFT: u32 = 3;
 
 /// What an entry costs beyond its text and ids (key and value headers, the cache's own slot).
 const ENTRY_OVERHEAD: u64 = 64;
@@ -54,6 +59,11 @@ pub struct SegmentStats {
 
 /// A tokenizer's added tokens and what its post-processor adds, with the closed pieces' ids.
 pub struct SegmentCache {
+    /// How pieces are tokenized: split into words here (serve/words.rs) when that is exact for
+    /// this tokenizer, else by `tokenizers` itself.
+    words: Option<Words>,
+    /// Why `words` is `None`.
+    words_off: Option<String>,
     /// The added tokens' texts, leftmost-longest as `tokenizers` matches them.
     added: AhoCorasick,
     /// Pattern index → token id.
@@ -162,17 +172,31 @@ impl SegmentCache {
         let at = (0..=full.len().saturating_sub(bare.len()))
             .find(|&i| full[i..].starts_with(&bare))
             .ok_or("the post-processor changes a text's own ids")?;
+        let word_bytes = capacity_bytes >> WORD_SHARE_SHIFT;
+        let (words, words_off) = match Words::new(tokenizer, word_bytes) {
+            Ok(words) => (Some(words), None),
+            Err(why) => (None, Some(why)),
+        };
         let cache = SegmentCache {
+            words,
+            words_off,
             added: matcher,
             added_ids: added.iter().map(|(id, _)| *id).collect(),
             before: full[..at].to_vec(),
             after: full[at + bare.len()..].to_vec(),
-            cache: quick_cache::sync::Cache::with_weighter(1024, capacity_bytes.max(1), ByteWeight),
+            cache: quick_cache::sync::Cache::with_weighter(
+                1024,
+                (capacity_bytes - word_bytes).max(1),
+                ByteWeight,
+            ),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         };
         cache.self_check(tokenizer, &added)?;
         cache.cache.clear();
+        if let Some(words) = &cache.words {
+            words.reset();
+        }
         cache.hits.store(0, Ordering::Relaxed);
         cache.misses.store(0, Ordering::Relaxed);
         Ok(cache)
@@ -248,8 +272,7 @@ impl SegmentCache {
             return Ok(());
         }
         if !closed || piece.len() < MIN_CACHED_BYTES {
-            out.extend_from_slice(tokenizer.encode_fast(piece, false)?.get_ids());
-            return Ok(());
+            return self.tokenize(tokenizer, piece, out);
         }
         if let Some(ids) = self.cache.get(piece) {
             self.hits.fetch_add(1, Ordering::Relaxed);
@@ -257,10 +280,36 @@ impl SegmentCache {
             return Ok(());
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        let ids: Arc<[u32]> = tokenizer.encode_fast(piece, false)?.get_ids().into();
-        out.extend_from_slice(&ids);
-        self.cache.insert(piece.into(), ids);
+        let start = out.len();
+        self.tokenize(tokenizer, piece, out)?;
+        self.cache.insert(piece.into(), out[start..].into());
         Ok(())
+    }
+
+    /// Append a piece's ids, tokenized now.
+    fn tokenize(
+        &self,
+        tokenizer: &Tokenizer,
+        piece: &str,
+        out: &mut Vec<u32>,
+    ) -> tokenizers::Result<()> {
+        match &self.words {
+            Some(words) => words.encode(tokenizer, piece, out),
+            None => {
+                out.extend_from_slice(tokenizer.encode_fast(piece, false)?.get_ids());
+                Ok(())
+            }
+        }
+    }
+
+    /// Why pieces are tokenized by `tokenizers` itself, not split into words here.
+    pub fn words_off(&self) -> Option<&str> {
+        self.words_off.as_deref()
+    }
+
+    /// What the word split did, when it is on.
+    pub fn word_stats(&self) -> Option<WordStats> {
+        self.words.as_ref().map(Words::stats)
     }
 
     pub fn stats(&self) -> SegmentStats {
@@ -275,6 +324,9 @@ impl SegmentCache {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_tokenizers::{
+        byte_level_bpe, gpt2_pre_tokenizer, metaspace_pre_tokenizer,
+    };
     use super::*;
 
     fn fixture() -> Tokenizer {
@@ -323,66 +375,9 @@ mod tests {
         assert!(stats.entries >= 6 && stats.bytes > 0, "{stats:?}");
     }
 
-    /// A byte-level BPE (GPT-2's pre-tokenizer, as Llama 3 and Qwen use), with chat markers as
-    /// added tokens and a BOS post-processor; `metaspace` swaps in a position-dependent
-    /// pre-tokenizer instead.
-    fn byte_level_bpe(metaspace: bool) -> Tokenizer {
-        let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
-            .into_iter()
-            .collect();
-        alphabet.sort();
-        let mut vocab: Vec<String> = alphabet.iter().map(char::to_string).collect();
-        vocab.push("\u{2581}".to_owned());
-        let merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("e", "r"), ("Ġ", "a")];
-        for (a, b) in merges {
-            vocab.push(format!("{a}{b}"));
-        }
-        let specials = ["<|bos|>", "<|im_start|>", "<|im_end|>"];
-        let added: Vec<serde_json::Value> = specials
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                serde_json::json!({"id": vocab.len() + i, "content": t, "single_word": false,
-                    "lstrip": false, "rstrip": false, "normalized": false, "special": true})
-            })
-            .collect();
-        let mut vocab_map = serde_json::Map::new();
-        for (i, t) in vocab.iter().enumerate() {
-            vocab_map.insert(t.clone(), serde_json::json!(i));
-        }
-        for (i, t) in specials.iter().enumerate() {
-            vocab_map.insert((*t).to_owned(), serde_json::json!(vocab.len() + i));
-        }
-        let pre = if metaspace {
-            serde_json::json!({"type": "Metaspace", "replacement": "\u{2581}",
-                "prepend_scheme": "first", "split": true})
-        } else {
-            serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
-                "trim_offsets": true, "use_regex": true})
-        };
-        let doc = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": added, "normalizer": null, "pre_tokenizer": pre,
-            "post_processor": {"type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
-                           {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                         {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {"<|bos|>": {"id": "<|bos|>",
-                    "ids": [vocab.len()], "tokens": ["<|bos|>"]}}},
-            "decoder": null,
-            "model": {"type": "BPE", "dropout": null, "unk_token": null,
-                "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                "vocab": vocab_map,
-                "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()}
-        });
-        doc.to_string().parse().expect("the test tokenizer")
-    }
-
     #[test]
     fn a_byte_level_bpe_chat_prompt_is_pieced_exactly() {
-        let tok = byte_level_bpe(false);
+        let tok = byte_level_bpe(gpt2_pre_tokenizer());
         let cache = SegmentCache::new(&tok, 1 << 20).expect("byte-level pieces are independent");
         let mut prompt = String::from("<|im_start|>system\nYou are the router's test. ");
         prompt.push_str(&"Say the other thing, then stop. ".repeat(4));
@@ -406,7 +401,8 @@ mod tests {
 
     #[test]
     fn a_metaspace_tokenizer_gets_no_cache_and_says_why() {
-        let why = SegmentCache::new(&byte_level_bpe(true), 1 << 20).expect_err("refused");
+        let why = SegmentCache::new(&byte_level_bpe(metaspace_pre_tokenizer()), 1 << 20)
+            .expect_err("refused");
         assert!(why.contains("Metaspace"), "{why}");
     }
 

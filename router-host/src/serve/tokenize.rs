@@ -325,7 +325,15 @@ impl LocalTokenizer {
             return self;
         }
         match super::segments::SegmentCache::new(&self.tokenizer, bytes) {
-            Ok(cache) => self.segments = Some(cache),
+            Ok(cache) => {
+                if let Some(why) = cache.words_off() {
+                    tracing::info!(
+                        tokenizer = %self.dir.display(),
+                        "word split off: {why}; pieces are tokenized by tokenizers itself"
+                    );
+                }
+                self.segments = Some(cache);
+            }
             Err(why) => {
                 tracing::warn!(
                     tokenizer = %self.dir.display(),
@@ -335,6 +343,11 @@ impl LocalTokenizer {
             }
         }
         self
+    }
+
+    /// What the word split did (serve/words.rs), when it is on.
+    pub fn word_stats(&self) -> Option<super::words::WordStats> {
+        self.segments.as_ref().and_then(|s| s.word_stats())
     }
 
     /// What the segment cache did, when there is one.
