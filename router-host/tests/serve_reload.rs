@@ -346,3 +346,71 @@ async fn reload_keeps_session_bindings_unless_the_session_settings_change() {
     drop((first, second, third));
     router.stop().await;
 }
+
+/// A reload whose tokenizer files are unchanged keeps the loaded tokenizer, with its word and
+/// segment caches (docs/serve.md, "Reload"); other files load afresh, caches empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_an_unchanged_tokenizer_and_its_caches() {
+    let bpe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bpe-tokenizer");
+    let engine = Engine::start(1).await;
+    let yaml = |dir: &std::path::Path, generation: u32| {
+        format!(
+            "# generation {generation}\nblock_size: 4\nserve:\n  tokenizer:\n    path: {}\n{}",
+            dir.display(),
+            workers_yaml(&[&engine])
+        )
+    };
+    let router = Router::start("serve_reload_tokenizer", &yaml(&bpe, 1)).await;
+    let http = client();
+    let url = router.url("/v1/completions");
+    let body = json!({"model": "tiny", "prompt": "the router keeps each session on the engine that caches it"});
+    let send = || async {
+        let response = post(&http, &url, &body).await;
+        assert_eq!(response.status(), 200);
+        let _ = response.bytes().await;
+    };
+    let words = |outcome: &str| {
+        router.metric(&format!(
+            "router_tokenizer_words_total{{outcome=\"{outcome}\"}}"
+        ))
+    };
+
+    send().await;
+    let misses = words("miss");
+    assert!(
+        misses > 0.0,
+        "a new tokenizer's first prompt misses its words"
+    );
+    assert_eq!(words("hit"), 0.0);
+
+    std::fs::write(&router.config, yaml(&bpe, 2)).unwrap();
+    assert_eq!(router.handle.reload().await.unwrap(), 2);
+    send().await;
+    assert_eq!(words("miss"), misses, "the same files: the cache is kept");
+    assert!(
+        words("hit") >= misses,
+        "every word comes from the kept cache"
+    );
+
+    // The same files under another directory: loaded afresh, so the same words miss again.
+    let copy = router.config.parent().unwrap().join("tokenizer-copy");
+    std::fs::create_dir_all(&copy).unwrap();
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(bpe.join(file), copy.join(file)).unwrap();
+    }
+    std::fs::write(&router.config, yaml(&copy, 3)).unwrap();
+    assert_eq!(router.handle.reload().await.unwrap(), 3);
+    assert_eq!(words("miss"), 0.0, "a new tokenizer counts from zero");
+    send().await;
+    assert_eq!(words("miss"), misses);
+
+    // Changed contents in the same directory: loaded afresh too.
+    let config = copy.join("tokenizer_config.json");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push('\n');
+    std::fs::write(&config, text).unwrap();
+    std::fs::write(&router.config, yaml(&copy, 4)).unwrap();
+    assert_eq!(router.handle.reload().await.unwrap(), 4);
+    assert_eq!(words("miss"), 0.0, "changed files: a new tokenizer");
+    router.stop().await;
+}

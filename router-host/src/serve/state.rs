@@ -142,11 +142,21 @@ impl Generation {
         let tokenizer = match &serve.tokenizer {
             TokenizerConfig::Remote => None,
             TokenizerConfig::Local { path, cache_bytes } => {
-                let local = LocalTokenizer::load(path).map_err(|reason| ServeError::Tokenizer {
-                    file: file.clone(),
-                    reason,
-                })?;
-                Some(Arc::new(local.with_segment_cache(*cache_bytes)))
+                // Unchanged files: keep the loaded tokenizer, so its caches survive a reload.
+                let unchanged = previous
+                    .and_then(|p| p.tokenizer.clone())
+                    .filter(|t| t.is_loaded_from(path, *cache_bytes));
+                match unchanged {
+                    Some(tokenizer) => Some(tokenizer),
+                    None => {
+                        let local =
+                            LocalTokenizer::load(path).map_err(|reason| ServeError::Tokenizer {
+                                file: file.clone(),
+                                reason,
+                            })?;
+                        Some(Arc::new(local.with_segment_cache(*cache_bytes)))
+                    }
+                }
             }
         };
         let client = reqwest::Client::builder()

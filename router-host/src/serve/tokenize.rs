@@ -219,6 +219,9 @@ async fn remote_prompt(
 /// tokens of `tokenizer_config.json` when it is there.
 pub struct LocalTokenizer {
     dir: PathBuf,
+    /// A hash of the files it was loaded from, and the cache size it was given.
+    fingerprint: u64,
+    cache_bytes: u64,
     tokenizer: tokenizers::Tokenizer,
     /// The chat template, compiled (`None`: the directory has none; chat requests get 400).
     chat: Option<minijinja::Environment<'static>>,
@@ -238,6 +241,42 @@ impl std::fmt::Debug for LocalTokenizer {
 }
 
 const TEMPLATE: &str = "chat";
+
+/// The bytes of a tokenizer directory's files.
+struct TokenizerFiles {
+    tokenizer_path: PathBuf,
+    tokenizer: Vec<u8>,
+    config_path: PathBuf,
+    /// `None`: the directory has no `tokenizer_config.json`.
+    config: Option<Vec<u8>>,
+}
+
+impl TokenizerFiles {
+    fn read(dir: &Path) -> Result<TokenizerFiles, String> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = std::fs::read(&tokenizer_path)
+            .map_err(|err| format!("cannot load {}: {err}", tokenizer_path.display()))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config = match std::fs::read(&config_path) {
+            Ok(bytes) => Some(bytes),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
+            Err(err) => return Err(format!("cannot read {}: {err}", config_path.display())),
+        };
+        Ok(TokenizerFiles {
+            tokenizer_path,
+            tokenizer,
+            config_path,
+            config,
+        })
+    }
+
+    fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (&self.tokenizer, &self.config).hash(&mut hasher);
+        hasher.finish()
+    }
+}
 
 /// A special token in `tokenizer_config.json`: a string, or an `AddedToken` object.
 fn special_token(config: &Value, key: &str) -> String {
@@ -293,22 +332,22 @@ fn environment(template: String) -> Result<minijinja::Environment<'static>, Stri
 impl LocalTokenizer {
     /// Load `dir/tokenizer.json` and, if present, `dir/tokenizer_config.json`.
     pub fn load(dir: &Path) -> Result<LocalTokenizer, String> {
-        let file = dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&file)
-            .map_err(|err| format!("cannot load {}: {err}", file.display()))?;
-        let config_file = dir.join("tokenizer_config.json");
-        let config: Value = match std::fs::read(&config_file) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|err| format!("{}: not valid JSON: {err}", config_file.display()))?,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Value::Null,
-            Err(err) => return Err(format!("cannot read {}: {err}", config_file.display())),
+        let files = TokenizerFiles::read(dir)?;
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&files.tokenizer)
+            .map_err(|err| format!("cannot load {}: {err}", files.tokenizer_path.display()))?;
+        let config: Value = match &files.config {
+            Some(bytes) => serde_json::from_slice(bytes)
+                .map_err(|err| format!("{}: not valid JSON: {err}", files.config_path.display()))?,
+            None => Value::Null,
         };
         let chat = chat_template(&config)
             .map(environment)
             .transpose()
-            .map_err(|err| format!("{}: {err}", config_file.display()))?;
+            .map_err(|err| format!("{}: {err}", files.config_path.display()))?;
         Ok(LocalTokenizer {
             dir: dir.to_path_buf(),
+            fingerprint: files.fingerprint(),
+            cache_bytes: 0,
             tokenizer,
             chat,
             bos_token: special_token(&config, "bos_token"),
@@ -317,9 +356,19 @@ impl LocalTokenizer {
         })
     }
 
+    /// Whether loading `dir` with a cache of `cache_bytes` would give this tokenizer again: the
+    /// same directory, cache size and file contents. A reload then keeps this one, caches and
+    /// all (docs/serve.md, "Reload").
+    pub fn is_loaded_from(&self, dir: &Path, cache_bytes: u64) -> bool {
+        self.dir == dir
+            && self.cache_bytes == cache_bytes
+            && TokenizerFiles::read(dir).is_ok_and(|files| files.fingerprint() == self.fingerprint)
+    }
+
     /// With a segment cache of at most `bytes` (0: none), when this tokenizer's pieces are
     /// independent; otherwise the log says why and whole texts are tokenized (serve/segments.rs).
     pub fn with_segment_cache(mut self, bytes: u64) -> LocalTokenizer {
+        self.cache_bytes = bytes;
         if bytes == 0 {
             self.segments = None;
             return self;
