@@ -303,3 +303,51 @@ async fn a_byte_level_bpe_prompt_reaches_the_engine_as_tokenizers_own_ids() {
     assert!(router.metric("router_tokenizer_cache_bytes{cache=\"words\"}") > 0.0);
     router.stop().await;
 }
+
+/// A prompt past serve's inline limit (64 KiB of text) is tokenized through `block_in_place` on
+/// the multi-thread runtime and directly on a current-thread one; either way the engine gets
+/// `tokenizers`' own ids.
+async fn long_prompt_reaches_the_engine_as_tokenizers_own_ids(test: &str) {
+    let bpe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bpe-tokenizer");
+    let reference =
+        tokenizers::Tokenizer::from_file(bpe.join("tokenizer.json")).expect("the fixture loads");
+    let engine = Engine::start(1).await;
+    let yaml = format!(
+        "block_size: 16\nserve:\n  forward_token_ids: true\n  max_prompt_tokens: 1000000\n  tokenizer:\n    path: {}\n{}",
+        bpe.display(),
+        workers_yaml(&[&engine])
+    );
+    let router = Router::start(test, &yaml).await;
+    let http = client();
+    let text = "The router sends each session back to the engine that holds its cache, \
+                and a long document is no exception.\n"
+        .repeat(1600);
+    assert!(text.len() > 128 << 10);
+    let body = json!({"model": "tiny", "prompt": text, "max_tokens": 2});
+    let response = post(&http, &router.url("/v1/completions"), &body).await;
+    assert_eq!(response.status(), 200);
+    let _ = response.bytes().await;
+    let sent = engine
+        .state
+        .seen
+        .last_body
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("a body");
+    let want = reference
+        .encode_fast(text.as_str(), true)
+        .expect("tokenizes");
+    assert_eq!(sent["prompt"], json!(want.get_ids()));
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_gets_the_same_ids_on_the_multi_thread_runtime() {
+    long_prompt_reaches_the_engine_as_tokenizers_own_ids("serve_long_prompt_mt").await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_prompt_gets_the_same_ids_on_a_current_thread_runtime() {
+    long_prompt_reaches_the_engine_as_tokenizers_own_ids("serve_long_prompt_ct").await;
+}

@@ -95,18 +95,31 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Bytes,
     Ok(Bytes::from(buffer))
 }
 
-/// A rough token count for a prompt that could not be tokenized (routing without overlap).
-fn estimate_tokens(prompt: &Prompt) -> u64 {
-    let bytes = match prompt {
+/// The bytes of text a prompt gives the tokenizer (chat: its messages' contents, plus a little
+/// per message for the template); 0 for token ids.
+fn text_bytes(prompt: &Prompt) -> usize {
+    match prompt {
         Prompt::Text(text) => text.len(),
-        Prompt::Tokens(ids) => return ids.len() as u64,
+        Prompt::Tokens(_) => 0,
         Prompt::Chat(messages) => messages
             .iter()
             .map(|m| request::content_text(m.get("content")).len() + 8)
             .sum(),
-    };
-    (bytes as u64).div_ceil(4)
+    }
 }
+
+/// A rough token count for a prompt that could not be tokenized (routing without overlap).
+fn estimate_tokens(prompt: &Prompt) -> u64 {
+    match prompt {
+        Prompt::Tokens(ids) => ids.len() as u64,
+        _ => (text_bytes(prompt) as u64).div_ceil(4),
+    }
+}
+
+/// Requests with more text than this are tokenized off the async worker: a 64 KiB prompt takes
+/// a few milliseconds (serve/words.rs), one near `max_body_bytes` up to seconds, and a worker
+/// held that long holds every request queued on it.
+const INLINE_TOKENIZE_BYTES: usize = 64 << 10;
 
 /// Every prompt's tokens, in order (one entry but for a batched completion); `Ok(None)` when
 /// the remote tokenizer is unavailable for any of them (counted and logged: the request is
@@ -124,10 +137,13 @@ async fn tokens_for(
         return Ok(given);
     }
     if let Some(local) = &generation.tokenizer {
-        return local
-            .tokenize_all(parsed)
-            .map(Some)
-            .map_err(TokenizeError::into_api);
+        let tokenize = || local.tokenize_all(parsed);
+        let tokens = if parsed.prompts().map(text_bytes).sum::<usize>() > INLINE_TOKENIZE_BYTES {
+            crate::session_store::blocking(tokenize)
+        } else {
+            tokenize()
+        };
+        return tokens.map(Some).map_err(TokenizeError::into_api);
     }
     let Some(upstream) = app.tokenizer_upstream(generation) else {
         app.metrics.tokenize_fallbacks.inc();

@@ -110,10 +110,10 @@ pub fn connect_check(config: &RedisStoreConfig) -> Result<StoreCheck, StoreError
     })
 }
 
-/// Run `f`, which may wait on the session store, from async code: on tokio's multi-thread
-/// runtime through `block_in_place` (the worker hands its other tasks to another thread while
-/// this one waits, at most the store timeout); elsewhere (a current-thread runtime, plain
-/// threads) directly.
+/// Run `f`, which may wait on the session store (at most its timeout) or compute for long (a
+/// large prompt's tokenizing), from async code: on tokio's multi-thread runtime through
+/// `block_in_place` (the worker hands its other tasks to another thread meanwhile); elsewhere
+/// (a current-thread runtime, plain threads) directly.
 pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
     use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current() {
