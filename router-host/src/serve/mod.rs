@@ -11,7 +11,8 @@
 //!
 //! Files: `request.rs` (the OpenAI bodies), `errors.rs` (start-up errors and the OpenAI-style
 //! error bodies), `state.rs` (generations), `coalesce.rs` (the relayed body's ready chunks
-//! joined into one write), and this file (the server, reload, shutdown).
+//! joined into one write), `offload.rs` (which calls run on the async worker and which under
+//! `block_in_place`), and this file (the server, reload, shutdown).
 
 pub mod coalesce;
 pub mod errors;
@@ -19,6 +20,7 @@ pub mod health;
 pub mod kv_events;
 pub mod lifecycle;
 pub mod metrics;
+pub mod offload;
 pub mod proxy;
 pub mod request;
 pub mod segments;
@@ -86,6 +88,8 @@ pub struct App {
     tokenizer_turn: AtomicUsize,
     /// KV-event subscribers, one per `(worker, rank)` with `kv_events` (`kv_events/`).
     pub(crate) kv_subscribers: kv_events::Subscribers,
+    /// Where routing decisions run (`offload.rs`): for the whole process, across reloads.
+    pub(crate) offload: offload::Offload,
 }
 
 impl std::fmt::Debug for App {
@@ -299,6 +303,7 @@ impl Server {
             generations: AtomicU64::new(1),
             tokenizer_turn: AtomicUsize::new(0),
             kv_subscribers: kv_events::Subscribers::default(),
+            offload: offload::Offload::for_current_runtime(),
         });
         let generation = app.current.load();
         health::probe_round(&app, &generation).await;

@@ -236,9 +236,12 @@ async fn admit(
         .unwrap_or(generation.serve.timeouts.queue);
     // The decision may wait: on a shared session store (a network round trip), or on a policy
     // that hangs (the watchdog takes the instance out of service, but cannot give its thread
-    // back). Either way the runtime's other tasks move to another thread meanwhile, so one
-    // stuck call never stops the server (tests/serve_hangs.rs).
-    let submitted = crate::session_store::blocking(|| core.submit_indexed(request, true));
+    // back). `offload.rs` decides where it runs so that one stuck call never stops the server
+    // (tests/serve_hangs.rs).
+    let submitted = app
+        .offload
+        .decide(generation, || core.submit_indexed(request, true))
+        .await;
     let ticket = match submitted {
         Ok(Submitted::Dispatched(routed)) => return Ok(routed),
         Ok(Submitted::Queued(ticket)) => ticket,
