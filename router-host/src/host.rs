@@ -24,7 +24,8 @@ use crate::session_store::{RedisStore, StoreError};
 pub use crate::model::{InjectedRows, NoOverlap, OverlapSource};
 pub use router_core::admission::{AdmissionStats, Ticket, TicketId};
 pub use router_core::routing::{
-    Drained, RemovedWorker, RequestId, RouteError, Routed, SessionOutcome, Submitted, DRAWN_ID_BIT,
+    Drained, OwedHook, RemovedWorker, RequestId, RouteError, Routed, SessionOutcome, Submitted,
+    DRAWN_ID_BIT,
 };
 
 /// See the module docs.
@@ -180,6 +181,7 @@ impl Host {
             classes: config.policy_classes.iter().map(class_spec).collect(),
             clock: Some(clock),
             id_tag: redis.as_ref().map_or(0, |r| r.id_tag()),
+            drain_stall: Some(router.longest_hang_after()),
         };
         let core = RoutingCore::new(router.clone(), cluster, settings);
         Host {

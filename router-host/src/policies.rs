@@ -20,6 +20,9 @@ use crate::config::{InstanceConfig, OnError};
 use crate::loader::{plugin_text, printable, PolicyLibrary, PolicyTypeDoc};
 use crate::watchdog::{Call, Hang, OnHang, Watch, WatchSpec};
 
+/// The origin of a built-in instance or type (a plugin's is its file's path).
+pub const BUILT_IN: &str = "built-in";
+
 /// Where a policy type comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TypeOrigin {
@@ -261,7 +264,7 @@ impl Catalog {
             0,
             &library.path,
             &library.types,
-            |_| "built-in".to_string(),
+            |_| BUILT_IN.to_string(),
         )
     }
 
@@ -273,7 +276,7 @@ impl Catalog {
     /// "built-in" or the library's path.
     pub fn origin_name(&self, origin: TypeOrigin) -> String {
         match origin {
-            TypeOrigin::Builtin(_) => "built-in".to_string(),
+            TypeOrigin::Builtin(_) => BUILT_IN.to_string(),
             TypeOrigin::Plugin(i) => self.libraries[i].path.display().to_string(),
         }
     }
@@ -497,6 +500,11 @@ impl PolicyInstance {
         self.watch.hang()
     }
 
+    /// Built into the host (its calls are ours: they do not hang).
+    pub fn is_builtin(&self) -> bool {
+        self.origin == BUILT_IN
+    }
+
     /// Not poisoned, quarantined or hung: hooks are called only then.
     pub(crate) fn in_service(&self) -> bool {
         !self.is_poisoned() && !self.is_quarantined() && !self.is_hung()
@@ -689,7 +697,7 @@ mod tests {
     ) -> Result<(), String> {
         let docs: Vec<PolicyTypeDoc> = names.iter().map(|n| doc(n)).collect();
         register_library_types(types, index, Path::new(path), &docs, |o| match o {
-            TypeOrigin::Builtin(_) => "built-in".to_string(),
+            TypeOrigin::Builtin(_) => BUILT_IN.to_string(),
             TypeOrigin::Plugin(i) => format!("/lib{i}.so"),
         })
         .map_err(|e| e.to_string())

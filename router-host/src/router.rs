@@ -16,7 +16,7 @@
 //! whether the process keeps serving or exits.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use abi_stable::std_types::{ROption, RResult, RSlice};
 use plugin_api::abi::{
@@ -166,6 +166,17 @@ impl Router {
 
     pub fn instance(&self, id: InstanceId) -> &PolicyInstance {
         &self.instances[id]
+    }
+
+    /// The longest `hang_after` of any plugin instance: a call running longer than this is hung
+    /// whichever instance it is in (the core's `drain_stall`).
+    pub fn longest_hang_after(&self) -> Duration {
+        self.instances
+            .iter()
+            .filter(|instance| !instance.is_builtin())
+            .map(|instance| instance.hang_after)
+            .max()
+            .unwrap_or(router_core::routing::DEFAULT_DRAIN_STALL)
     }
 
     /// The instance serving `role`.

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use router_host::config::RouterConfig;
-use router_host::host::{Host, NoOverlap};
+use router_host::host::{Host, NoOverlap, Submitted};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
 use router_host::router::{Decision, PolicyFailure, Router, Scratch, Selection};
@@ -328,6 +328,83 @@ fn a_hook_that_never_returns_marks_the_instance_hung_and_is_not_called_again() {
         assert_hang_logged_once(&format!("stuck-{hook}"), call.as_str());
         drop(stuck);
     }
+}
+
+/// A pick that hangs while a drain re-evaluates a queued request: that request is lost, but its
+/// lane moves on once the call has run past the longest `hang_after_ms` (the watchdog's own
+/// verdict), so the queue behind it, later drains and new arrivals are served.
+#[test]
+fn a_pick_that_never_returns_in_a_queue_drain_does_not_stop_the_queue() {
+    logs();
+    let yaml = format!(
+        "plugins:\n  - path: {}\nworker_selection:\n  aggregated: stuck-drain\n  instances:\n    \
+         - {{name: stuck-drain, type: hangs, parameters: {{at: pick, after: 1}}, hang_after_ms: 100}}\n\
+         policy_classes:\n  - {{name: default, prefill_busy_threshold: 100, max_queue_wait_ms: 600000}}\n",
+        common::plugin("fixture_faulty").display()
+    );
+    let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
+    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let mut worker = Worker::new(7);
+    worker.max_num_batched_tokens = Some(1000);
+    let cluster = Cluster::new(vec![worker]).expect("cluster");
+    let host = Arc::new(Host::new(router, cluster, &config));
+    let x = configured(host.router());
+    let core = host.core();
+    let sized = |isl| Request {
+        isl_tokens: isl,
+        ..Default::default()
+    };
+    let busy = match core
+        .submit(sized(500), &NoOverlap, false)
+        .expect("submitted")
+    {
+        Submitted::Dispatched(routed) => routed,
+        other => panic!("expected a dispatch, got {other:?}"),
+    };
+    let queued = |isl| match core
+        .submit(sized(isl), &NoOverlap, false)
+        .expect("submitted")
+    {
+        Submitted::Queued(ticket) => ticket,
+        other => panic!("expected to queue, got {other:?}"),
+    };
+    let (lost, behind) = (queued(10), queued(10));
+    assert!(host.complete(busy.id));
+    // This drain takes the first queued request out and hangs in its pick.
+    let stuck = std::thread::spawn({
+        let host = host.clone();
+        move || host.core().drain(false)
+    });
+    wait_for("the instance is marked hung", || {
+        host.router().instance(x).is_hung()
+    });
+    let served = std::thread::spawn({
+        let host = host.clone();
+        move || host.core().drain(false)
+    });
+    let drained = join_within("a drain after the hang returns", served);
+    assert_eq!(drained.len(), 1, "{drained:?}");
+    assert_eq!(
+        drained[0].ticket,
+        behind.id(),
+        "the request behind the lost one"
+    );
+    let routed = drained[0].result.clone().expect("dispatched");
+    assert_hung_fallback(&routed.decision, "pick");
+    assert_eq!(behind.try_take(), Some(Ok(routed.clone())));
+    let stats = core.admission_stats();
+    assert_eq!((stats.queued, stats.waiting, stats.stalled), (2, 0, 1));
+    // The lane holds nothing now: an arrival with room goes straight to a row.
+    match core
+        .submit(sized(10), &NoOverlap, false)
+        .expect("submitted")
+    {
+        Submitted::Dispatched(next) => assert_hung_fallback(&next.decision, "pick"),
+        other => panic!("expected a dispatch, got {other:?}"),
+    }
+    assert!(!stuck.is_finished(), "the hung pick is still stuck");
+    assert_eq!(lost.try_take(), None, "the lost request has no outcome");
+    drop(stuck);
 }
 
 #[test]

@@ -96,6 +96,9 @@ pub struct AdmissionStats {
     pub cancelled: u64,
     /// Queued requests that waited past their class's `max_wait` (they booked nothing).
     pub expired: u64,
+    /// Lane heads whose evaluation ran past the stall limit (a hung policy call), after which
+    /// their lane moved on without them.
+    pub stalled: u64,
 }
 
 enum TicketState {
@@ -270,43 +273,140 @@ pub(crate) struct Queued {
     pub since: Duration,
 }
 
+/// A lane head out of its lane for re-evaluation, and who holds it.
+pub(crate) struct Taken {
+    pub lane: LaneKey,
+    pub head: Queued,
+    /// Names this take: a mark another drain replaced (the take stalled) is not cleared by it.
+    token: u64,
+    /// [`Lanes::drains`] when the head was taken (or last evaluated).
+    seen: u64,
+}
+
+/// Which take holds a lane's head, since when.
+struct Mark {
+    token: u64,
+    at: Instant,
+}
+
 /// Every lane, behind the core's queue lock.
-#[derive(Default)]
+///
+/// Drains may run on several threads at once. Each lane's head is evaluated by one drain at a
+/// time: the drain takes it out and marks the lane, and while the mark holds, the lane still
+/// counts as a backlog (an arrival queues behind the head instead of overtaking it) and other
+/// drains pass the lane by. A mark older than `stall` no longer holds the lane: the policy call
+/// evaluating that head is taken to be hung (it ran past the watchdog's limit), and the lane's
+/// next entry becomes its head.
 pub(crate) struct Lanes {
     pub lanes: BTreeMap<LaneKey, VecDeque<Queued>>,
     pub next_ticket: TicketId,
     pub stats: AdmissionStats,
-    /// The lane whose head the drainer took out to re-evaluate: it still counts as a backlog,
-    /// so an arrival meanwhile queues behind the head instead of overtaking it.
-    pub draining: Option<LaneKey>,
+    marks: BTreeMap<LaneKey, Mark>,
+    /// Drain calls so far: a head found not admissible while another drain was called (capacity
+    /// freed meanwhile, and that drain passed the lane by) is evaluated once more.
+    drains: u64,
+    next_token: u64,
+    stall: Duration,
 }
 
 impl Lanes {
-    pub fn has_backlog(&self, lane: LaneKey) -> bool {
-        self.draining == Some(lane) || self.lanes.get(&lane).is_some_and(|q| !q.is_empty())
-    }
-
-    /// Take the head of `lane` for re-evaluation (it stays a backlog until put back or gone).
-    pub fn take_head(&mut self, lane: LaneKey) -> Option<Queued> {
-        let head = self.lanes.get_mut(&lane)?.pop_front()?;
-        self.draining = Some(lane);
-        self.stats.waiting = self.stats.waiting.saturating_sub(1);
-        Some(head)
-    }
-
-    /// The head taken by [`Lanes::take_head`] is still not admissible: back to the front.
-    pub fn put_back(&mut self, lane: LaneKey, head: Queued) {
-        self.lanes.entry(lane).or_default().push_front(head);
-        self.draining = None;
-        self.stats.waiting += 1;
-    }
-
-    /// The head taken by [`Lanes::take_head`] left the queue.
-    pub fn head_done(&mut self, lane: LaneKey) {
-        self.draining = None;
-        if self.lanes.get(&lane).is_some_and(VecDeque::is_empty) {
-            self.lanes.remove(&lane);
+    pub fn new(stall: Duration) -> Lanes {
+        Lanes {
+            lanes: BTreeMap::new(),
+            next_ticket: 0,
+            stats: AdmissionStats::default(),
+            marks: BTreeMap::new(),
+            drains: 0,
+            next_token: 0,
+            stall,
         }
+    }
+
+    pub fn has_backlog(&self, lane: LaneKey) -> bool {
+        self.held(lane) || self.lanes.get(&lane).is_some_and(|q| !q.is_empty())
+    }
+
+    /// Whether a drain holds `lane`'s head right now (a stalled mark does not).
+    fn held(&self, lane: LaneKey) -> bool {
+        self.marks
+            .get(&lane)
+            .is_some_and(|mark| mark.at.elapsed() < self.stall)
+    }
+
+    /// A drain starts: heads being evaluated elsewhere will be evaluated once more.
+    pub fn drain_called(&mut self) {
+        self.drains += 1;
+    }
+
+    /// Take the head of `lane` for re-evaluation, unless another drain holds the lane.
+    pub fn take_head(&mut self, lane: LaneKey) -> Option<Taken> {
+        if self.held(lane) {
+            return None;
+        }
+        if self.marks.remove(&lane).is_some() {
+            self.stats.stalled += 1;
+            tracing::warn!(
+                class = lane.0,
+                pinned_worker = lane.1.map(|row| row.worker_id),
+                pinned_rank = lane.1.map(|row| row.dp_rank),
+                stall_ms = self.stall.as_millis() as u64,
+                "a queued request's re-evaluation has run past the drain stall (a hung policy call): its lane moves on without it"
+            );
+        }
+        let head = self.lanes.get_mut(&lane)?.pop_front()?;
+        self.stats.waiting = self.stats.waiting.saturating_sub(1);
+        self.next_token += 1;
+        let token = self.next_token;
+        self.marks.insert(
+            lane,
+            Mark {
+                token,
+                at: Instant::now(),
+            },
+        );
+        Some(Taken {
+            lane,
+            head,
+            token,
+            seen: self.drains,
+        })
+    }
+
+    /// The taken head is still not admissible. If a drain was called since it was taken (and
+    /// its lane is still this take's), it comes back to be evaluated again; otherwise it goes
+    /// back to the front of its lane.
+    pub fn put_back(&mut self, mut taken: Taken) -> Option<Taken> {
+        let ours = self.owns(&taken);
+        if ours && taken.seen != self.drains {
+            taken.seen = self.drains;
+            return Some(taken);
+        }
+        if ours {
+            self.marks.remove(&taken.lane);
+        }
+        self.lanes
+            .entry(taken.lane)
+            .or_default()
+            .push_front(taken.head);
+        self.stats.waiting += 1;
+        None
+    }
+
+    /// The taken head leaves the queue (dispatched or failed): here it is.
+    pub fn head_done(&mut self, taken: Taken) -> Queued {
+        if self.owns(&taken) {
+            self.marks.remove(&taken.lane);
+        }
+        if self.lanes.get(&taken.lane).is_some_and(VecDeque::is_empty) {
+            self.lanes.remove(&taken.lane);
+        }
+        taken.head
+    }
+
+    fn owns(&self, taken: &Taken) -> bool {
+        self.marks
+            .get(&taken.lane)
+            .is_some_and(|m| m.token == taken.token)
     }
 
     pub fn enqueue(&mut self, lane: LaneKey, request: Request, since: Duration) -> Ticket {
@@ -365,5 +465,93 @@ impl Lanes {
         self.stats.expired += n;
         self.stats.waiting = self.stats.waiting.saturating_sub(n);
         expired
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LANE: LaneKey = (0, None);
+
+    fn lanes_with(n: usize, stall: Duration) -> (Lanes, Vec<Ticket>) {
+        let mut lanes = Lanes::new(stall);
+        let tickets = (0..n)
+            .map(|_| lanes.enqueue(LANE, Request::default(), Duration::ZERO))
+            .collect();
+        (lanes, tickets)
+    }
+
+    #[test]
+    fn a_taken_head_holds_its_lane_until_it_goes_back_or_leaves() {
+        let (mut lanes, tickets) = lanes_with(2, Duration::from_secs(3600));
+        let first = lanes.take_head(LANE).expect("a head");
+        assert_eq!(first.head.ticket, tickets[0]);
+        assert!(
+            lanes.take_head(LANE).is_none(),
+            "another drain holds the lane"
+        );
+        assert!(lanes.has_backlog(LANE));
+        assert_eq!(lanes.stats.waiting, 1);
+        assert!(
+            lanes.put_back(first).is_none(),
+            "no drain was called meanwhile"
+        );
+        assert_eq!(lanes.stats.waiting, 2);
+        let again = lanes.take_head(LANE).expect("the lane is free again");
+        assert_eq!(again.head.ticket, tickets[0], "put back at the front");
+        let head = lanes.head_done(again);
+        assert_eq!(head.ticket, tickets[0]);
+        let second = lanes.take_head(LANE).expect("the next head");
+        assert_eq!(second.head.ticket, tickets[1]);
+        lanes.head_done(second);
+        assert!(!lanes.has_backlog(LANE));
+        assert_eq!(lanes.stats.stalled, 0);
+    }
+
+    #[test]
+    fn a_head_found_not_admissible_while_a_drain_was_called_is_evaluated_again() {
+        let (mut lanes, tickets) = lanes_with(1, Duration::from_secs(3600));
+        let taken = lanes.take_head(LANE).expect("a head");
+        // Capacity freed elsewhere: that drain passes the held lane by.
+        lanes.drain_called();
+        assert!(lanes.take_head(LANE).is_none());
+        let again = lanes.put_back(taken).expect("evaluated once more");
+        assert_eq!(again.head.ticket, tickets[0]);
+        assert!(lanes.has_backlog(LANE), "still held");
+        assert!(lanes.put_back(again).is_none(), "nothing new since");
+        assert_eq!(lanes.stats.waiting, 1);
+    }
+
+    #[test]
+    fn a_stalled_take_stops_holding_its_lane_and_its_late_return_disturbs_nobody() {
+        let (mut lanes, tickets) = lanes_with(3, Duration::ZERO);
+        let stuck = lanes.take_head(LANE).expect("a head");
+        assert!(
+            !lanes.has_backlog((1, None)) && lanes.has_backlog(LANE),
+            "the lane's other entries are still a backlog"
+        );
+        let next = lanes.take_head(LANE).expect("past a stalled take");
+        assert_eq!(next.head.ticket, tickets[1]);
+        assert_eq!(lanes.stats.stalled, 1);
+        // The stuck call comes back after all, not admissible: its request goes back to the
+        // front, and the lane stays the newer take's.
+        lanes.drain_called();
+        assert!(lanes.put_back(stuck).is_none(), "not its lane any more");
+        assert_eq!(lanes.stats.waiting, 2);
+        let again = lanes.put_back(next).expect("the newer take saw the drain");
+        lanes.head_done(again);
+        let front = lanes.take_head(LANE).expect("a head");
+        assert_eq!(front.head.ticket, tickets[0], "the late one is first again");
+    }
+
+    #[test]
+    fn with_only_a_stalled_head_out_the_lane_is_no_backlog() {
+        let (mut lanes, _tickets) = lanes_with(1, Duration::ZERO);
+        let _stuck = lanes.take_head(LANE).expect("a head");
+        assert!(
+            !lanes.has_backlog(LANE),
+            "an arrival need not queue behind a hung call"
+        );
     }
 }

@@ -528,22 +528,35 @@ impl RoutingCore {
     /// The request ended with `outcome` (completed, failed, cancelled): release it as
     /// [`RoutingCore::complete`] does and tell its policy how it ended.
     pub fn finish(&self, id: RequestId, outcome: CompletionCode) -> bool {
-        match self.take_booking(id) {
-            Some(booking) => {
-                self.end(id, &booking, outcome);
+        match self.finish_owing_hook(id, outcome) {
+            Some(owed) => {
+                self.call_hook(owed);
                 true
             }
             None => false,
         }
     }
 
-    /// Everything after the release: the session lease and the instance's hook (no lock held).
-    pub(super) fn end(&self, id: RequestId, booking: &Booking, outcome: CompletionCode) {
-        if let (Some(store), Some(session), true) =
-            (&self.sessions, &booking.session, booking.holds_lease)
-        {
-            store.completed(session);
-        }
+    /// [`RoutingCore::finish`] without the policy's `on_complete` call, which the caller makes
+    /// later with [`RoutingCore::call_hook`], somewhere a call that never returns can do no harm.
+    /// The load and the session lease are released at once. `None` for unknown ids.
+    pub fn finish_owing_hook(&self, id: RequestId, outcome: CompletionCode) -> Option<OwedHook> {
+        let booking = self.take_booking(id)?;
+        self.release_lease(&booking);
+        Some(OwedHook {
+            id,
+            booking,
+            outcome,
+        })
+    }
+
+    /// Tell the policy how the request of `owed` ended.
+    pub fn call_hook(&self, owed: OwedHook) {
+        let OwedHook {
+            id,
+            booking,
+            outcome,
+        } = owed;
         self.selector.notify_complete(
             booking.instance,
             &CompleteEvent {
@@ -555,6 +568,34 @@ impl RoutingCore {
             },
         );
     }
+
+    /// Everything after the release: the session lease and the instance's hook (no lock held).
+    pub(super) fn end(&self, id: RequestId, booking: Booking, outcome: CompletionCode) {
+        self.release_lease(&booking);
+        self.call_hook(OwedHook {
+            id,
+            booking,
+            outcome,
+        });
+    }
+
+    fn release_lease(&self, booking: &Booking) {
+        if let (Some(store), Some(session), true) =
+            (&self.sessions, &booking.session, booking.holds_lease)
+        {
+            store.completed(session);
+        }
+    }
+}
+
+/// The `on_complete` call a request that ended still owes its policy
+/// ([`RoutingCore::finish_owing_hook`]); dropped, the policy is never told.
+#[must_use = "the policy is told only when the hook is called"]
+#[derive(Debug)]
+pub struct OwedHook {
+    id: RequestId,
+    booking: Booking,
+    outcome: CompletionCode,
 }
 
 #[cfg(test)]

@@ -52,7 +52,7 @@ use crate::select::{Decision, InstanceId, SelectError, Selector};
 use crate::sessions::{Clock, DispatchOutcome, SessionError, SessionStore, SystemClock};
 use crate::topology::{Slot, SlotAllocator, Topology};
 
-pub use dispatch::Submitted;
+pub use dispatch::{OwedHook, Submitted};
 pub use queue::Drained;
 pub use signals::{IndexOverlap, OverlapBuffers};
 pub use workers::RemovedWorker;
@@ -138,7 +138,14 @@ pub struct CoreSettings {
     /// [`ID_TAG_BITS`]) so that replicas sharing session bindings never hand plugins the same
     /// id; 0 for a single router (docs/routing-contract.md §3).
     pub id_tag: u16,
+    /// How long one queued request's re-evaluation may hold its lane before the lane moves on
+    /// without it (its policy call is taken to be hung); [`DEFAULT_DRAIN_STALL`] when `None`.
+    /// Set it to the longest time after which the caller's watchdog declares a call hung.
+    pub drain_stall: Option<Duration>,
 }
+
+/// The watchdog's default hang limit (router-host's `hang_after_ms`).
+pub const DEFAULT_DRAIN_STALL: Duration = Duration::from_secs(1);
 
 /// What one dispatched request holds until it completes.
 #[derive(Debug, Clone)]
@@ -183,8 +190,6 @@ pub struct RoutingCore {
     sessions: Option<Arc<dyn SessionStore>>,
     classes: Vec<ClassSpec>,
     queues: Mutex<Lanes>,
-    drainer: Mutex<()>,
-    drain_requested: std::sync::atomic::AtomicBool,
     /// Bookings, sharded by slot (module docs), keyed by request id with the fixed
     /// multiplicative hash: a caller's ids can collide, but that only costs a probe (the table
     /// is bounded by requests in flight). Each shard on its own cache lines, so threads working
@@ -232,9 +237,9 @@ impl RoutingCore {
             kv: ShardedLock::new(kv),
             sessions: settings.sessions,
             classes: settings.classes,
-            queues: Mutex::new(Lanes::default()),
-            drainer: Mutex::new(()),
-            drain_requested: std::sync::atomic::AtomicBool::new(false),
+            queues: Mutex::new(Lanes::new(
+                settings.drain_stall.unwrap_or(DEFAULT_DRAIN_STALL),
+            )),
             inflight: std::array::from_fn(|_| {
                 CachePadded::new(Mutex::new(Shard {
                     tag: u64::from(settings.id_tag) << ID_TAG_SHIFT,

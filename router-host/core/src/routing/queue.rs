@@ -1,13 +1,11 @@
 //! Queued requests: re-evaluation after capacity frees (`drain`), cancellation, expiry, waiting.
 
-use std::sync::atomic::Ordering;
-use std::sync::TryLockError;
 use std::time::{Duration, Instant};
 
 use super::dispatch::with_overlap_buffers;
 use super::signals::IndexOverlap;
 use super::{lock, RouteError, Routed, RoutingCore};
-use crate::admission::{LaneKey, Queued, Ticket, TicketId, Waited};
+use crate::admission::{LaneKey, Queued, Taken, Ticket, TicketId, Waited};
 use crate::model::{OverlapSource, Request};
 
 /// A queued request that left its queue: dispatched, failed when re-evaluated, or expired.
@@ -26,9 +24,12 @@ impl RoutingCore {
     /// is admissible, after failing those that waited past their class's `max_wait`. Call after
     /// completions free capacity. Overlap comes from each request's blocks in the KV index.
     ///
-    /// One thread drains at a time; a call made while another thread drains asks that thread to
-    /// run once more and returns at once (its outcomes reach their tickets, and that thread's
-    /// return value).
+    /// Several threads may drain at once; each lane's head is evaluated by one of them at a time
+    /// and the others pass that lane by. A head found not admissible while another drain was
+    /// called is evaluated once more, so capacity freed meanwhile is not missed. A head whose
+    /// evaluation runs past the core's `drain_stall` (its policy call hung) stops holding its
+    /// lane, so one stuck call never stops a queue (docs/routing-contract.md §8). The return
+    /// value holds this call's outcomes; every outcome also reaches its ticket.
     pub fn drain(&self, explain: bool) -> Vec<Drained> {
         self.drain_inner(explain, &mut |_, request, f| {
             with_overlap_buffers(|buffers| {
@@ -55,61 +56,62 @@ impl RoutingCore {
     }
 
     fn drain_inner(&self, explain: bool, with_source: &mut WithSource<'_>) -> Vec<Drained> {
-        let mut drained = Vec::new();
-        self.drain_requested.store(true, Ordering::SeqCst);
-        loop {
-            let guard = match self.drainer.try_lock() {
-                Ok(guard) => guard,
-                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-                Err(TryLockError::WouldBlock) => return drained,
-            };
-            while self.drain_requested.swap(false, Ordering::SeqCst) {
-                self.drain_pass(explain, with_source, &mut drained);
-            }
-            drop(guard);
-            // A request made after our last pass but before we let go: take it, or leave it to
-            // the thread that now holds the drainer.
-            if !self.drain_requested.load(Ordering::SeqCst) {
-                return drained;
-            }
-        }
-    }
-
-    fn drain_pass(&self, explain: bool, with_source: &mut WithSource<'_>, out: &mut Vec<Drained>) {
+        let mut out = Vec::new();
+        lock(&self.queues).drain_called();
         for (entry, waited) in self.take_expired() {
             let class = entry_class(&entry, self);
-            self.deliver(entry, Err(self.timeout_error(&class, waited)), out);
+            self.deliver(entry, Err(self.timeout_error(&class, waited)), &mut out);
         }
         let keys: Vec<LaneKey> = lock(&self.queues).lanes.keys().copied().collect();
         for lane in keys {
+            // Dispatch this lane's heads while they are admissible.
             loop {
-                let Some(head) = lock(&self.queues).take_head(lane) else {
+                // Its own statement: the queue lock must not be held while deciding.
+                let taken = lock(&self.queues).take_head(lane);
+                let Some(taken) = taken else { break };
+                if !self.evaluate(taken, explain, with_source, &mut out) {
                     break;
-                };
-                let waited = self.clock.now().saturating_sub(head.since);
-                let topology = self.topology.load();
-                let admitted = with_source(head.ticket.id(), &head.request, &mut |source| {
-                    self.plan(&topology, &head.request, explain)
-                        .and_then(|plan| {
-                            self.try_admit(&topology, &head.request, plan, lane.0, source, waited)
-                        })
-                });
-                match admitted {
-                    Ok(Some(routed)) => {
-                        lock(&self.queues).head_done(lane);
-                        self.deliver(head, Ok(routed), out);
-                    }
-                    Ok(None) => {
-                        // Still not admissible: back to the head of its lane.
-                        lock(&self.queues).put_back(lane, head);
-                        break;
-                    }
-                    Err(err) => {
-                        lock(&self.queues).head_done(lane);
-                        self.deliver(head, Err(err), out);
-                    }
                 }
             }
+        }
+        out
+    }
+
+    /// Decide on a taken head until it leaves its queue (`true`) or goes back to it (`false`).
+    fn evaluate(
+        &self,
+        mut taken: Taken,
+        explain: bool,
+        with_source: &mut WithSource<'_>,
+        out: &mut Vec<Drained>,
+    ) -> bool {
+        loop {
+            let head = &taken.head;
+            let waited = self.clock.now().saturating_sub(head.since);
+            let topology = self.topology.load();
+            let admitted = with_source(head.ticket.id(), &head.request, &mut |source| {
+                self.plan(&topology, &head.request, explain)
+                    .and_then(|plan| {
+                        self.try_admit(&topology, &head.request, plan, taken.lane.0, source, waited)
+                    })
+            });
+            let result = match admitted {
+                Ok(Some(routed)) => Ok(routed),
+                Err(err) => Err(err),
+                Ok(None) => {
+                    let again = lock(&self.queues).put_back(taken);
+                    match again {
+                        Some(again) => {
+                            taken = again;
+                            continue;
+                        }
+                        None => return false,
+                    }
+                }
+            };
+            let head = lock(&self.queues).head_done(taken);
+            self.deliver(head, result, out);
+            return true;
         }
     }
 

@@ -108,17 +108,18 @@ impl RoutingCore {
             drop(directories);
         }
         drop(alloc);
-        for (id, booking) in &gone {
-            self.end(*id, booking, CompletionCode::FAILED);
+        let in_flight: Vec<RequestId> = gone.iter().map(|(id, _)| *id).collect();
+        for (id, booking) in gone {
+            self.end(id, booking, CompletionCode::FAILED);
         }
         tracing::info!(
             worker_id,
-            in_flight = gone.len(),
+            in_flight = in_flight.len(),
             cached_blocks,
             "worker removed"
         );
         Ok(RemovedWorker {
-            in_flight: gone.into_iter().map(|(id, _)| id).collect(),
+            in_flight,
             cached_blocks,
         })
     }
