@@ -8,7 +8,8 @@
 //!   went away (hyper drops the handler future or the response body);
 //! - a queued request whose client goes away is taken out of its queue ([`Queued`]'s drop).
 //!
-//! Every release also asks the core to re-evaluate its queues (capacity was freed).
+//! Every release frees the load at once; the policy's `on_complete` call and re-evaluating the
+//! queues (capacity was freed) follow in a task of their own ([`after_release`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,7 +25,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use super::coalesce::Coalesce;
 use super::state::Generation;
 use super::App;
-use crate::host::{RequestId, RouteError, Routed, Ticket};
+use crate::host::{OwedHook, RequestId, RouteError, Routed, Ticket};
 use crate::model::RowId;
 
 /// What the per-request log line and the metrics say about a decision.
@@ -90,7 +91,7 @@ impl Flight {
         if !self.prefilled && !self.done {
             self.prefilled = true;
             self.generation.host.prefill_complete(self.id);
-            drain(&self.generation);
+            after_release(&self.app, &self.generation, None);
         }
     }
 
@@ -116,12 +117,12 @@ impl Flight {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        self.generation.host.finish(self.id, code);
+        let owed = self.generation.host.core().finish_owing_hook(self.id, code);
         self.gauge.dec();
         self.app
             .flights
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        drain(&self.generation);
+        after_release(&self.app, &self.generation, owed);
         if self.final_attempt {
             self.app.metrics.request(self.endpoint, outcome);
             let info = &self.info;
@@ -151,17 +152,37 @@ impl Drop for Flight {
     }
 }
 
-/// Re-evaluate queued requests after capacity was freed (only when some are waiting).
-pub fn drain(generation: &Generation) {
-    let core = generation.host.core();
-    if core.admission_stats().waiting > 0 {
-        // Dispatching a queued request records its binding: over the network with Redis.
-        if generation.host.redis_store().is_some() {
-            crate::session_store::blocking(|| core.drain(true));
-        } else {
-            core.drain(true);
-        }
+/// What a release still owes, made in a task of its own by `offload.rs`'s rule: the policy's
+/// `on_complete` call, and re-evaluating the queues (only when requests wait), which calls
+/// policies too. Called where the release happens (a response body's poll or drop), a call that
+/// never returned would hold that worker with no permit, and strand whatever task its poll had
+/// just woken (docs/serve.md, "Where decisions run"). Off a runtime (a test's drop) it runs here.
+pub fn after_release(app: &Arc<App>, generation: &Arc<Generation>, owed: Option<OwedHook>) {
+    if owed.is_none() && !queued_requests(generation) {
+        return;
     }
+    let run = {
+        let generation = generation.clone();
+        move || {
+            if let Some(owed) = owed {
+                generation.host.core().call_hook(owed);
+            }
+            if queued_requests(&generation) {
+                generation.host.core().drain(true);
+            }
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            let (app, generation) = (app.clone(), generation.clone());
+            handle.spawn(async move { app.offload.decide(&generation, run).await });
+        }
+        Err(_) => run(),
+    }
+}
+
+fn queued_requests(generation: &Generation) -> bool {
+    generation.host.core().admission_stats().waiting > 0
 }
 
 /// The upstream body relayed to the client, driving the [`Flight`]'s edges: the first chunk
@@ -316,11 +337,14 @@ impl Drop for Queued {
             return;
         }
         // Being dispatched right now: release whatever it gets.
-        let generation = self.generation.clone();
+        let (app, generation) = (self.app.clone(), self.generation.clone());
         let release = move |outcome: Option<Result<Routed, RouteError>>| {
             if let Some(Ok(routed)) = outcome {
-                generation.host.finish(routed.id, CompletionCode::CANCELLED);
-                drain(&generation);
+                let owed = generation
+                    .host
+                    .core()
+                    .finish_owing_hook(routed.id, CompletionCode::CANCELLED);
+                after_release(&app, &generation, owed);
             }
         };
         match tokio::runtime::Handle::try_current() {

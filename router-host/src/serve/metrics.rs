@@ -473,6 +473,13 @@ impl Collector for StateCollector {
         )?;
         family(
             &mut encoder,
+            "router_queue_stalled",
+            "Queued requests whose re-evaluation hung (ran past the longest hang_after_ms): their lane moved on without them (this configuration)",
+            MetricType::Counter,
+            std::iter::once((Labels::new(), ConstCounter::new(admission.stalled))),
+        )?;
+        family(
+            &mut encoder,
             "router_config_generation",
             "Number of the configuration serving now (1 at start, +1 per successful reload)",
             MetricType::Gauge,

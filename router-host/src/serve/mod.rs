@@ -270,7 +270,8 @@ async fn queue_ticker(app: Arc<App>) {
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             _ = app.stopping.cancelled() => return,
         }
-        lifecycle::drain(&app.current.load());
+        // In a task of its own, like every drain: a hung one must not stop this timer.
+        lifecycle::after_release(&app, &app.current.load(), None);
     }
 }
 

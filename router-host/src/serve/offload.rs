@@ -16,6 +16,9 @@
 //!   [`Offload::decide`] lets its task be polled once more first.
 //!
 //! A runtime with one worker has no permit: every decision is handed off there, as before.
+//!
+//! What a release owes (the policy's `on_complete`, a queue drain) goes through
+//! [`Offload::decide`] too, from a task of its own (`lifecycle.rs`, `after_release`).
 
 use std::future::Future;
 use std::pin::Pin;
