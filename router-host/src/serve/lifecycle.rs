@@ -157,7 +157,17 @@ impl Drop for Flight {
 /// policies too. Called where the release happens (a response body's poll or drop), a call that
 /// never returned would hold that worker with no permit, and strand whatever task its poll had
 /// just woken (docs/serve.md, "Where decisions run"). Off a runtime (a test's drop) it runs here.
-pub fn after_release(app: &Arc<App>, generation: &Arc<Generation>, owed: Option<OwedHook>) {
+pub fn after_release(app: &Arc<App>, generation: &Arc<Generation>, mut owed: Option<OwedHook>) {
+    // A built-in policy's hook is the host's own code, which returns: no task needed for it.
+    if let Some(hook) = owed.take_if(|hook| {
+        generation
+            .host
+            .router()
+            .instance(hook.instance())
+            .is_builtin()
+    }) {
+        generation.host.core().call_hook(hook);
+    }
     if owed.is_none() && !queued_requests(generation) {
         return;
     }

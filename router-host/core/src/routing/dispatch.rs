@@ -598,6 +598,13 @@ pub struct OwedHook {
     outcome: CompletionCode,
 }
 
+impl OwedHook {
+    /// The instance to tell.
+    pub fn instance(&self) -> crate::select::InstanceId {
+        self.booking.instance
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
