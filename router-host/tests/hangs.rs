@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use router_host::config::RouterConfig;
-use router_host::host::{Host, NoOverlap, Submitted};
+use router_host::host::{Host, NoOverlap, RouteError, Submitted};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
 use router_host::router::{Decision, PolicyFailure, Router, Scratch, Selection};
@@ -403,7 +403,9 @@ fn a_pick_that_never_returns_in_a_queue_drain_does_not_stop_the_queue() {
         other => panic!("expected a dispatch, got {other:?}"),
     }
     assert!(!stuck.is_finished(), "the hung pick is still stuck");
-    assert_eq!(lost.try_take(), None, "the lost request has no outcome");
+    // Its caller gives up: after the stall limit, not never.
+    let waited = core.wait(&lost, Duration::from_millis(10));
+    assert_eq!(waited, Err(RouteError::EvaluationStalled { stall_ms: 100 }));
     drop(stuck);
 }
 

@@ -28,7 +28,7 @@ enum Hang {
     /// In the first `on_complete`, after its request was answered.
     Complete,
     /// In the `pick` of a queued request, re-evaluated when the request ahead of it was
-    /// prefilled: the queued one is never answered.
+    /// prefilled: the queued one gets a 503 once its queue wait and the stall limit are over.
     Drain,
 }
 
@@ -79,7 +79,7 @@ fn hung_call_costs_at_most_its_request(workers: usize, hang: Hang) {
         // Busy while any prompt is being prefilled: the second request queues.
         Hang::Drain => (
             "{at: pick, after: 1}",
-            "policy_classes:\n  - {name: default, prefill_busy_threshold: 0, max_queue_wait_ms: 600000}\n",
+            "policy_classes:\n  - {name: default, prefill_busy_threshold: 0, max_queue_wait_ms: 10000}\n",
         ),
     };
     let (engine, router) = server.block_on(async {
@@ -136,14 +136,23 @@ fn hung_call_costs_at_most_its_request(workers: usize, hang: Hang) {
                 });
                 let waiting = common::engine::eventually(LIMIT, || router.in_flight() == (1, 1));
                 assert!(waiting.await, "the first request is in flight");
-                lost(post(&client(), &url, &body)).await;
+                // Given up after its 10 s wait and the 100 ms stall limit (the longest
+                // hang_after_ms): told why, not left hanging.
+                let stalled = tokio::time::timeout(LIMIT, post(&client(), &url, &body))
+                    .await
+                    .expect("the stalled request is answered");
+                assert_eq!(stalled.status(), 503);
+                let error: serde_json::Value =
+                    serde_json::from_slice(&stalled.bytes().await.expect("a body")).expect("JSON");
+                assert_eq!(error["error"]["code"], "policy_stalled", "{error}");
                 let response = tokio::time::timeout(LIMIT, first)
                     .await
                     .expect("the first request was answered")
                     .expect("its task");
                 answered_by(response, "hangs").await;
-                // Long enough that requests sent together queue behind each other.
-                head_delay(300);
+                // Long enough that requests sent together queue behind each other, short
+                // enough that 16 of them wait well under 10 s.
+                head_delay(100);
             }
         }
         let hung = "router_policy_hangs_total{instance=\"stuck\",policy=\"hangs\"}";

@@ -105,6 +105,9 @@ enum TicketState {
     Waiting(Option<Waker>),
     // Boxed: only queued requests that someone waits on pay for it.
     Done(Option<Box<Result<Routed, RouteError>>>),
+    /// The caller gave up while the request was being re-evaluated: the core releases whatever
+    /// it gets ([`crate::routing::RoutingCore::abandon`]).
+    Abandoned,
 }
 
 /// What a bounded wait on a [`Ticket`] saw.
@@ -156,14 +159,14 @@ impl Ticket {
 
     /// Whether the request left its queue (dispatched, failed, expired or cancelled).
     pub fn is_done(&self) -> bool {
-        matches!(*self.shared.lock(), TicketState::Done(_))
+        !matches!(*self.shared.lock(), TicketState::Waiting(_))
     }
 
     /// The outcome, if there is one and nobody took it yet.
     pub fn try_take(&self) -> Option<Result<Routed, RouteError>> {
         match &mut *self.shared.lock() {
             TicketState::Done(result) => result.take().map(|r| *r),
-            TicketState::Waiting(_) => None,
+            TicketState::Waiting(_) | TicketState::Abandoned => None,
         }
     }
 
@@ -174,6 +177,7 @@ impl Ticket {
         loop {
             match &mut *state {
                 TicketState::Done(result) => return result.take().map(|r| *r),
+                TicketState::Abandoned => return None,
                 TicketState::Waiting(_) => {
                     state = self
                         .shared
@@ -196,6 +200,7 @@ impl Ticket {
                         None => Waited::Taken,
                     }
                 }
+                TicketState::Abandoned => return Waited::Taken,
                 TicketState::Waiting(_) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
@@ -213,16 +218,18 @@ impl Ticket {
     }
 
     /// Hand the outcome to whoever holds a handle. With no handle left but the queue's own (the
-    /// caller dropped it and reads outcomes from `drain`), nothing is stored.
-    pub(crate) fn finish(&self, result: &Result<Routed, RouteError>) {
+    /// caller dropped it and reads outcomes from `drain`), nothing is stored. `true`: the caller
+    /// abandoned the ticket, and whatever it was given must be released.
+    pub(crate) fn finish(&self, result: &Result<Routed, RouteError>) -> bool {
         if Arc::strong_count(&self.shared) == 1 {
-            return;
+            return false;
         }
         let waker = {
             let mut state = self.shared.lock();
             let waker = match &mut *state {
                 TicketState::Waiting(waker) => waker.take(),
-                TicketState::Done(_) => return,
+                TicketState::Done(_) => return false,
+                TicketState::Abandoned => return true,
             };
             *state = TicketState::Done(Some(Box::new(result.clone())));
             waker
@@ -230,6 +237,24 @@ impl Ticket {
         self.shared.ready.notify_all();
         if let Some(waker) = waker {
             waker.wake();
+        }
+        false
+    }
+
+    /// Give up on the outcome: [`Waited::TimedOut`] if there is none yet (the core will release
+    /// what comes), else what [`Ticket::wait_until`] would have seen.
+    pub(crate) fn abandon(&self) -> Waited {
+        let mut state = self.shared.lock();
+        match &mut *state {
+            TicketState::Waiting(_) => {
+                *state = TicketState::Abandoned;
+                Waited::TimedOut
+            }
+            TicketState::Done(result) => match result.take() {
+                Some(result) => Waited::Done(*result),
+                None => Waited::Taken,
+            },
+            TicketState::Abandoned => Waited::Taken,
         }
     }
 }
@@ -240,6 +265,7 @@ impl Future for Ticket {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut *self.shared.lock() {
             TicketState::Done(result) => Poll::Ready(result.take().map(|r| *r)),
+            TicketState::Abandoned => Poll::Ready(None),
             TicketState::Waiting(waker) => {
                 match waker {
                     Some(w) if w.will_wake(cx.waker()) => {}
@@ -324,6 +350,11 @@ impl Lanes {
 
     pub fn has_backlog(&self, lane: LaneKey) -> bool {
         self.held(lane) || self.lanes.get(&lane).is_some_and(|q| !q.is_empty())
+    }
+
+    /// How long a re-evaluation may hold its lane (`CoreSettings::drain_stall`).
+    pub fn stall(&self) -> Duration {
+        self.stall
     }
 
     /// Whether a drain holds `lane`'s head right now (a stalled mark does not).

@@ -216,6 +216,9 @@ fn route_error(err: RouteError) -> ApiError {
         e @ RouteError::WorkerRemoved { .. } => {
             ApiError::unavailable("worker_removed", e.to_string())
         }
+        e @ RouteError::EvaluationStalled { .. } => {
+            ApiError::unavailable("policy_stalled", e.to_string())
+        }
         e => ApiError::internal(e.to_string()),
     }
 }
@@ -268,11 +271,30 @@ async fn admit(
                 Duration::from_secs(1),
             ));
         }
-        // Being dispatched at this moment: its outcome is moments away.
-        Err(_elapsed) => match queued.ticket() {
-            Some(ticket) => ticket.await,
-            None => None,
-        },
+        // Being dispatched at this moment: its outcome is moments away, unless the policy call
+        // deciding it hung. Past the core's stall limit it is given up: the core releases
+        // whatever it gets, and the client hears why.
+        Err(_elapsed) => {
+            let stall = core.drain_stall();
+            let Some(ticket) = queued.ticket() else {
+                return Err(ApiError::internal("queued request has no ticket"));
+            };
+            match tokio::time::timeout(stall, &mut *ticket).await {
+                Ok(outcome) => outcome,
+                Err(_elapsed) => match core.abandon(ticket) {
+                    Some(outcome) => Some(outcome),
+                    None => {
+                        queued.disarm();
+                        app.metrics.queue_outcome("stalled");
+                        app.metrics
+                            .queue_wait
+                            .observe(started.elapsed().as_secs_f64());
+                        let stall_ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
+                        return Err(route_error(RouteError::EvaluationStalled { stall_ms }));
+                    }
+                },
+            }
+        }
     };
     queued.disarm();
     app.metrics

@@ -94,6 +94,8 @@ pub enum RouteError {
     },
     #[error("cancelled while queued; nothing was booked")]
     Cancelled,
+    #[error("the queued request was still being re-evaluated {stall_ms} ms after its wait ended (a policy call hung); it was given up, and whatever it gets is released")]
+    EvaluationStalled { stall_ms: u64 },
 }
 
 impl From<EligibilityError> for RouteError {

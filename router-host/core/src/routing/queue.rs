@@ -7,6 +7,7 @@ use super::signals::IndexOverlap;
 use super::{lock, RouteError, Routed, RoutingCore};
 use crate::admission::{LaneKey, Queued, Taken, Ticket, TicketId, Waited};
 use crate::model::{OverlapSource, Request};
+use plugin_api::abi::CompletionCode;
 
 /// A queued request that left its queue: dispatched, failed when re-evaluated, or expired.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,7 +117,12 @@ impl RoutingCore {
     }
 
     fn deliver(&self, entry: Queued, result: Result<Routed, RouteError>, out: &mut Vec<Drained>) {
-        entry.ticket.finish(&result);
+        if entry.ticket.finish(&result) {
+            // Its caller gave up on it (`abandon`): nobody will finish it.
+            if let Ok(routed) = &result {
+                self.finish(routed.id, CompletionCode::CANCELLED);
+            }
+        }
         out.push(Drained {
             ticket: entry.ticket.id(),
             result,
@@ -206,10 +212,44 @@ impl RoutingCore {
                         entry.ticket.finish(&Err(err.clone()));
                         Err(err)
                     }
-                    // Being re-evaluated right now: its outcome is moments away.
-                    None => ticket.wait().unwrap_or(Err(RouteError::Cancelled)),
+                    // Being re-evaluated right now: its outcome is moments away, unless the
+                    // policy call deciding it hung.
+                    None => {
+                        let stall = self.drain_stall();
+                        match ticket.wait_until(Instant::now() + stall) {
+                            Waited::Done(result) => result,
+                            Waited::Taken => Err(RouteError::Cancelled),
+                            Waited::TimedOut => {
+                                self.abandon(ticket)
+                                    .unwrap_or(Err(RouteError::EvaluationStalled {
+                                        stall_ms: millis(stall),
+                                    }))
+                            }
+                        }
+                    }
                 }
             }
+        }
+    }
+
+    /// How long one re-evaluation may hold its lane (`CoreSettings::drain_stall`).
+    pub fn drain_stall(&self) -> Duration {
+        lock(&self.queues).stall()
+    }
+
+    /// Give up on a queued request's outcome. Still queued: it is cancelled (as [`Self::cancel`],
+    /// `None`). Being re-evaluated right now (`cancel` returned `false` and no outcome came,
+    /// say because the policy call hung): `None`, and whatever it gets later the core releases
+    /// as cancelled. Already out of its queue: `Some(outcome)`, the caller's to handle (finish a
+    /// routed one); `Some(Err(Cancelled))` if the outcome was already taken.
+    pub fn abandon(&self, ticket: &Ticket) -> Option<Result<Routed, RouteError>> {
+        if self.cancel(ticket.id()) {
+            return None;
+        }
+        match ticket.abandon() {
+            Waited::TimedOut => None,
+            Waited::Done(outcome) => Some(outcome),
+            Waited::Taken => Some(Err(RouteError::Cancelled)),
         }
     }
 }
