@@ -409,6 +409,144 @@ fn a_pick_that_never_returns_in_a_queue_drain_does_not_stop_the_queue() {
     drop(stuck);
 }
 
+/// A `serve` configuration whose aggregated role is served by `instance`, an instance of `kind`
+/// (`type: ...` and its settings: a built-in type, or one of the fixture's).
+fn serve_yaml(instance: &str, kind: &str, workers: &str) -> String {
+    format!(
+        "block_size: 4\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: {instance}\n  instances:\n    \
+         - {{name: {instance}, {kind}}}\n{workers}",
+        common::plugin("fixture_faulty").display()
+    )
+}
+
+/// Write `yaml` and start a reload of it in the background; return once a log line holds both
+/// `needles` (logged from inside its `create`: the reload has read the file by then).
+async fn reload_in_background(
+    router: &common::engine::Router,
+    yaml: &str,
+    needles: [&str; 2],
+) -> tokio::task::JoinHandle<Result<u64, router_host::serve::ServeError>> {
+    std::fs::write(&router.config, yaml).expect("write the config");
+    let reload = tokio::spawn({
+        let handle = router.handle.clone();
+        async move { handle.reload().await }
+    });
+    let deadline = Instant::now() + DEADLINE;
+    while log_lines_with(needles[0])
+        .iter()
+        .all(|l| !l.contains(needles[1]))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "gave up waiting for the log: {needles:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    reload
+}
+
+/// `serve` reloading into a configuration whose plugin `create` never returns: that reload is
+/// reported (the watchdog's line, the loading gauge) and never finishes, but it holds nothing
+/// up: the configuration serving keeps serving, and the next reload, of a fixed file, is
+/// swapped in.
+#[test]
+fn a_reload_stuck_in_create_does_not_hold_up_the_next_reload() {
+    logs();
+    // Never dropped: dropping a runtime waits for its blocking threads, one of which is stuck.
+    let server = std::mem::ManuallyDrop::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime"),
+    );
+    server.block_on(async {
+        let engine = common::engine::Engine::start(1).await;
+        let workers = common::engine::workers_yaml(&[&engine]);
+        let first = serve_yaml("first", "type: default", &workers);
+        let router = common::engine::Router::start("hangs_reload", &first).await;
+        let hangs = "type: hangs, parameters: {at: create}, hang_after_ms: 100";
+        let stuck_yaml = serve_yaml("stuck-reload", hangs, &workers);
+        let needles = ["instance=stuck-reload ", "policy instance hung"];
+        let stuck = reload_in_background(&router, &stuck_yaml, needles).await;
+        assert_eq!(router.metric("router_config_reloads_loading"), 1.0);
+        assert_eq!(
+            router.handle.generation().number,
+            1,
+            "still the first configuration"
+        );
+
+        let second = serve_yaml("second", "type: default", &workers);
+        std::fs::write(&router.config, second).expect("write the config");
+        let next = tokio::time::timeout(DEADLINE, router.handle.reload())
+            .await
+            .expect("the next reload is not held up by the stuck one");
+        assert_eq!(next.expect("reloaded"), 2);
+        let served = tokio::time::timeout(
+            DEADLINE,
+            common::engine::post(
+                &common::engine::client(),
+                &router.url("/v1/completions"),
+                &serde_json::json!({"model": "tiny", "prompt": "hello"}),
+            ),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(
+            common::engine::header(&served, "x-router-instance"),
+            "second"
+        );
+        assert!(!stuck.is_finished(), "the stuck reload is still loading");
+        assert_eq!(router.metric("router_config_reloads_loading"), 1.0);
+        drop((router, engine));
+    });
+    std::mem::ManuallyDrop::into_inner(server).shutdown_background();
+}
+
+/// Two reloads loading side by side: the one started later finishes first and is swapped in;
+/// the earlier one (a slow `create`) finishes after it, read an older file, and is discarded.
+#[test]
+fn a_reload_that_finishes_after_a_later_one_is_discarded() {
+    logs();
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    server.block_on(async {
+        let engine = common::engine::Engine::start(1).await;
+        let workers = common::engine::workers_yaml(&[&engine]);
+        let first = serve_yaml("first", "type: default", &workers);
+        let router = common::engine::Router::start("hangs_superseded", &first).await;
+        let slow = "type: slow-create, parameters: {sleep_ms: 5000}, hang_after_ms: 600000";
+        let slow_yaml = serve_yaml("slow-reload", slow, &workers);
+        let needles = ["slow create started", "slow-reload"];
+        let slow = reload_in_background(&router, &slow_yaml, needles).await;
+
+        let second = serve_yaml("second", "type: default", &workers);
+        std::fs::write(&router.config, second).expect("write the config");
+        let next = tokio::time::timeout(DEADLINE, router.handle.reload()).await;
+        assert_eq!(next.expect("in time").expect("reloaded"), 2);
+        assert!(!slow.is_finished(), "the slow reload finished first: the test proves nothing");
+        let late = tokio::time::timeout(DEADLINE, slow)
+            .await
+            .expect("the slow reload ends")
+            .expect("its task");
+        let err = late.expect_err("a superseded reload is not swapped in");
+        assert_eq!(
+            err.to_string(),
+            "reload 1 finished after a later one was swapped in (configuration 2 is serving); it was discarded"
+        );
+        assert_eq!(router.handle.generation().number, 2);
+        assert_eq!(
+            router.metric("router_config_reloads_total{outcome=\"superseded\"}"),
+            1.0
+        );
+        assert_eq!(router.metric("router_config_reloads_loading"), 0.0);
+        router.stop().await;
+    });
+}
+
 #[test]
 fn a_constructor_that_never_returns_is_reported() {
     logs();

@@ -52,6 +52,8 @@ pub enum ServeError {
     },
     #[error("server failed: {0}")]
     Io(#[from] std::io::Error),
+    #[error("reload {started} finished after a later one was swapped in (configuration {serving} is serving); it was discarded")]
+    ReloadSuperseded { started: u64, serving: u64 },
     #[error("the reload task stopped before it finished: {0}")]
     ReloadTask(String),
 }

@@ -192,6 +192,8 @@ pub struct Metrics {
     pub upstream_errors: Family<UpstreamLabels, Counter>,
     pub tokenize_fallbacks: Counter,
     pub reloads: Family<OutcomeLabels, Counter>,
+    /// Reloads loading their configuration now (one that stays up has hung: a plugin's `create`).
+    pub reloads_loading: Gauge,
     pub kv: KvMetrics,
 }
 
@@ -272,12 +274,18 @@ impl Metrics {
         let reloads = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "router_config_reloads",
-            "Configuration reloads (SIGHUP) by result: ok, error",
+            "Configuration reloads (SIGHUP) by result: ok, error, superseded",
             reloads.clone(),
         );
-        for outcome in ["ok", "error"] {
+        for outcome in ["ok", "error", "superseded"] {
             let _ = reloads.get_or_create(&labels(outcome));
         }
+        let reloads_loading = Gauge::default();
+        registry.register(
+            "router_config_reloads_loading",
+            "Reloads still loading their configuration (one that stays up is stuck, say in a plugin's create)",
+            reloads_loading.clone(),
+        );
         let kv = KvMetrics::default();
         kv.register(&mut registry);
         registry.register_collector(Box::new(StateCollector { current, health }));
@@ -294,6 +302,7 @@ impl Metrics {
             upstream_errors,
             tokenize_fallbacks,
             reloads,
+            reloads_loading,
             kv,
         }
     }

@@ -83,8 +83,13 @@ pub struct App {
     /// Requests booked and not yet finished, across generations.
     pub(crate) flights: AtomicUsize,
     pub(crate) stopping: Stop,
+    /// Held while a reload swaps its configuration in (not while it loads).
     reload_lock: tokio::sync::Mutex<()>,
+    /// The number of the configuration serving now.
     generations: AtomicU64,
+    /// Reloads started, and which of them was swapped in last.
+    reloads_started: AtomicU64,
+    swapped_reload: AtomicU64,
     tokenizer_turn: AtomicUsize,
     /// KV-event subscribers, one per `(worker, rank)` with `kv_events` (`kv_events/`).
     pub(crate) kv_subscribers: kv_events::Subscribers,
@@ -121,18 +126,38 @@ impl App {
 
     /// Read the YAML again, build a new generation off the request path and swap it in.
     /// A configuration that fails keeps the running one; the error is logged and counted.
+    ///
+    /// Loading runs outside the reload lock: a load that never returns (a plugin's `create`
+    /// hung; the watchdog reports it) must not hold up every reload after it. Only the swap is
+    /// one at a time, and a load that finishes after a later-started one was swapped in is
+    /// discarded (it read an older file).
     async fn reload(self: &Arc<Self>) -> Result<u64, ServeError> {
-        let _one_at_a_time = self.reload_lock.lock().await;
-        let number = self.generations.load(Ordering::SeqCst) + 1;
+        let started = self.reloads_started.fetch_add(1, Ordering::SeqCst) + 1;
         let options = self.options.clone();
         let previous = self.current.load();
-        let loaded = tokio::task::spawn_blocking(move || {
-            Generation::load(&options, number, Some(&previous))
+        self.metrics.reloads_loading.inc();
+        let loading = tokio::task::spawn_blocking(move || {
+            // Numbered when swapped in.
+            Generation::load(&options, 0, Some(&previous))
         })
-        .await
-        .map_err(|err| ServeError::ReloadTask(err.to_string()))
-        .and_then(|r| r);
-        let next = match loaded {
+        .await;
+        self.metrics.reloads_loading.dec();
+        let loaded = loading
+            .map_err(|err| ServeError::ReloadTask(err.to_string()))
+            .and_then(|r| r);
+        let _one_at_a_time = self.reload_lock.lock().await;
+        let swapped = self.swapped_reload.load(Ordering::SeqCst);
+        if started < swapped {
+            let serving = self.current.load().number;
+            self.metrics.reload("superseded");
+            tracing::warn!(
+                reload = started,
+                serving,
+                "a reload finished after a later one was swapped in; discarded"
+            );
+            return Err(ServeError::ReloadSuperseded { started, serving });
+        }
+        let mut next = match loaded {
             Ok(next) => next,
             Err(err) => {
                 self.metrics.reload("error");
@@ -144,11 +169,14 @@ impl App {
                 return Err(err);
             }
         };
+        let number = self.generations.load(Ordering::SeqCst) + 1;
+        next.number = number;
         self.health.sync(&next.upstreams);
         self.health.apply(&next);
         let next = Arc::new(next);
         let previous = self.current.swap(next.clone());
         self.generations.store(number, Ordering::SeqCst);
+        self.swapped_reload.store(started, Ordering::SeqCst);
         self.kv_subscribers
             .sync(&next, &self.current, &self.metrics.kv);
         self.metrics.reload("ok");
@@ -302,6 +330,8 @@ impl Server {
             stopping: Stop::default(),
             reload_lock: tokio::sync::Mutex::new(()),
             generations: AtomicU64::new(1),
+            reloads_started: AtomicU64::new(0),
+            swapped_reload: AtomicU64::new(0),
             tokenizer_turn: AtomicUsize::new(0),
             kv_subscribers: kv_events::Subscribers::default(),
             offload: offload::Offload::for_current_runtime(),
