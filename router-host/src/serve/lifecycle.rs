@@ -25,7 +25,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use super::coalesce::Coalesce;
 use super::state::Generation;
 use super::App;
-use crate::host::{OwedHook, RequestId, RouteError, Routed, Ticket};
+use crate::host::{OwedHook, RequestId, Routed, Ticket};
 use crate::model::RowId;
 
 /// What the per-request log line and the metrics say about a decision.
@@ -287,8 +287,9 @@ impl Stream for Relay {
 }
 
 /// A request waiting in an admission queue; dropped while still waiting (the client went away),
-/// it is taken out of the queue. If the core had already taken it out to dispatch it, the
-/// outcome is awaited in the background and a booking it got is released as cancelled.
+/// it is given up (`RoutingCore::abandon`): taken out of the queue, or, if the core is deciding
+/// it at that moment, left for the core to release whatever it gets; a booking it already got
+/// is released here as cancelled.
 pub struct Queued {
     app: Arc<App>,
     generation: Arc<Generation>,
@@ -339,29 +340,13 @@ impl Drop for Queued {
         };
         self.app.metrics.queue_outcome("cancelled");
         self.app.metrics.request(self.endpoint, "cancelled");
-        if self.generation.host.core().cancel(ticket.id()) {
-            tracing::debug!(
-                ticket = ticket.id(),
-                "client gone while queued: removed from the queue"
-            );
-            return;
+        // Still queued: taken out, booking nothing. Being dispatched right now: the core
+        // releases whatever it gets. Already dispatched: released here.
+        let core = self.generation.host.core();
+        if let Some(Ok(routed)) = core.abandon(&ticket) {
+            let owed = core.finish_owing_hook(routed.id, CompletionCode::CANCELLED);
+            after_release(&self.app, &self.generation, owed);
         }
-        // Being dispatched right now: release whatever it gets.
-        let (app, generation) = (self.app.clone(), self.generation.clone());
-        let release = move |outcome: Option<Result<Routed, RouteError>>| {
-            if let Some(Ok(routed)) = outcome {
-                let owed = generation
-                    .host
-                    .core()
-                    .finish_owing_hook(routed.id, CompletionCode::CANCELLED);
-                after_release(&app, &generation, owed);
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move { release(ticket.await) });
-            }
-            Err(_) => release(ticket.wait()),
-        }
+        tracing::debug!(ticket = ticket.id(), "client gone while queued");
     }
 }
