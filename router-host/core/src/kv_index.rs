@@ -517,20 +517,28 @@ impl KvIndex {
             };
             previous = slot;
             let mask = &self.masks[slot as usize * words..][..words];
-            let mut any = 0;
-            for (w, (alive, &held)) in alive.iter_mut().zip(mask).enumerate() {
-                // Rows that held every earlier block but not this one stop here.
-                let mut dropped = *alive & !held;
-                while dropped != 0 {
-                    let bit = dropped.trailing_zeros() as usize;
-                    out[w * 64 + bit] = depth as u32;
-                    dropped &= dropped - 1;
+            // Rows that held every earlier block but not this one stop here. Past the first
+            // blocks of a prompt that is rare (the survivors hold the rest too), so one test
+            // over every word comes first.
+            let dropped = alive
+                .iter()
+                .zip(mask)
+                .fold(0, |dropped, (&alive, &held)| dropped | (alive & !held));
+            if dropped != 0 {
+                let mut any = 0;
+                for (w, (alive, &held)) in alive.iter_mut().zip(mask).enumerate() {
+                    let mut dropped = *alive & !held;
+                    while dropped != 0 {
+                        let bit = dropped.trailing_zeros() as usize;
+                        out[w * 64 + bit] = depth as u32;
+                        dropped &= dropped - 1;
+                    }
+                    *alive &= held;
+                    any |= *alive;
                 }
-                *alive &= held;
-                any |= *alive;
-            }
-            if any == 0 {
-                return;
+                if any == 0 {
+                    return;
+                }
             }
             depth += 1;
         }

@@ -205,32 +205,51 @@ impl Ledger {
         prefill: &mut [u64],
         decode: &mut [u64],
     ) {
-        let columns = available.iter_mut().zip(active).zip(prefill).zip(decode);
+        // Columns cut to one length up front: the loop then has no bounds checks on them, and
+        // the rare row outside its run's cells is served out of line (as a zipped loop with the
+        // fallback inline it was about 48 instructions a row, `docs/performance.md` §5).
+        let n = rows
+            .len()
+            .min(available.len())
+            .min(active.len())
+            .min(prefill.len())
+            .min(decode.len());
+        let (rows, available, active, prefill, decode) = (
+            &rows[..n],
+            &mut available[..n],
+            &mut active[..n],
+            &mut prefill[..n],
+            &mut decode[..n],
+        );
         let mut worker = None;
         let mut run = crate::topology::SlotRun::EMPTY;
         let mut cells: &[Cell] = &[];
-        for (row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
+        for i in 0..n {
+            let row = rows[i];
             if worker != Some(row.worker_id) {
                 worker = Some(row.worker_id);
                 run = topology.run_of(row.worker_id);
                 cells = self.run_cells(run);
             }
-            let load = cells
-                .get(row.dp_rank.wrapping_sub(run.dp_start) as usize)
-                .map_or_else(
-                    || {
-                        run.slot(row.dp_rank)
-                            .map_or_else(RowLoad::default, |s| self.load(s))
-                    },
-                    Cell::load,
-                );
-            (*available, *active, *prefill, *decode) = (
-                load.available,
-                load.active_requests,
-                load.active_prefill_tokens,
-                load.decode_blocks,
-            );
+            let load = match cells.get(row.dp_rank.wrapping_sub(run.dp_start) as usize) {
+                Some(cell) => cell.load(),
+                None => self.load_outside(run, row.dp_rank),
+            };
+            available[i] = load.available;
+            active[i] = load.active_requests;
+            prefill[i] = load.active_prefill_tokens;
+            decode[i] = load.decode_blocks;
         }
+    }
+
+    /// [`Ledger::fill`]'s way for a row whose cell is not in its run's slice (a run split
+    /// across chunks, a rank the worker does not have): out of line, so that the common loop
+    /// keeps its pointers in registers.
+    #[cold]
+    #[inline(never)]
+    fn load_outside(&self, run: crate::topology::SlotRun, rank: u32) -> RowLoad {
+        run.slot(rank)
+            .map_or_else(RowLoad::default, |slot| self.load(slot))
     }
 
     /// The cells of a worker's run of slots as one slice, when they lie in one chunk (empty
@@ -285,6 +304,97 @@ mod tests {
             4,
             "counts on from zero"
         );
+    }
+
+    /// `fill` agrees with `load` row by row, on the fast path (a worker's cells in one chunk)
+    /// and off it: a run split across two chunks, ranks and workers the topology does not
+    /// have, repeated and interleaved rows, and a column shorter than the rows.
+    #[test]
+    fn fill_matches_load_row_by_row() {
+        use crate::model::{Cluster, Worker};
+        use crate::topology::SlotAllocator;
+        let mut alloc = SlotAllocator::default();
+        // Worker 1 takes slots 0..1020, worker 2 slots 1020..1028 (across the chunk edge).
+        let cluster = Cluster::new(vec![
+            Worker::new(1).with_ranks(0, 1020),
+            Worker::new(2).with_ranks(3, 8),
+        ])
+        .unwrap();
+        let topology = alloc.initial(cluster);
+        assert_eq!(topology.run_of(2).base, 1020);
+        let ledger = Ledger::with_slots(2048);
+        for (slot, n) in [
+            (0, 1),
+            (5, 2),
+            (1019, 3),
+            (1022, 4),
+            (1023, 5),
+            (1024, 6),
+            (1027, 7),
+        ] {
+            ledger.book(slot, c(10 * n, n));
+        }
+        ledger.observe(1024, Some(40));
+        let row = |worker_id, dp_rank| RowId { worker_id, dp_rank };
+        let rows = [
+            row(1, 0),
+            row(1, 5),
+            row(2, 4),
+            row(2, 5),
+            row(2, 6),
+            row(2, 7),
+            row(2, 2),
+            row(9, 0),
+            row(1, 1019),
+            row(2, 10),
+            row(2, 11),
+            row(1, 1020),
+            row(2, 5),
+        ];
+        let expected: Vec<RowLoad> = rows
+            .iter()
+            .map(|&r| {
+                topology
+                    .slot(r)
+                    .map_or_else(RowLoad::default, |s| ledger.load(s))
+            })
+            .collect();
+        assert_eq!(expected[5].active_requests, 40, "the observation is read");
+        let n = rows.len();
+        let (mut available, mut active, mut prefill, mut decode) =
+            (vec![false; n], vec![9; n], vec![9; n], vec![9; n]);
+        ledger.fill(
+            &topology,
+            &rows,
+            &mut available,
+            &mut active,
+            &mut prefill,
+            &mut decode,
+        );
+        for (i, load) in expected.iter().enumerate() {
+            let got = RowLoad {
+                available: available[i],
+                active_requests: active[i],
+                active_prefill_tokens: prefill[i],
+                decode_blocks: decode[i],
+            };
+            assert_eq!(got, *load, "row {i} ({:?})", rows[i]);
+        }
+        let mut short = vec![9; 3];
+        ledger.fill(
+            &topology,
+            &rows,
+            &mut available,
+            &mut active,
+            &mut short,
+            &mut decode,
+        );
+        let first: Vec<u64> = expected[..3]
+            .iter()
+            .map(|l| l.active_prefill_tokens)
+            .collect();
+        assert_eq!(first, vec![10, 20, 0]);
+        assert_eq!(short, first, "fills as many rows as the shortest column");
     }
 
     #[test]
