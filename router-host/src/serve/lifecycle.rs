@@ -24,6 +24,7 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::coalesce::Coalesce;
 use super::state::Generation;
+use super::upstream::{BodyError, BodyStream};
 use super::App;
 use crate::host::{OwedHook, RequestId, Routed, Ticket};
 use crate::model::RowId;
@@ -199,7 +200,7 @@ fn queued_requests(generation: &Generation) -> bool {
 /// releases the prefill, the end completes it, an upstream error or an idle gap longer than
 /// `serve.timeouts.stream_idle_ms` fails it; dropped early (client gone), it is cancelled.
 pub struct Relay {
-    inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    inner: Pin<Box<Coalesce<BodyStream, BodyError>>>,
     flight: Option<Flight>,
     idle: Pin<Box<tokio::time::Sleep>>,
     idle_timeout: Duration,
@@ -209,14 +210,9 @@ pub struct Relay {
 }
 
 impl Relay {
-    pub fn new(
-        response: reqwest::Response,
-        flight: Flight,
-        idle_timeout: Duration,
-        ok: bool,
-    ) -> Relay {
+    pub fn new(body: BodyStream, flight: Flight, idle_timeout: Duration, ok: bool) -> Relay {
         Relay {
-            inner: Box::pin(Coalesce::new(response.bytes_stream())),
+            inner: Box::pin(Coalesce::new(body)),
             flight: Some(flight),
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
             idle_timeout,

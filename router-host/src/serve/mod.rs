@@ -10,8 +10,9 @@
 //! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
 //!
 //! Files: `request.rs` (the OpenAI bodies), `errors.rs` (start-up errors and the OpenAI-style
-//! error bodies), `state.rs` (generations), `coalesce.rs` (the relayed body's ready chunks
-//! joined into one write), `offload.rs` (which calls run on the async worker and which under
+//! error bodies), `state.rs` (generations), `upstream.rs` (the client that sends completions to
+//! engines, on connections the request's own task drives), `coalesce.rs` (the relayed body's
+//! ready chunks joined into one write), `offload.rs` (which calls run on the async worker and which under
 //! `block_in_place`), and this file (the server, reload, shutdown).
 
 pub mod coalesce;
@@ -28,6 +29,7 @@ pub mod state;
 #[cfg(test)]
 mod test_tokenizers;
 pub mod tokenize;
+pub mod upstream;
 pub mod words;
 
 use std::future::IntoFuture;

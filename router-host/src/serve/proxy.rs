@@ -22,6 +22,7 @@ use super::lifecycle::{DecisionInfo, Flight, Queued, Relay};
 use super::request::{self, Endpoint, Parsed, Prompt};
 use super::state::{Generation, Upstream};
 use super::tokenize::{self, TokenizeError, Tokens};
+use super::upstream::UpstreamResponse;
 use super::App;
 use crate::eligibility::EligibilityError;
 use crate::host::{RouteError, Routed, SessionOutcome, Submitted};
@@ -400,23 +401,24 @@ async fn send(
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Bytes,
-) -> Result<reqwest::Response, UpstreamFailure> {
-    let mut request = generation
-        .client
-        .post(upstream.url(endpoint))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body);
+) -> Result<UpstreamResponse, UpstreamFailure> {
+    let mut forwarded = HeaderMap::new();
+    forwarded.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     for name in FORWARDED {
         if let Some(value) = headers.get(*name) {
-            request = request.header(*name, value);
+            forwarded.insert(*name, value.clone());
         }
     }
     if upstream.dp_size > 1 {
         // vLLM's external data-parallel routing header.
-        request = request.header("x-data-parallel-rank", row.dp_rank.to_string());
+        forwarded.insert("x-data-parallel-rank", HeaderValue::from(row.dp_rank));
     }
     let timeout = generation.serve.timeouts.response;
-    match tokio::time::timeout(timeout, request.send()).await {
+    let url = upstream.url(endpoint);
+    match tokio::time::timeout(timeout, generation.upstream.post(&url, forwarded, body)).await {
         Err(_) => Err(UpstreamFailure {
             kind: "timeout",
             message: format!(
@@ -432,7 +434,7 @@ async fn send(
             } else {
                 "request"
             },
-            message: format!("engine {}: {}", upstream.id, error_chain(&err)),
+            message: format!("engine {}: {err}", upstream.id),
             status: StatusCode::BAD_GATEWAY,
         }),
         Ok(Ok(response)) => Ok(response),
@@ -440,7 +442,7 @@ async fn send(
 }
 
 /// Statuses that mean "this engine cannot take it now": retried on another row.
-fn retryable_status(status: reqwest::StatusCode) -> bool {
+fn retryable_status(status: StatusCode) -> bool {
     matches!(status.as_u16(), 502..=504)
 }
 
@@ -635,13 +637,12 @@ async fn proxy(
         app.metrics.stage("total", overhead.as_secs_f64());
         let last = attempt + 1 == attempts;
         match send(generation, upstream, row, endpoint, headers, bytes.clone()).await {
-            Ok(response) if retryable_status(response.status()) && !last => {
+            Ok(response) if retryable_status(response.status) && !last => {
                 app.metrics.upstream_error(row.worker_id, "status");
                 app.metrics.retries.inc();
                 flight.retried(&format!(
                     "engine {} answered {}",
-                    row.worker_id,
-                    response.status()
+                    row.worker_id, response.status
                 ));
                 excluded.push(row.worker_id);
             }
@@ -674,11 +675,10 @@ async fn proxy(
 
 /// The engine's answer relayed: its status, its headers (less hop-by-hop ones), the decision
 /// headers, and its body byte for byte through a [`Relay`].
-fn respond(generation: &Generation, response: reqwest::Response, flight: Flight) -> Response {
-    let status =
-        StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+fn respond(generation: &Generation, response: UpstreamResponse, flight: Flight) -> Response {
+    let status = response.status;
     let mut headers = HeaderMap::new();
-    for (name, value) in response.headers() {
+    for (name, value) in &response.headers {
         if relayed(name) {
             headers.append(name.clone(), value.clone());
         }
@@ -687,7 +687,12 @@ fn respond(generation: &Generation, response: reqwest::Response, flight: Flight)
         decision_headers(&mut headers, &flight.info, generation.number);
     }
     let ok = status.is_success();
-    let relay = Relay::new(response, flight, generation.serve.timeouts.stream_idle, ok);
+    let relay = Relay::new(
+        response.body,
+        flight,
+        generation.serve.timeouts.stream_idle,
+        ok,
+    );
     let mut out = Response::new(Body::from_stream(relay));
     *out.status_mut() = status;
     *out.headers_mut() = headers;

@@ -11,6 +11,7 @@ use arc_swap::ArcSwap;
 use super::errors::ServeError;
 use super::request::Endpoint;
 use super::tokenize::LocalTokenizer;
+use super::upstream::UpstreamClient;
 use crate::config::{RouterConfig, ServeConfig, TokenizerConfig};
 use crate::host::Host;
 use crate::loader::SearchPath;
@@ -27,6 +28,9 @@ pub struct ServeOptions {
     /// Overrides `serve.listen` (not re-read on reload: the socket stays).
     pub listen: Option<std::net::SocketAddr>,
 }
+
+/// How long a connection to an engine may wait unused before it is closed instead of reused.
+const IDLE_CONNECTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One engine as the proxy reaches it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,7 +82,9 @@ pub struct Generation {
     pub upstreams: Vec<Upstream>,
     /// `None`: remote tokenization.
     pub tokenizer: Option<Arc<LocalTokenizer>>,
+    /// For `/tokenize`, `/v1/models` and the like; completions go through `upstream`.
     pub client: reqwest::Client,
+    pub upstream: UpstreamClient,
 }
 
 impl std::fmt::Debug for Generation {
@@ -163,9 +169,11 @@ impl Generation {
             .connect_timeout(serve.timeouts.connect)
             .no_proxy()
             .tcp_nodelay(true)
-            .pool_idle_timeout(std::time::Duration::from_secs(30))
+            .pool_idle_timeout(IDLE_CONNECTION_TIMEOUT)
             .build()
             .map_err(|err| ServeError::Client(err.to_string()))?;
+        let upstream = UpstreamClient::new(serve.timeouts.connect, IDLE_CONNECTION_TIMEOUT)
+            .map_err(ServeError::Client)?;
         let search = SearchPath::new(options.plugin_dirs.clone(), Some(&file));
         let router = Router::from_config(&config, &search).map_err(|err| ServeError::Startup {
             file: file.clone(),
@@ -188,6 +196,7 @@ impl Generation {
             upstreams,
             tokenizer,
             client,
+            upstream,
         })
     }
 
