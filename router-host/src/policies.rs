@@ -519,6 +519,17 @@ impl PolicyInstance {
     /// Whether the instance may be called: not poisoned (counted as an error, as before), not
     /// quarantined, not hung. The one place an instance's health is decided.
     pub(crate) fn callable(&self) -> Result<(), PolicyFailure> {
+        if !self.is_poisoned() && !self.is_quarantined() && !self.is_hung() {
+            return Ok(());
+        }
+        self.not_callable()
+    }
+
+    /// Why [`Self::callable`] refused. Cold and out of line: the request path's code stays small
+    /// enough for the instruction cache (docs/performance.md §5).
+    #[cold]
+    #[inline(never)]
+    fn not_callable(&self) -> Result<(), PolicyFailure> {
         if self.is_poisoned() {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);
             return Err(PolicyFailure::Poisoned);
@@ -545,6 +556,8 @@ impl PolicyInstance {
     }
 
     /// Count a failed pick; a panic poisons the instance. Returns the failure.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn failed(&self, failure: PolicyFailure) -> PolicyFailure {
         match &failure {
             PolicyFailure::OutOfRange { .. } => {
@@ -574,6 +587,8 @@ impl PolicyInstance {
     /// poisoned means a panic the host did not see: in a hook. It is counted and poisoned here
     /// as a panic, at the first call after it, and returned as [`PolicyFailure::Panicked`] so it
     /// is logged like any other panic. Only the call that flips the host's flag counts it.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn failed_in_plugin(&self, call: &str, failure: PickFailure) -> PolicyFailure {
         if failure.kind == PickFailureKind::POISONED {
             if self.poisoned.swap(true, Ordering::Relaxed) {
@@ -594,7 +609,25 @@ impl PolicyInstance {
     /// Count one timed pick; quarantine the instance (and say so, once) after
     /// `quarantine_after` consecutive picks over its budget.
     pub(crate) fn record_pick_time(&self, pick_ns: u64) {
-        if self.over_budget(pick_ns) {
+        let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
+        if pick_ns <= budget {
+            // Load first: an unconditional store would bounce this line between routing threads.
+            if self.consecutive_slow.load(Ordering::Relaxed) != 0 {
+                self.consecutive_slow.store(0, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.slow_pick(pick_ns);
+    }
+
+    /// A pick over its budget: counted, and the instance quarantined (and said so, once) after
+    /// `quarantine_after` in a row. Cold and out of line, as [`Self::not_callable`].
+    #[cold]
+    #[inline(never)]
+    fn slow_pick(&self, pick_ns: u64) {
+        self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+        let streak = self.consecutive_slow.fetch_add(1, Ordering::Relaxed) + 1;
+        if streak >= self.quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed) {
             tracing::error!(
                 instance = %self.name,
                 origin = %self.origin,
@@ -604,21 +637,6 @@ impl PolicyInstance {
                 self.quarantine_after
             );
         }
-    }
-
-    /// Returns true when this pick tipped the instance into quarantine.
-    fn over_budget(&self, pick_ns: u64) -> bool {
-        let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
-        if pick_ns <= budget {
-            // Load first: an unconditional store would bounce this line between routing threads.
-            if self.consecutive_slow.load(Ordering::Relaxed) != 0 {
-                self.consecutive_slow.store(0, Ordering::Relaxed);
-            }
-            return false;
-        }
-        self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
-        let streak = self.consecutive_slow.fetch_add(1, Ordering::Relaxed) + 1;
-        streak >= self.quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed)
     }
 }
 

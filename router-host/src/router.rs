@@ -375,7 +375,8 @@ impl Router {
 
 /// Ask `instance` to explain the pick it just made. A failure is counted like a failed pick (a
 /// panic poisons the instance) but does not undo the pick: the request keeps its row, without an
-/// explanation.
+/// explanation. Out of line: most requests do not ask.
+#[inline(never)]
 fn explain(
     instance: &PolicyInstance,
     ctx: &RawRequestContext<'_>,

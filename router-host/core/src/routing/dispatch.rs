@@ -304,36 +304,54 @@ impl RoutingCore {
         };
         let mut selection = Selection::of(request);
         selection.explain = explain;
-        let mut hard_binding_gone = false;
-        if let Some(binding) = lease.as_ref().and_then(Lease::binding) {
-            match binding.mode {
-                BindingMode::Soft => {
-                    if request.affinity_target.is_none() {
-                        selection.target = Some(binding.target);
-                    }
-                }
-                // An explicit pin beats the binding.
-                BindingMode::Hard if request.pinned_worker.is_none() => {
-                    let row = RowId {
-                        worker_id: binding.target.worker_id,
-                        dp_rank: binding.target.dp_rank.unwrap_or(0),
-                    };
-                    if check_pin(topology.cluster(), request, row).is_ok() {
-                        selection.pin = Some(row);
-                    } else if let (Some(store), Some(lease)) = (&self.sessions, &lease) {
-                        // The bound row is gone: invalidate, and run normal selection once.
-                        store.invalidate(lease.session_id());
-                        hard_binding_gone = true;
-                    }
-                }
-                BindingMode::Hard => {}
-            }
-        }
+        let hard_binding_gone = match &lease {
+            Some(lease) => self.apply_binding(topology, request, lease, &mut selection),
+            None => false,
+        };
         Ok(Plan {
             selection,
             lease,
             hard_binding_gone,
         })
+    }
+
+    /// Route with `lease`'s binding, if it has one: a soft one becomes the advisory target, a
+    /// hard one the pin. `true` when the hard binding's row is gone (the binding is invalidated
+    /// and normal selection runs once). Out of line: requests without a session never run it.
+    #[inline(never)]
+    fn apply_binding(
+        &self,
+        topology: &Topology,
+        request: &Request,
+        lease: &Lease,
+        selection: &mut Selection<'_>,
+    ) -> bool {
+        let Some(binding) = lease.binding() else {
+            return false;
+        };
+        match binding.mode {
+            BindingMode::Soft => {
+                if request.affinity_target.is_none() {
+                    selection.target = Some(binding.target);
+                }
+            }
+            // An explicit pin beats the binding.
+            BindingMode::Hard if request.pinned_worker.is_none() => {
+                let row = RowId {
+                    worker_id: binding.target.worker_id,
+                    dp_rank: binding.target.dp_rank.unwrap_or(0),
+                };
+                if check_pin(topology.cluster(), request, row).is_ok() {
+                    selection.pin = Some(row);
+                } else if let Some(store) = &self.sessions {
+                    // The bound row is gone: invalidate, and run normal selection once.
+                    store.invalidate(lease.session_id());
+                    return true;
+                }
+            }
+            BindingMode::Hard => {}
+        }
+        false
     }
 
     pub(super) fn decide<O: OverlapSource + ?Sized>(
@@ -375,27 +393,7 @@ impl RoutingCore {
         // completion racing this dispatch (a caller's id, or `remove_worker`) ends the lease
         // exactly once. If booking fails below, the lease is ended here instead.
         let (session_outcome, lease_held) = match (&self.sessions, &plan.lease) {
-            (Some(store), Some(lease)) => match store.dispatched(lease, decision.row) {
-                Ok(outcome) => (
-                    Some(if plan.hard_binding_gone {
-                        SessionOutcome::HardBindingGone
-                    } else {
-                        SessionOutcome::Dispatched(outcome)
-                    }),
-                    true,
-                ),
-                Err(err) => {
-                    // The binding could not be recorded: that is the news, whatever happened
-                    // to the old one. An unavailable store is logged by the store, once per
-                    // outage, not once per request.
-                    if matches!(err, SessionError::StoreUnavailable { .. }) {
-                        tracing::debug!(session = lease.session_id(), "{err}");
-                    } else {
-                        tracing::warn!(session = lease.session_id(), "{err}");
-                    }
-                    (Some(SessionOutcome::NotRecorded(err)), false)
-                }
-            },
+            (Some(_), Some(lease)) => self.record_binding(lease, &plan, decision.row),
             _ => (None, false),
         };
         let end_lease = || {
@@ -470,6 +468,43 @@ impl RoutingCore {
         })
     }
 
+    /// Record `lease`'s binding to `row` in the session store: what happened, and whether the
+    /// booking holds the lease. Out of line: requests without a session never run it, and the
+    /// request path's code stays small enough for the instruction cache
+    /// (docs/performance.md §5).
+    #[inline(never)]
+    fn record_binding(
+        &self,
+        lease: &Lease,
+        plan: &Plan<'_>,
+        row: RowId,
+    ) -> (Option<SessionOutcome>, bool) {
+        let Some(store) = &self.sessions else {
+            return (None, false);
+        };
+        match store.dispatched(lease, row) {
+            Ok(outcome) => (
+                Some(if plan.hard_binding_gone {
+                    SessionOutcome::HardBindingGone
+                } else {
+                    SessionOutcome::Dispatched(outcome)
+                }),
+                true,
+            ),
+            Err(err) => {
+                // The binding could not be recorded: that is the news, whatever happened to
+                // the old one. An unavailable store is logged by the store, once per outage,
+                // not once per request.
+                if matches!(err, SessionError::StoreUnavailable { .. }) {
+                    tracing::debug!(session = lease.session_id(), "{err}");
+                } else {
+                    tracing::warn!(session = lease.session_id(), "{err}");
+                }
+                (Some(SessionOutcome::NotRecorded(err)), false)
+            }
+        }
+    }
+
     /// What booking `request` on `row` adds to it (docs/routing-contract.md §7): the selector's
     /// rule, reading the row's device overlap from `source` only if the rule asks for it.
     fn charge<O: OverlapSource + ?Sized>(
@@ -491,22 +526,37 @@ impl RoutingCore {
         snapshot: &Topology,
         row: RowId,
     ) -> Result<(Slot, usize, MutexGuard<'_, Shard>), RouteError> {
-        let removed = || RouteError::WorkerRemoved {
+        let slot = snapshot.slot(row).ok_or(RouteError::WorkerRemoved {
             worker_id: row.worker_id,
-        };
-        let mut slot = snapshot.slot(row).ok_or_else(removed)?;
-        let mut newer;
-        let mut generation = snapshot.generation();
+        })?;
+        let index = shard_of_slot(slot);
+        let shard = lock(&self.inflight[index]);
+        if self.generation.load(Ordering::Acquire) == snapshot.generation() {
+            return Ok((slot, index, shard));
+        }
+        drop(shard);
+        self.lock_slot_on_newest(row)
+    }
+
+    /// [`RoutingCore::lock_slot`] after a topology change raced the decision: retried on the
+    /// newest snapshot until no change lands between reading it and locking the shard. Cold
+    /// and out of line, so the request path's code stays small.
+    #[cold]
+    #[inline(never)]
+    fn lock_slot_on_newest(
+        &self,
+        row: RowId,
+    ) -> Result<(Slot, usize, MutexGuard<'_, Shard>), RouteError> {
         loop {
+            let newest = self.topology.load_full();
+            let slot = newest.slot(row).ok_or(RouteError::WorkerRemoved {
+                worker_id: row.worker_id,
+            })?;
             let index = shard_of_slot(slot);
             let shard = lock(&self.inflight[index]);
-            if self.generation.load(Ordering::Acquire) == generation {
+            if self.generation.load(Ordering::Acquire) == newest.generation() {
                 return Ok((slot, index, shard));
             }
-            drop(shard);
-            newer = self.topology.load_full();
-            generation = newer.generation();
-            slot = newer.slot(row).ok_or_else(removed)?;
         }
     }
 

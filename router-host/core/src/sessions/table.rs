@@ -178,20 +178,19 @@ impl SessionTable {
             let mut guard = self.lock();
             let inner = &mut *guard;
             let now = self.clock.now();
-            let expired = match inner.map.get(session_id) {
-                None => false,
-                Some(e) => e.expired(now, self.ttl),
-            };
-            if expired {
-                // Idle entries have no requests in flight, so the whole entry goes.
-                let key = inner.map.remove_entry(session_id).map(|(k, _)| k);
-                inner.bound = inner.bound.saturating_sub(1);
-                bump(&self.stats.expired, 1);
-                (key, None, 0)
-            } else {
-                match inner.map.get_key_value(session_id) {
-                    Some((k, e)) => (Some(Arc::clone(k)), e.binding, e.version),
-                    None => (None, None, 0),
+            // One hash of the id on the common path (a live entry or none); an expired entry
+            // is looked up again to remove it.
+            match inner.map.get_key_value(session_id) {
+                None => (None, None, 0),
+                Some((k, e)) if !e.expired(now, self.ttl) => {
+                    (Some(Arc::clone(k)), e.binding, e.version)
+                }
+                Some(_) => {
+                    // Idle entries have no requests in flight, so the whole entry goes.
+                    let key = inner.map.remove_entry(session_id).map(|(k, _)| k);
+                    inner.bound = inner.bound.saturating_sub(1);
+                    bump(&self.stats.expired, 1);
+                    (key, None, 0)
                 }
             }
         };
