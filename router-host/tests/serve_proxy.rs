@@ -87,6 +87,16 @@ async fn streaming_is_passed_through_byte_for_byte_with_the_usage_chunk() {
         router.metric("router_requests_total{endpoint=\"chat_completions\",outcome=\"completed\"}"),
         1.0
     );
+    // One connection for three requests in a row: the client finishes a body only after the
+    // router has pooled its connection (the last chunk goes out after that).
+    assert_eq!(
+        router.metric("router_upstream_connections_total{connection=\"new\"}"),
+        1.0
+    );
+    assert_eq!(
+        router.metric("router_upstream_connections_total{connection=\"reused\"}"),
+        2.0
+    );
     router.stop().await;
 }
 

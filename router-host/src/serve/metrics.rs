@@ -18,6 +18,7 @@ use prometheus_client::registry::Registry;
 
 use super::health::HealthTable;
 use super::state::Current;
+use super::upstream::ConnectionUse;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -61,6 +62,12 @@ pub struct OutcomeLabels {
 pub struct UpstreamLabels {
     pub worker: String,
     pub kind: String,
+}
+
+/// `router_upstream_connections`' label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConnectionLabels {
+    pub connection: &'static str,
 }
 
 /// A KV-event metric of one row, with a kind or reason.
@@ -190,6 +197,9 @@ pub struct Metrics {
     pub sessions: Family<OutcomeLabels, Counter>,
     pub retries: Counter,
     pub upstream_errors: Family<UpstreamLabels, Counter>,
+    /// One counter per [`ConnectionUse`], in [`ConnectionUse::ALL`]'s order: created once, so
+    /// counting a request allocates nothing.
+    upstream_connections: [Counter; 4],
     pub tokenize_fallbacks: Counter,
     pub reloads: Family<OutcomeLabels, Counter>,
     /// Reloads loading their configuration now (one that stays up has hung: a plugin's `create`).
@@ -265,6 +275,20 @@ impl Metrics {
             "Upstream failures by worker and kind (connect, timeout, status, body, idle)",
             upstream_errors.clone(),
         );
+        let connections = Family::<ConnectionLabels, Counter>::default();
+        registry.register(
+            "router_upstream_connections",
+            "Requests sent to engines by the connection they went on: new, reused (an idle \
+             pooled one), reconnected (a pooled one the engine had closed), https (reqwest's pool)",
+            connections.clone(),
+        );
+        let upstream_connections = ConnectionUse::ALL.map(|used| {
+            connections
+                .get_or_create(&ConnectionLabels {
+                    connection: used.label(),
+                })
+                .clone()
+        });
         let tokenize_fallbacks = Counter::default();
         registry.register(
             "router_tokenize_fallbacks",
@@ -300,6 +324,7 @@ impl Metrics {
             sessions,
             retries,
             upstream_errors,
+            upstream_connections,
             tokenize_fallbacks,
             reloads,
             reloads_loading,
@@ -350,6 +375,11 @@ impl Metrics {
                 kind: kind.to_owned(),
             })
             .inc();
+    }
+
+    pub fn upstream_connection(&self, used: ConnectionUse) {
+        // `ALL` lists the variants in declaration order, so the discriminant is the index.
+        self.upstream_connections[used as usize].inc();
     }
 
     /// The exposition text.

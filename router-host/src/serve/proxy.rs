@@ -636,7 +636,11 @@ async fn proxy(
         let overhead = received.elapsed().saturating_sub(routed.queued_for);
         app.metrics.stage("total", overhead.as_secs_f64());
         let last = attempt + 1 == attempts;
-        match send(generation, upstream, row, endpoint, headers, bytes.clone()).await {
+        let sent = send(generation, upstream, row, endpoint, headers, bytes.clone()).await;
+        if let Ok(response) = &sent {
+            app.metrics.upstream_connection(response.connection);
+        }
+        match sent {
             Ok(response) if retryable_status(response.status) && !last => {
                 app.metrics.upstream_error(row.worker_id, "status");
                 app.metrics.retries.inc();

@@ -43,6 +43,41 @@ pub struct UpstreamResponse {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: BodyStream,
+    /// Which connection carried the request (`router_upstream_connections_total`).
+    pub connection: ConnectionUse,
+}
+
+/// Which connection a request to an engine went on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionUse {
+    /// A new connection: the pool held none to that engine.
+    New,
+    /// An idle pooled connection.
+    Reused,
+    /// A pooled connection the engine had closed before the request was written: the request
+    /// went again on a new one.
+    Reconnected,
+    /// `https://`: reqwest's pool chose, and does not say which.
+    Https,
+}
+
+impl ConnectionUse {
+    pub const ALL: [ConnectionUse; 4] = [
+        ConnectionUse::New,
+        ConnectionUse::Reused,
+        ConnectionUse::Reconnected,
+        ConnectionUse::Https,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ConnectionUse::New => "new",
+            ConnectionUse::Reused => "reused",
+            ConnectionUse::Reconnected => "reconnected",
+            ConnectionUse::Https => "https",
+        }
+    }
 }
 
 /// Why a request got no answer.
@@ -117,6 +152,7 @@ impl UpstreamClient {
             status,
             headers,
             body: Box::pin(body),
+            connection: ConnectionUse::Https,
         })
     }
 
@@ -272,11 +308,11 @@ impl Http1Pool {
         request.headers_mut().insert(header::HOST, host_value);
 
         let key = format!("{host}:{port}");
-        let mut reused = true;
+        let mut connection = ConnectionUse::Reused;
         let mut conn = match self.checkout(&key) {
             Some(conn) => conn,
             None => {
-                reused = false;
+                connection = ConnectionUse::New;
                 self.connect(host, port).await?
             }
         };
@@ -294,14 +330,15 @@ impl Http1Pool {
                         status: head.status,
                         headers: head.headers,
                         body: Box::pin(body),
+                        connection,
                     });
                 }
                 // A pooled connection the engine had closed: the request was never written, so
                 // it goes once more on a new connection.
-                Err(mut err) if reused => match err.take_message() {
+                Err(mut err) if connection == ConnectionUse::Reused => match err.take_message() {
                     Some(message) => {
                         request = message;
-                        reused = false;
+                        connection = ConnectionUse::Reconnected;
                         conn = self.connect(host, port).await?;
                     }
                     None => return Err(failed(err)),
@@ -446,7 +483,7 @@ mod tests {
         UpstreamClient::new(Duration::from_secs(5), Duration::from_secs(30)).unwrap()
     }
 
-    async fn post(client: &UpstreamClient, url: &str) -> (StatusCode, Vec<Bytes>) {
+    async fn post(client: &UpstreamClient, url: &str) -> (StatusCode, Vec<Bytes>, ConnectionUse) {
         let url = reqwest::Url::parse(url).unwrap();
         let response = tokio::time::timeout(
             Duration::from_secs(10),
@@ -459,6 +496,7 @@ mod tests {
         .await
         .expect("answered in time")
         .expect("answered");
+        let connection = response.connection;
         let pieces = super::super::coalesce::Coalesce::new(response.body);
         let pieces: Vec<Bytes> =
             tokio::time::timeout(Duration::from_secs(10), pieces.collect::<Vec<_>>())
@@ -467,7 +505,7 @@ mod tests {
                 .into_iter()
                 .map(|p| p.expect("body"))
                 .collect();
-        (response.status, pieces)
+        (response.status, pieces, connection)
     }
 
     fn text(pieces: &[Bytes]) -> String {
@@ -484,8 +522,14 @@ mod tests {
         let (url, accepted) = engine(STREAM, false).await;
         let client = client();
         for round in 0..5 {
-            let (status, pieces) = post(&client, &url).await;
+            let (status, pieces, connection) = post(&client, &url).await;
             assert_eq!(status, StatusCode::OK);
+            let expected = if round == 0 {
+                ConnectionUse::New
+            } else {
+                ConnectionUse::Reused
+            };
+            assert_eq!(connection, expected, "round {round}");
             let expected: String = (1..=8)
                 .map(|i| format!("data: {i}\n\n"))
                 .chain(["data: [DONE]\n\n".to_owned()])
@@ -513,12 +557,22 @@ mod tests {
         const ONE: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
         let (url, accepted) = engine(ONE, true).await;
         let client = client();
-        for _ in 0..4 {
-            let (status, pieces) = post(&client, &url).await;
+        for round in 0..4 {
+            let (status, pieces, connection) = post(&client, &url).await;
             assert_eq!(status, StatusCode::OK);
             assert_eq!(text(&pieces), "ok");
+            // Found closed before the send (new) or at it (reconnected); never reused.
+            assert_ne!(connection, ConnectionUse::Reused, "round {round}");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 4);
+    }
+
+    /// The metric's counters are indexed by discriminant: `ALL` must list them in that order.
+    #[test]
+    fn connection_uses_are_listed_in_declaration_order() {
+        for (i, used) in ConnectionUse::ALL.iter().enumerate() {
+            assert_eq!(*used as usize, i, "{used:?}");
+        }
     }
 
     /// A refused connection is a connect error (the caller marks the engine down).
