@@ -525,8 +525,8 @@ impl PolicyInstance {
         self.not_callable()
     }
 
-    /// Why [`Self::callable`] refused. Cold and out of line: the request path's code stays small
-    /// enough for the instruction cache (docs/performance.md §5).
+    /// Why [`Self::callable`] refused. Cold and out of line, off the request path's hot code
+    /// (docs/performance.md §5).
     #[cold]
     #[inline(never)]
     fn not_callable(&self) -> Result<(), PolicyFailure> {

@@ -469,8 +469,7 @@ impl RoutingCore {
     }
 
     /// Record `lease`'s binding to `row` in the session store: what happened, and whether the
-    /// booking holds the lease. Out of line: requests without a session never run it, and the
-    /// request path's code stays small enough for the instruction cache
+    /// booking holds the lease. Out of line: requests without a session never run it
     /// (docs/performance.md §5).
     #[inline(never)]
     fn record_binding(
