@@ -34,7 +34,7 @@ pub use columns::Columns;
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
     AffinityTarget, Completion, Context, Dispatch, Explanation, Load, Outcome, Overlap, PickError,
-    Policy, Role, Rows, ViewError,
+    Policy, Role, Rows, ViewError, KV_CAPACITY_BLOCKS,
 };
 
 #[doc(hidden)]

@@ -204,6 +204,11 @@ pub struct Load<'a> {
     pub decode_blocks: &'a [u64],
 }
 
+/// Name of the extra column (since 1.2) holding each row's KV-cache capacity in blocks (the
+/// router-host takes the configured `workers[].total_kv_blocks`, else what the engine reports);
+/// `NaN` where unknown. Hosts send it with the LOAD columns when they know any row's capacity.
+pub const KV_CAPACITY_BLOCKS: &str = "kv_capacity_blocks";
+
 /// The eligible rows, as index-aligned columns. Row order is unspecified: never depend on it.
 #[derive(Debug, Clone, Copy)]
 pub struct Rows<'a> {
@@ -308,6 +313,14 @@ impl<'a> Rows<'a> {
     #[inline]
     pub fn load(&self) -> Option<Load<'a>> {
         self.load
+    }
+
+    /// Each row's KV-cache capacity in blocks (the [`KV_CAPACITY_BLOCKS`] extra column); `NaN`
+    /// for a row whose capacity the host does not know. `None` from hosts older than 1.2, and
+    /// when the host knows no row's capacity.
+    #[inline]
+    pub fn kv_capacity_blocks(&self) -> Option<&'a [f64]> {
+        self.extra_column(KV_CAPACITY_BLOCKS)
     }
 
     /// A per-row signal added by a newer 1.x host, by name.

@@ -24,8 +24,8 @@
 use abi_stable::std_types::{RResult, RSlice, RStr};
 
 use crate::abi::{
-    Inputs, PickFailure, PolicyBox, RawAffinityTarget, RawCandidateView, RawRequestContext,
-    RoleCode, RowId,
+    ExtraColumn, Inputs, PickFailure, PolicyBox, RawAffinityTarget, RawCandidateView,
+    RawRequestContext, RoleCode, RowId,
 };
 use crate::columns::Columns;
 use crate::create::{CreateContext, CreateError, Parameters, PolicyType};
@@ -172,6 +172,8 @@ impl TestRequest {
 #[derive(Debug, Clone, Default)]
 pub struct TestRows {
     columns: Columns,
+    /// Extra columns (name, one value per row), passed with the LOAD columns as a host does.
+    extra: Vec<(&'static str, Vec<f64>)>,
 }
 
 impl TestRows {
@@ -188,7 +190,24 @@ impl TestRows {
             c.active_prefill_tokens.push(r.active_prefill_tokens);
             c.decode_blocks.push(r.decode_blocks);
         }
-        TestRows { columns: c }
+        TestRows {
+            columns: c,
+            extra: Vec::new(),
+        }
+    }
+
+    /// Add an extra column (e.g. [`crate::KV_CAPACITY_BLOCKS`]), one value per row; the policy
+    /// sees it when it declares [`Inputs::LOAD`], as hosts send it. A column with a wrong number
+    /// of values is passed as it is (a policy sees it as absent, see [`Rows::extra_column`]).
+    pub fn extra_column(mut self, name: &'static str, values: Vec<f64>) -> Self {
+        self.extra.retain(|(n, _)| *n != name);
+        self.extra.push((name, values));
+        self
+    }
+
+    /// Shorthand for the [`crate::KV_CAPACITY_BLOCKS`] column.
+    pub fn kv_capacity_blocks(self, values: Vec<f64>) -> Self {
+        self.extra_column(crate::KV_CAPACITY_BLOCKS, values)
     }
 
     pub fn len(&self) -> usize {
@@ -212,9 +231,29 @@ impl TestRows {
         &self.columns
     }
 
-    /// The ABI view with only the `inputs` column groups present, as the host builds it.
+    /// The ABI view with only the `inputs` column groups present, as the host builds it
+    /// (without the extra columns, which borrow a list the view cannot own; [`TestRows::pick`]
+    /// and the other calls pass them).
     pub fn view(&self, inputs: Inputs) -> RawCandidateView<'_> {
         self.columns.view(inputs)
+    }
+
+    /// The view with the extra columns too, handed to `f`.
+    fn with_view<R>(&self, inputs: Inputs, f: impl FnOnce(&RawCandidateView<'_>) -> R) -> R {
+        let extra: Vec<ExtraColumn<'_>> = if inputs.contains(Inputs::LOAD) {
+            self.extra
+                .iter()
+                .map(|(name, values)| ExtraColumn {
+                    name: RStr::from_str(name),
+                    values: RSlice::from_slice(values),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut view = self.columns.view(inputs);
+        view.extra_columns = RSlice::from_slice(&extra);
+        f(&view)
     }
 
     /// Call `policy.pick` directly with the columns it declares.
@@ -244,9 +283,10 @@ impl TestRows {
         request: &TestRequest,
         f: impl FnOnce(&P, &Context<'_>, &Rows<'_>) -> Result<R, PickError>,
     ) -> Result<R, PickError> {
-        let view = self.view(policy.inputs());
-        let rows = Rows::from_raw(&view).map_err(|e| PickError::new(e.0))?;
-        request.with_raw(|raw| f(policy, &Context::from_raw(raw), &rows))
+        self.with_view(policy.inputs(), |view| {
+            let rows = Rows::from_raw(view).map_err(|e| PickError::new(e.0))?;
+            request.with_raw(|raw| f(policy, &Context::from_raw(raw), &rows))
+        })
     }
 
     /// Call an ABI policy object (e.g. from [`create`]) as the host would.
@@ -255,10 +295,11 @@ impl TestRows {
         policy: &PolicyBox,
         request: &TestRequest,
     ) -> Result<usize, PickFailure> {
-        let view = self.view(policy.required_inputs());
-        request.with_raw(|raw| match policy.pick(raw, &view) {
-            RResult::ROk(i) => Ok(i),
-            RResult::RErr(e) => Err(e),
+        self.with_view(policy.required_inputs(), |view| {
+            request.with_raw(|raw| match policy.pick(raw, view) {
+                RResult::ROk(i) => Ok(i),
+                RResult::RErr(e) => Err(e),
+            })
         })
     }
 }

@@ -1,5 +1,5 @@
 //! ABI evolution, proven with real builds: a plugin compiled against the frozen plugin-api 1.0.0
-//! loads into this (1.1) host; builds with a changed layout under the same version, with another
+//! loads into this (1.2) host; builds with a changed layout under the same version, with another
 //! API major, or with `panic = "abort"` are refused with a one-line reason.
 //!
 //! Each variant is the same plugin source (`tests/fixtures/versioned-plugin/lib.rs`) built in a
@@ -137,16 +137,20 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
     let path = build("v1_0", Api::Frozen, false);
     let library = load(&path).unwrap_or_else(|e| panic!("1.0 plugin refused: {e}"));
     assert_eq!(library.api_version, "1.0.0");
-    assert_eq!(plugin_api::API_VERSION, "1.1.0", "this host is 1.1");
+    assert_eq!(plugin_api::API_VERSION, "1.2.0", "this host is 1.2");
 
-    // Route through the full lifecycle: the 1.1 hooks are simply absent from the 1.0 vtable.
+    // Route through the full lifecycle: the 1.1 hooks are simply absent from the 1.0 vtable,
+    // and the 1.2 `kv_capacity_blocks` column (worker 1's capacity is known) is an extra column
+    // it never looks at.
     let yaml = format!(
         "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: old\n  instances:\n    - {{name: old, type: versioned-least-loaded}}\n",
         path.display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
-    let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
+    let mut sized = Worker::new(1);
+    sized.total_kv_blocks = Some(4);
+    let cluster = Cluster::new(vec![sized, Worker::new(2)]).unwrap();
     let host = Host::new(router, cluster, &config);
     let request = Request {
         isl_tokens: 32,
@@ -187,7 +191,7 @@ fn same_version_with_a_changed_layout_is_refused() {
         "{text}"
     );
     assert!(
-        text.contains("plugin built against plugin-api 1.0.0, host has 1.1.0"),
+        text.contains("plugin built against plugin-api 1.0.0, host has 1.2.0"),
         "{text}"
     );
     assert!(
