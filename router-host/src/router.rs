@@ -18,11 +18,12 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use abi_stable::std_types::{ROption, RResult, RSlice};
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
 use plugin_api::abi::{
-    opt_str, CompleteEvent, DispatchEvent, RawAffinityTarget, RawExplanation, RawRequestContext,
+    opt_str, CompleteEvent, DispatchEvent, ExtraColumn, RawAffinityTarget, RawExplanation,
+    RawRequestContext,
 };
-use plugin_api::Explanation;
+use plugin_api::{Explanation, KV_CAPACITY_BLOCKS};
 use router_core::ledger::Charge;
 pub use router_core::select::{
     Decision, InstanceId, Pick, PolicyFailure, PrefillBooking, Scratch, SelectError, Selection,
@@ -315,7 +316,14 @@ impl Router {
             priority: request.priority,
             extensions: RSlice::EMPTY,
         };
-        let view = scratch.columns.view(instance.inputs);
+        let capacity = [ExtraColumn {
+            name: RStr::from_str(KV_CAPACITY_BLOCKS),
+            values: RSlice::from_slice(&scratch.kv_capacity),
+        }];
+        let mut view = scratch.columns.view(instance.inputs);
+        if !scratch.kv_capacity.is_empty() {
+            view.extra_columns = RSlice::from_slice(&capacity);
+        }
         instance.stats.picks.add(1);
         let started = Instant::now();
         let picked = {

@@ -345,3 +345,94 @@ fn the_same_file_listed_twice_or_through_a_symlink_is_loaded_once() {
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
     assert_eq!(router.catalog().libraries().len(), 1);
 }
+
+/// The probe's `kv_capacity` label (the `kv_capacity_blocks` column it received, or `none`)
+/// by row, from one decision of a core over `workers`.
+fn capacity_seen(host: &Host) -> Vec<(String, String)> {
+    let routed = host
+        .route(&Request::default(), &NoOverlap, true)
+        .expect("routed");
+    assert!(host.complete(routed.id));
+    let e = routed.decision.explanation.expect("probe explains");
+    let rows = e.get_label("row_list").expect("row_list").split(',');
+    let label = e.get_label("kv_capacity").expect("kv_capacity label");
+    if label == "none" {
+        return rows.map(|r| (r.to_string(), "none".to_string())).collect();
+    }
+    let values: Vec<&str> = label.split(',').collect();
+    let rows: Vec<&str> = rows.collect();
+    assert_eq!(values.len(), rows.len(), "one capacity per row: {label}");
+    rows.iter()
+        .zip(values)
+        .map(|(r, v)| (r.to_string(), v.to_string()))
+        .collect()
+}
+
+fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+    v.sort();
+    v
+}
+
+fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
+    items
+        .iter()
+        .map(|(r, v)| (r.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn the_kv_capacity_column_reaches_a_plugin_with_load_aligned_with_its_rows() {
+    let yaml = format!(
+        "plugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n",
+        common::plugin("fixture_probe").display()
+    );
+    let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
+    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let mut sized = Worker::new(1).with_ranks(0, 2);
+    sized.total_kv_blocks = Some(256);
+    let cluster = Cluster::new(vec![sized, Worker::new(2)]).unwrap();
+    let host = Host::new(router, cluster, &config);
+
+    // A worker of unknown capacity is NaN; every rank of a worker has its capacity.
+    assert_eq!(
+        sorted(capacity_seen(&host)),
+        pairs(&[("1:0", "256"), ("1:1", "256"), ("2:0", "NaN")])
+    );
+    // Learned (or changed) at run time: from the next decision on.
+    host.core().set_kv_capacity(2, Some(64)).unwrap();
+    assert_eq!(
+        sorted(capacity_seen(&host)),
+        pairs(&[("1:0", "256"), ("1:1", "256"), ("2:0", "64")])
+    );
+    // No worker's capacity known: no column at all.
+    host.core().set_kv_capacity(1, None).unwrap();
+    host.core().set_kv_capacity(2, None).unwrap();
+    assert_eq!(
+        sorted(capacity_seen(&host)),
+        pairs(&[("1:0", "none"), ("1:1", "none"), ("2:0", "none")])
+    );
+    assert!(
+        host.core().set_kv_capacity(9, Some(1)).is_err(),
+        "unknown worker"
+    );
+}
+
+#[test]
+fn the_kv_capacity_column_comes_only_with_the_load_columns() {
+    let mut sized = Worker::new(1);
+    sized.total_kv_blocks = Some(256);
+    for (inputs, expected) in [("[cache]", "none"), ("[load]", "256"), ("[]", "none")] {
+        let yaml = format!(
+            "plugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n      parameters: {{inputs: {inputs}}}\n",
+            common::plugin("fixture_probe").display()
+        );
+        let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
+        let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+        let host = Host::new(router, Cluster::new(vec![sized.clone()]).unwrap(), &config);
+        assert_eq!(
+            capacity_seen(&host),
+            pairs(&[("1:0", expected)]),
+            "inputs {inputs}"
+        );
+    }
+}

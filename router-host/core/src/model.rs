@@ -346,6 +346,14 @@ pub trait Signals: OverlapSource {
             self.load(row)
         });
     }
+
+    /// The KV capacity in blocks of every row of `rows` into `out`, made as long as `rows`
+    /// (`NaN` for a row whose capacity is unknown); `out` is left empty when no row's capacity
+    /// is known, and then no capacity column is sent. The default knows none.
+    fn kv_capacity_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        let _ = rows;
+        out.clear();
+    }
 }
 
 /// No cached prefix anywhere.

@@ -249,6 +249,9 @@ pub struct Scratch {
     pub narrowed: Vec<RowId>,
     /// The columns lent to the policy.
     pub columns: Columns,
+    /// The `kv_capacity_blocks` extra column, sent with the LOAD columns; empty when no row's
+    /// capacity is known (then it is not sent).
+    pub kv_capacity: Vec<f64>,
 }
 
 impl Scratch {
@@ -300,6 +303,9 @@ impl Scratch {
                 &mut c.active_prefill_tokens,
                 &mut c.decode_blocks,
             );
+            signals.kv_capacity_column(rows, &mut self.kv_capacity);
+        } else {
+            self.kv_capacity.clear();
         }
     }
 }

@@ -49,6 +49,10 @@ pub struct Topology {
     /// Worker ids in cluster order, dense for the per-row lookups of a decision.
     ids: Vec<u64>,
     runs: Vec<SlotRun>,
+    /// Per worker (as `ids`), the KV capacity of each of its ranks in blocks; `NaN` = unknown.
+    kv_capacity: Vec<f64>,
+    /// Whether any worker's capacity is known (otherwise no capacity column is sent).
+    knows_kv_capacity: bool,
     /// Which publication this is (`RoutingCore` numbers them), so a holder can tell with one
     /// plain load whether a newer snapshot exists.
     generation: u64,
@@ -66,9 +70,16 @@ impl Topology {
                 base: base(w.worker_id),
             })
             .collect();
+        let kv_capacity: Vec<f64> = cluster
+            .workers()
+            .iter()
+            .map(|w| w.total_kv_blocks.map_or(f64::NAN, |blocks| blocks as f64))
+            .collect();
         Topology {
             ids: cluster.workers().iter().map(|w| w.worker_id).collect(),
             runs,
+            knows_kv_capacity: kv_capacity.iter().any(|c| !c.is_nan()),
+            kv_capacity,
             cluster,
             generation: 0,
         }
@@ -95,6 +106,29 @@ impl Topology {
         match self.ids.binary_search(&worker_id) {
             Ok(w) => self.runs[w],
             Err(_) => SlotRun::EMPTY,
+        }
+    }
+
+    /// Whether any worker's KV capacity is known.
+    #[inline]
+    pub fn knows_kv_capacity(&self) -> bool {
+        self.knows_kv_capacity
+    }
+
+    /// The KV capacity in blocks of every row of `rows` into `out` (as long as `rows`): its
+    /// worker's `total_kv_blocks`, `NaN` where unknown or not registered.
+    pub fn kv_capacity_column(&self, rows: &[RowId], out: &mut [f64]) {
+        let mut worker = None;
+        let mut capacity = f64::NAN;
+        for (row, out) in rows.iter().zip(out) {
+            if worker != Some(row.worker_id) {
+                worker = Some(row.worker_id);
+                capacity = match self.ids.binary_search(&row.worker_id) {
+                    Ok(w) => self.kv_capacity[w],
+                    Err(_) => f64::NAN,
+                };
+            }
+            *out = capacity;
         }
     }
 
@@ -260,16 +294,15 @@ impl SlotAllocator {
         Ok((next, freed))
     }
 
-    /// `current` with one worker's flags changed by `edit`.
+    /// `current` with one worker's flags (or KV capacity) changed by `edit`.
     pub fn edit(
         &self,
         current: &Topology,
         worker_id: u64,
         edit: impl FnOnce(&mut Worker),
     ) -> Result<Topology, MembershipError> {
-        let mut next = current.clone();
-        let worker = next
-            .cluster
+        let mut cluster = current.cluster.clone();
+        let worker = cluster
             .worker_mut(worker_id)
             .ok_or(MembershipError::Unknown(worker_id))?;
         let (start, size) = (worker.dp_start, worker.dp_size);
@@ -277,7 +310,9 @@ impl SlotAllocator {
         // Flags only: the rows, and so the slots, stay as they are.
         worker.dp_start = start;
         worker.dp_size = size;
-        Ok(next)
+        // Rebuilt rather than cloned, so what is derived from the workers (the capacity column)
+        // follows the edit.
+        Ok(Topology::build(cluster, |w| current.run_of(w).base))
     }
 }
 
@@ -354,5 +389,51 @@ mod tests {
         assert!(w.draining);
         assert_eq!(w.dp_size, 2);
         assert!(alloc.edit(&t0, 2, |_| {}).is_err());
+    }
+
+    fn capacities(t: &Topology, rows: &[RowId]) -> Vec<String> {
+        let mut out = vec![0.0; rows.len()];
+        t.kv_capacity_column(rows, &mut out);
+        out.iter().map(|c| c.to_string()).collect()
+    }
+
+    #[test]
+    fn the_capacity_column_follows_each_worker_and_its_edits() {
+        let mut alloc = SlotAllocator::default();
+        let mut sized = Worker::new(2).with_ranks(0, 2);
+        sized.total_kv_blocks = Some(256);
+        let t0 = alloc.initial(Cluster::new(vec![Worker::new(1), sized]).unwrap());
+        assert!(t0.knows_kv_capacity());
+        // Any row order, a worker's rows apart, an unregistered worker: aligned with `rows`.
+        let rows = [row(2, 1), row(1, 0), row(7, 0), row(2, 0)];
+        assert_eq!(capacities(&t0, &rows), ["256", "NaN", "NaN", "256"]);
+
+        let t1 = alloc
+            .edit(&t0, 1, |w| w.total_kv_blocks = Some(64))
+            .unwrap();
+        assert_eq!(capacities(&t1, &rows), ["256", "64", "NaN", "256"]);
+        assert_eq!(
+            t1.slot(row(2, 1)),
+            t0.slot(row(2, 1)),
+            "an edit keeps the slots"
+        );
+
+        let t2 = alloc.edit(&t1, 1, |w| w.total_kv_blocks = None).unwrap();
+        let t3 = alloc.edit(&t2, 2, |w| w.total_kv_blocks = None).unwrap();
+        assert!(t2.knows_kv_capacity());
+        assert!(!t3.knows_kv_capacity(), "no worker's capacity known");
+        assert_eq!(capacities(&t3, &rows), ["NaN", "NaN", "NaN", "NaN"]);
+
+        let (t4, _) = alloc.add(&t3, sized_worker(5, 1000)).unwrap();
+        assert!(t4.knows_kv_capacity());
+        assert_eq!(capacities(&t4, &[row(5, 0)]), ["1000"]);
+        let (t5, _) = alloc.remove(&t4, 5).unwrap();
+        assert!(!t5.knows_kv_capacity());
+    }
+
+    fn sized_worker(id: u64, blocks: u64) -> Worker {
+        let mut w = Worker::new(id);
+        w.total_kv_blocks = Some(blocks);
+        w
     }
 }

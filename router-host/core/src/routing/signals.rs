@@ -60,6 +60,14 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
         self.ledger
             .fill(self.topology, rows, available, active, prefill, decode);
     }
+
+    fn kv_capacity_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        out.clear();
+        if self.topology.knows_kv_capacity() {
+            out.resize(rows.len(), f64::NAN);
+            self.topology.kv_capacity_column(rows, out);
+        }
+    }
 }
 
 /// Reusable buffers for one request's walk of the KV index: per slot, blocks reusable from

@@ -65,6 +65,28 @@ impl RoutingCore {
         Ok(())
     }
 
+    /// Set (`None`: forget) worker `worker_id`'s KV capacity per rank, in blocks: the
+    /// `kv_capacity_blocks` column policies see from the next decision on. An unchanged value
+    /// publishes nothing.
+    pub fn set_kv_capacity(
+        &self,
+        worker_id: u64,
+        blocks: Option<u64>,
+    ) -> Result<(), MembershipError> {
+        let alloc = lock(&self.writer);
+        let current = self.topology.load();
+        let known = current
+            .cluster()
+            .worker(worker_id)
+            .map(|w| w.total_kv_blocks);
+        if known == Some(blocks) {
+            return Ok(());
+        }
+        let next = alloc.edit(&current, worker_id, |w| w.total_kv_blocks = blocks)?;
+        self.publish(next);
+        Ok(())
+    }
+
     /// Remove a worker: no new request can pick it from the moment this returns (or from the
     /// snapshot after it, for decisions already under way: they fail with `WorkerRemoved`), its
     /// bookings are released and forgotten, its KV-index entries dropped, its slots freed.
