@@ -207,3 +207,35 @@ async fn the_event_lag_is_measured_from_the_batch_timestamp() {
     assert!((5.0..5.0 + WAIT.as_secs_f64()).contains(&lag), "lag {lag}");
     router.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_capacity_is_learned_from_the_engine_unless_configured() {
+    let mut a: Vec<&str> = FAST.to_vec();
+    a.extend(["--block-size", "4", "--kv-blocks", "300"]);
+    let mut b: Vec<&str> = FAST.to_vec();
+    b.extend(["--block-size", "4", "--kv-blocks", "500"]);
+    let (m1, m2) = (Mock::start(&a), Mock::start(&b));
+    // Worker 2's capacity is configured: the engine's 500 does not replace it.
+    let config = yaml(&[(1, &m1.url("")), (2, &m2.url(""))], &[])
+        + "  - id: 3\n    url: http://127.0.0.1:9\n    total_kv_blocks: 7\n";
+    let config = config.replacen(
+        &format!("    url: {}\n", m2.url("")),
+        &format!("    url: {}\n    total_kv_blocks: 64\n", m2.url("")),
+        1,
+    );
+    let router = Router::start("engine_metrics_kv_capacity", &config).await;
+    let capacity = |id: u64| {
+        router.metric(&format!(
+            "router_worker_kv_capacity_blocks{{worker=\"{id}\"}}"
+        ))
+    };
+    assert!(
+        eventually(WAIT, || capacity(1) == 300.0).await,
+        "worker 1 learned {}",
+        capacity(1)
+    );
+    assert_eq!(capacity(2), 64.0, "configured wins over the engine's");
+    // Worker 3 never answers: its configured capacity stands all the same.
+    assert_eq!(capacity(3), 7.0);
+    router.stop().await;
+}

@@ -161,6 +161,9 @@ pub struct EngineMetrics {
     pub kv_usage: HashMap<u32, f64>,
     /// The `block_size` label of `vllm:cache_config_info`.
     pub block_size: HashMap<u32, u64>,
+    /// The `num_gpu_blocks` label of `vllm:cache_config_info`: the rank's KV capacity in blocks
+    /// (0 or unparsable are left out).
+    pub num_gpu_blocks: HashMap<u32, u64>,
 }
 
 /// One sample line: `(name, labels, value)`; `None` for comments and lines that do not parse.
@@ -214,6 +217,12 @@ pub fn parse_engine_metrics(text: &str) -> EngineMetrics {
             "vllm:cache_config_info" => {
                 if let Some(size) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
                     out.block_size.insert(rank, size);
+                }
+                if let Some(blocks) = label(labels, "num_gpu_blocks")
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .filter(|&b| b > 0)
+                {
+                    out.num_gpu_blocks.insert(rank, blocks);
                 }
             }
             _ => {}
@@ -315,6 +324,7 @@ pub async fn probe_round(app: &App, generation: &Generation) {
                     .collect();
                 usage.sort_by_key(|r| r.0);
                 app.health.set_kv_usage(u.id, usage);
+                learn_kv_capacity(generation, u, &metrics);
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -340,6 +350,48 @@ pub async fn probe_round(app: &App, generation: &Generation) {
         }
         sync_flag(generation, u.id, app.health.is_healthy(u.id));
     }
+}
+
+/// Give the core worker `u`'s KV capacity from its engine (the smallest `num_gpu_blocks` of its
+/// ranks), unless the configuration sets `total_kv_blocks`: what the operator wrote wins.
+fn learn_kv_capacity(generation: &Generation, u: &Upstream, metrics: &EngineMetrics) {
+    let configured = generation
+        .config
+        .workers
+        .iter()
+        .find(|w| w.id == u.id)
+        .and_then(|w| w.total_kv_blocks);
+    if configured.is_some() {
+        return;
+    }
+    let Some(blocks) = engine_kv_capacity(metrics, u.dp_size) else {
+        return;
+    };
+    let core = generation.host.core();
+    let known = core
+        .topology()
+        .cluster()
+        .worker(u.id)
+        .and_then(|w| w.total_kv_blocks);
+    if known != Some(blocks) && core.set_kv_capacity(u.id, Some(blocks)).is_ok() {
+        tracing::info!(
+            worker = u.id,
+            url = %u.base,
+            kv_capacity_blocks = blocks,
+            previous = ?known,
+            "KV capacity learned from the engine (vllm:cache_config_info num_gpu_blocks)"
+        );
+    }
+}
+
+/// The smallest `num_gpu_blocks` over ranks `0 .. dp_size`, if any rank reports one.
+fn engine_kv_capacity(metrics: &EngineMetrics, dp_size: u32) -> Option<u64> {
+    metrics
+        .num_gpu_blocks
+        .iter()
+        .filter(|(rank, _)| **rank < dp_size)
+        .map(|(_, blocks)| *blocks)
+        .min()
 }
 
 /// Make the core's availability flag of worker `id` say `healthy`, if it does not already (a
@@ -468,5 +520,24 @@ vllm:cache_config_info{cache_dtype=\"auto\",engine=\"2\"} 1.0
             block_size_error(7, "u", 16, &EngineMetrics::default()),
             None
         );
+    }
+
+    #[test]
+    fn kv_capacity_is_the_smallest_num_gpu_blocks_of_the_workers_ranks() {
+        let text = "\
+vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"300\"} 1.0
+vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"256\"} 1.0
+vllm:cache_config_info{block_size=\"16\",engine=\"2\",num_gpu_blocks=\"8\"} 1.0
+vllm:cache_config_info{block_size=\"16\",engine=\"3\",num_gpu_blocks=\"0\"} 1.0
+vllm:cache_config_info{block_size=\"16\",engine=\"4\",num_gpu_blocks=\"None\"} 1.0
+";
+        let m = parse_engine_metrics(text);
+        // 0 and what does not parse (vLLM prints None before profiling) are no capacity.
+        assert_eq!(m.num_gpu_blocks.len(), 3);
+        assert_eq!(engine_kv_capacity(&m, 1), Some(300));
+        // Rank 2 is not the worker's when it has two ranks.
+        assert_eq!(engine_kv_capacity(&m, 2), Some(256));
+        assert_eq!(engine_kv_capacity(&m, 5), Some(8));
+        assert_eq!(engine_kv_capacity(&EngineMetrics::default(), 1), None);
     }
 }

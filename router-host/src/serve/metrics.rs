@@ -481,6 +481,20 @@ impl Collector for StateCollector {
         )?;
         family(
             &mut encoder,
+            "router_worker_kv_capacity_blocks",
+            "KV capacity per rank in blocks, as policies see it (workers[].total_kv_blocks, else \
+             the engine's num_gpu_blocks); absent while unknown",
+            MetricType::Gauge,
+            topology.cluster().workers().iter().filter_map(|w| {
+                let blocks = i64::try_from(w.total_kv_blocks?).ok()?;
+                Some((
+                    vec![("worker", w.worker_id.to_string())],
+                    ConstGauge::new(blocks),
+                ))
+            }),
+        )?;
+        family(
+            &mut encoder,
             "router_load_active_requests",
             "Active requests per row as policies see them: max(booked, observed on the engine)",
             MetricType::Gauge,
