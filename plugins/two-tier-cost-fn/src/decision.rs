@@ -15,6 +15,9 @@ pub enum Tier {
     Cache,
     /// Neither tier fired: least-loaded row.
     LeastLoaded,
+    /// The cache tier fired, but its row would pass `kv_capacity_limit` of its KV capacity and
+    /// the least-loaded row would not: the least-loaded row.
+    OverKvCapacity,
 }
 
 impl Tier {
@@ -24,6 +27,7 @@ impl Tier {
             Tier::LoadImbalance => "load_imbalance_least_loaded",
             Tier::Cache => "cache_tier_least_loaded_among_max_overlap",
             Tier::LeastLoaded => "least_loaded_no_cache_winner",
+            Tier::OverKvCapacity => "cache_row_over_kv_capacity_least_loaded",
         }
     }
 }
@@ -110,6 +114,9 @@ pub struct Columns<'a> {
     host: &'a [f64],
     active: &'a [u64],
     prefill: &'a [u64],
+    decode: &'a [u64],
+    /// The host's `kv_capacity_blocks` column, when it sent one.
+    kv_capacity: Option<&'a [f64]>,
 }
 
 /// What the request asks of a row, for [`LoadSignal::PrefillBacklog`]: its prompt tokens and
@@ -136,6 +143,8 @@ impl<'a> Columns<'a> {
             host: overlap.host,
             active: load.active_requests,
             prefill: load.active_prefill_tokens,
+            decode: load.decode_blocks,
+            kv_capacity: rows.kv_capacity_blocks(),
         })
     }
 
@@ -156,7 +165,19 @@ impl<'a> Columns<'a> {
             host: &self.host[..n],
             active: &self.active[..n],
             prefill: &self.prefill[..n],
+            decode: &self.decode[..n],
+            kv_capacity: self.kv_capacity,
         }
+    }
+
+    /// Whether row `i`, given `request_blocks` more, would hold more than `limit` of its KV
+    /// capacity in booked decode blocks. Never for a row of unknown capacity.
+    fn over_kv_capacity(&self, i: usize, request_blocks: u64, limit: f64) -> bool {
+        let Some(capacity) = self.kv_capacity.and_then(|c| c.get(i).copied()) else {
+            return false;
+        };
+        // NaN (unknown) compares false.
+        self.decode[i].saturating_add(request_blocks) as f64 > limit * capacity
     }
 
     #[inline]
@@ -372,7 +393,15 @@ pub fn run_tiers(
     let (row, tier) = if imbalanced {
         (scan.least_active, Tier::LoadImbalance)
     } else if cache_ratio > params.cache_threshold {
-        (scan.best_row, Tier::Cache)
+        match params.kv_capacity_limit {
+            Some(limit)
+                if cols.over_kv_capacity(scan.best_row, request_blocks, limit)
+                    && !cols.over_kv_capacity(scan.least_loaded, request_blocks, limit) =>
+            {
+                (scan.least_loaded, Tier::OverKvCapacity)
+            }
+            _ => (scan.best_row, Tier::Cache),
+        }
     } else {
         (scan.least_loaded, Tier::LeastLoaded)
     };

@@ -6,6 +6,9 @@
 //!    than `cache_threshold` of the prompt, pick the least-loaded row among the best-cached ones.
 //! 3. Otherwise pick the least-loaded row.
 //!
+//! With `kv_capacity_limit`, the cache tier gives way to the least-loaded row when its own row's
+//! KV cache would be over that fraction of its capacity and the least-loaded row's would not.
+//!
 //! Ties always go to the lowest `(worker_id, dp_rank)`, so the row order the host uses never
 //! matters. With `respect_soft_affinity` the same rules run over the soft target's rows first
 //! (see [`decision::decide`]).
@@ -87,6 +90,9 @@ impl TwoTierCostFn {
                 .field("soft_affinity_gate_abs", p.soft_affinity_gate_abs as f64)
                 .field("soft_affinity_gate_rel", p.soft_affinity_gate_rel);
         }
+        if let Some(limit) = p.kv_capacity_limit {
+            e = e.field("kv_capacity_limit", limit);
+        }
         if let Some(target) = &decision.target {
             e = e
                 .field("target_active_requests", target.row_active as f64)
@@ -141,6 +147,12 @@ impl PolicyType for TwoTierCostFnType {
 
 /// Log the values in force (not just what the YAML said), once per instance.
 fn log_resolved(instance: &str, p: &ResolvedParams) {
+    // `off` or the number (as the other f64 fields print), never a missing field: an `Option`
+    // field is left out of the line when `None`.
+    let kv_capacity_limit = match p.kv_capacity_limit {
+        Some(limit) => format!("{limit:?}"),
+        None => "off".to_owned(),
+    };
     tracing::info!(
         instance,
         policy = TwoTierCostFnType::NAME,
@@ -154,6 +166,7 @@ fn log_resolved(instance: &str, p: &ResolvedParams) {
         soft_affinity_gate_abs = p.soft_affinity_gate_abs,
         soft_affinity_gate_rel = p.soft_affinity_gate_rel,
         load_signal = p.load_signal.as_str(),
+        kv_capacity_limit = kv_capacity_limit.as_str(),
         "two-tier policy instance created with resolved parameters"
     );
 }

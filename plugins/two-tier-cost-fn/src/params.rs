@@ -24,6 +24,8 @@ pub struct TwoTierParams {
     /// Absent: `balance_rel_threshold`.
     pub soft_affinity_gate_rel: Option<f64>,
     pub load_signal: LoadSignal,
+    /// Absent: the cache tier ignores KV capacity.
+    pub kv_capacity_limit: Option<f64>,
 }
 
 /// What "least-loaded" means in the cache tier and the fallback tier (the load tier and the
@@ -61,6 +63,7 @@ impl Default for TwoTierParams {
             soft_affinity_gate_abs: None,
             soft_affinity_gate_rel: None,
             load_signal: LoadSignal::ActiveRequests,
+            kv_capacity_limit: None,
         }
     }
 }
@@ -96,6 +99,8 @@ pub struct ResolvedParams {
     pub soft_affinity_gate_abs: u64,
     pub soft_affinity_gate_rel: f64,
     pub load_signal: LoadSignal,
+    /// `None`: off.
+    pub kv_capacity_limit: Option<f64>,
 }
 
 impl TwoTierParams {
@@ -119,6 +124,19 @@ impl TwoTierParams {
             Some(rel) => check::finite_at_least("soft_affinity_gate_rel", rel, 1.0)?,
             None => balance_rel_threshold,
         };
+        let kv_capacity_limit = self
+            .kv_capacity_limit
+            .map(|limit| {
+                if limit.is_finite() && limit > 0.0 {
+                    Ok(limit)
+                } else {
+                    Err(CreateError::invalid(
+                        "kv_capacity_limit",
+                        format!("must be a finite number > 0.0, got {limit}"),
+                    ))
+                }
+            })
+            .transpose()?;
         Ok(ResolvedParams {
             cache_threshold,
             balance_abs_threshold: self.balance_abs_threshold,
@@ -132,6 +150,7 @@ impl TwoTierParams {
                 .unwrap_or(self.balance_abs_threshold),
             soft_affinity_gate_rel,
             load_signal: self.load_signal,
+            kv_capacity_limit,
         })
     }
 }
@@ -208,6 +227,17 @@ pub fn docs() -> Vec<ParamDoc> {
             "active_requests",
             "least-loaded in the cache and fallback tiers: active_requests, or prefill_backlog \
              (pending prefill tokens plus the prompt tokens the row does not cache)",
+        ),
+        ParamDoc::optional(
+            "kv_capacity_limit",
+            "f64 or absent",
+            "absent (capacity ignored)",
+            "the cache tier gives way to the least-loaded row when the best-cached row's booked \
+             decode blocks plus this request's would pass this fraction of its KV capacity (the \
+             host's kv_capacity_blocks column: workers[].total_kv_blocks, or learned by serve \
+             from the engine's num_gpu_blocks) and the least-loaded row's would not; rows of \
+             unknown capacity are never full; finite, > 0.0 (above 1.0 allows for prefix \
+             blocks that requests share)",
         ),
     ]
 }
