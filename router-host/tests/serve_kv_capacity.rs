@@ -1,0 +1,153 @@
+//! The two-tier policy's `kv_capacity_limit` live: `serve` learns each engine's KV capacity from
+//! its `/metrics` (`vllm:cache_config_info` `num_gpu_blocks`), the capacity reaches the real
+//! `.so` as the `kv_capacity_blocks` column, and new requests that share a cached prefix stop
+//! following it to one engine once that engine's booked blocks would pass its capacity. Without
+//! the limit the same requests all go to the engine that cached the prefix. The engines are the
+//! real `router-host mock-engine` binary; the requests stay in flight (long streams) so that
+//! their bookings add up.
+
+mod common;
+
+use common::engine::{client, eventually, header, post, Router};
+use common::mock::{Mock, WAIT};
+use router_core::blocks::{BlockHasher, Tenant};
+use serde_json::json;
+
+const BLOCK: u32 = 4;
+/// Each engine's KV capacity, in blocks.
+const CAPACITY: u64 = 64;
+/// The prefix every request shares: 8 blocks.
+const SHARED: u32 = 32;
+
+/// Engines slow enough that a stream of 20 tokens stays in flight for about 10 s. The engine
+/// reserves a request's prompt and output blocks at admission (its shared prefix once): the
+/// streams below (2 blocks of their own and 5 of output each) all fit in its 64.
+fn mock() -> Mock {
+    Mock::start(&[
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--block-size",
+        "4",
+        "--kv-blocks",
+        &CAPACITY.to_string(),
+        "--step-overhead-ms",
+        "500",
+        "--decode-ms-per-seq",
+        "0",
+        "--prefill-ms-per-token",
+        "0",
+    ])
+}
+
+fn yaml(m1: &Mock, m2: &Mock, limit: Option<f64>) -> String {
+    let limit = limit.map_or(String::new(), |l| format!(", kv_capacity_limit: {l}"));
+    let mut out = format!(
+        "block_size: {BLOCK}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: tt\n  \
+         instances:\n    - name: tt\n      type: dynamo-two-tier-cost-fn\n      \
+         parameters: {{load_signal: active_requests{limit}}}\n\
+         serve:\n  health:\n    interval_ms: 100\n  tokenizer: remote\nworkers:\n",
+        common::plugin("two_tier_cost_fn").display()
+    );
+    for (id, m) in [(1, m1), (2, m2)] {
+        out.push_str(&format!(
+            "  - id: {id}\n    url: {}\n    kv_events:\n      endpoint: {}\n",
+            m.url(""),
+            m.kv_events[0]
+        ));
+    }
+    out
+}
+
+/// The shared prefix, then `own` tokens of request `n`'s own.
+fn prompt(n: u32, own: u32) -> Vec<u32> {
+    (0..SHARED)
+        .map(|i| 100 + i)
+        .chain((0..own).map(|i| 1_000 + n * 64 + i))
+        .collect()
+}
+
+/// For each of `n` requests of 10 blocks (the shared 8 and 2 of their own), sent one after the
+/// other while the earlier ones stream: (worker, policy reason). The prefix is cached on worker
+/// 1 first, and the router has learned both capacities.
+async fn route_in_turn(test: &str, limit: Option<f64>, n: u32) -> Vec<(String, String)> {
+    let (m1, m2) = (mock(), mock());
+    let router = Router::start(test, &yaml(&m1, &m2, limit)).await;
+    m1.sync(&router, 1, 0).await;
+    m2.sync(&router, 2, 0).await;
+    let capacity = |id: u64| {
+        router.metric(&format!(
+            "router_worker_kv_capacity_blocks{{worker=\"{id}\"}}"
+        ))
+    };
+    assert!(
+        eventually(WAIT, || capacity(1) == CAPACITY as f64
+            && capacity(2) == CAPACITY as f64)
+        .await,
+        "capacities learned: {} and {}",
+        capacity(1),
+        capacity(2)
+    );
+
+    // Cache the shared prefix on worker 1 alone (straight to its engine, as another router or
+    // an earlier request would have), and wait until the router's index holds it.
+    let http = client();
+    let first = post(
+        &http,
+        &m1.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": prompt(0, 0), "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(first.status(), 200);
+    let _ = first.bytes().await;
+    let mut ids = Vec::new();
+    BlockHasher::new(BLOCK, Tenant::default())
+        .expect("hasher")
+        .prompt_blocks(&prompt(0, 0), &mut ids);
+    assert_eq!(ids.len(), (SHARED / BLOCK) as usize);
+    assert!(
+        eventually(WAIT, || common::engine::held_ids(&router, 1, &ids)
+            == ids.len())
+        .await,
+        "the router's index holds the shared prefix on worker 1"
+    );
+
+    let mut seen = Vec::new();
+    let mut streams = Vec::new();
+    for i in 1..=n {
+        let body = json!({"model": "tiny", "prompt": prompt(i, 2 * BLOCK), "max_tokens": 20,
+                          "stream": true});
+        let response = post(&http, &router.url("/v1/completions"), &body).await;
+        assert_eq!(response.status(), 200, "request {i}");
+        seen.push((
+            header(&response, "x-router-worker"),
+            header(&response, "x-router-reason"),
+        ));
+        // Kept open: its booking stays until the stream ends.
+        streams.push(response);
+    }
+    drop(streams);
+    router.stop().await;
+    seen
+}
+
+fn pair(worker: &str, reason: &str) -> (String, String) {
+    (worker.to_string(), reason.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_requests_stop_following_a_cached_prefix_onto_a_full_engine() {
+    // 10 booked blocks each against 64: six fit on worker 1, the seventh would make 70.
+    let cache = "cache_tier_least_loaded_among_max_overlap";
+    let over = "cache_row_over_kv_capacity_least_loaded";
+    let seen = route_in_turn("kv_capacity_limit", Some(1.0), 7).await;
+    let mut expected = vec![pair("1", cache); 6];
+    expected.push(pair("2", over));
+    assert_eq!(seen, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_limit_every_request_follows_the_cached_prefix() {
+    let cache = "cache_tier_least_loaded_among_max_overlap";
+    let seen = route_in_turn("kv_capacity_no_limit", None, 7).await;
+    assert_eq!(seen, vec![pair("1", cache); 7]);
+}
