@@ -270,7 +270,11 @@ def select_routers(known: list[RouterSpec], wanted: str | None) -> list[RouterSp
 
 
 # The shipped multi-turn configuration (examples/two-tier-soft-affinity.yaml).
-DEFAULT_TWO_TIER_PARAMETERS = {"respect_soft_affinity": True, "soft_affinity_load_gate": True}
+DEFAULT_TWO_TIER_PARAMETERS = {
+    "respect_soft_affinity": True,
+    "soft_affinity_load_gate": True,
+    "kv_capacity_limit": 1.0,
+}
 
 
 def start_router(
