@@ -316,12 +316,14 @@ impl Router {
             priority: request.priority,
             extensions: RSlice::EMPTY,
         };
-        let capacity = [ExtraColumn {
-            name: RStr::from_str(KV_CAPACITY_BLOCKS),
-            values: RSlice::from_slice(&scratch.kv_capacity),
-        }];
         let mut view = scratch.columns.view(instance.inputs);
+        // Filled (with the LOAD columns) only when some worker's KV capacity is known.
+        let capacity;
         if !scratch.kv_capacity.is_empty() {
+            capacity = [ExtraColumn {
+                name: RStr::from_str(KV_CAPACITY_BLOCKS),
+                values: RSlice::from_slice(&scratch.kv_capacity),
+            }];
             view.extra_columns = RSlice::from_slice(&capacity);
         }
         instance.stats.picks.add(1);

@@ -165,7 +165,8 @@ impl<'a> Columns<'a> {
             host: &self.host[..n],
             active: &self.active[..n],
             prefill: &self.prefill[..n],
-            decode: &self.decode[..n],
+            // Read once per decision at most (not by the scan): not worth a bounds check here.
+            decode: self.decode,
             kv_capacity: self.kv_capacity,
         }
     }
@@ -173,11 +174,14 @@ impl<'a> Columns<'a> {
     /// Whether row `i`, given `request_blocks` more, would hold more than `limit` of its KV
     /// capacity in booked decode blocks. Never for a row of unknown capacity.
     fn over_kv_capacity(&self, i: usize, request_blocks: u64, limit: f64) -> bool {
-        let Some(capacity) = self.kv_capacity.and_then(|c| c.get(i).copied()) else {
+        let (Some(capacity), Some(&booked)) = (
+            self.kv_capacity.and_then(|c| c.get(i).copied()),
+            self.decode.get(i),
+        ) else {
             return false;
         };
         // NaN (unknown) compares false.
-        self.decode[i].saturating_add(request_blocks) as f64 > limit * capacity
+        booked.saturating_add(request_blocks) as f64 > limit * capacity
     }
 
     #[inline]
