@@ -12,10 +12,9 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -129,43 +128,7 @@ fn assert_hung_fallback(decision: &Decision, call: &str) {
 
 // ---- the watchdog's log line ----------------------------------------------------------------------
 
-/// Everything logged in this test process (the watchdog logs on its own thread, so a per-thread
-/// capture would not see it).
-fn logs() -> &'static Mutex<Vec<u8>> {
-    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        struct Sink;
-        impl Write for Sink {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                logs()
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .extend_from_slice(buf);
-                Ok(buf.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        // Set before any event of this process's tests is emitted (every test calls this first).
-        let _ = tracing_subscriber::fmt()
-            .with_writer(|| Sink)
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .try_init();
-        Mutex::new(Vec::new())
-    })
-}
-
-/// Logged lines that mention `needle`.
-fn log_lines_with(needle: &str) -> Vec<String> {
-    let text = logs().lock().unwrap_or_else(|e| e.into_inner()).clone();
-    String::from_utf8_lossy(&text)
-        .lines()
-        .filter(|l| l.contains(needle))
-        .map(str::to_owned)
-        .collect()
-}
+use common::logs::{log_lines_with, logs};
 
 /// The one error line the watchdog logs when it marks instance `name` hung in `call`.
 fn assert_hang_logged_once(name: &str, call: &str) {

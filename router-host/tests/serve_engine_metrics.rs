@@ -210,6 +210,7 @@ async fn the_event_lag_is_measured_from_the_batch_timestamp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_capacity_is_learned_from_the_engine_unless_configured() {
+    common::logs::logs();
     let mut a: Vec<&str> = FAST.to_vec();
     a.extend(["--block-size", "4", "--kv-blocks", "300"]);
     let mut b: Vec<&str> = FAST.to_vec();
@@ -237,5 +238,24 @@ async fn kv_capacity_is_learned_from_the_engine_unless_configured() {
     assert_eq!(capacity(2), 64.0, "configured wins over the engine's");
     // Worker 3 never answers: its configured capacity stands all the same.
     assert_eq!(capacity(3), 7.0);
+    // The disagreement is logged, naming both values, once: not at every probe (100 ms).
+    let disagreement = || {
+        common::logs::log_lines_with("differs from the engine's KV capacity")
+            .into_iter()
+            .filter(|l| l.contains("worker=2 "))
+            .collect::<Vec<_>>()
+    };
+    assert!(eventually(WAIT, || !disagreement().is_empty()).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let lines = disagreement();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("total_kv_blocks=64") && lines[0].contains("engine_kv_blocks=500"),
+        "{}",
+        lines[0]
+    );
+    assert!(common::logs::log_lines_with("worker=1 ")
+        .iter()
+        .all(|l| !l.contains("differs from the engine's KV capacity")));
     router.stop().await;
 }

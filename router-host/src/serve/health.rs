@@ -28,6 +28,9 @@ struct Entry {
     last_error: Option<String>,
     /// `vllm:kv_cache_usage_perc` by DP rank, from the last scrape (empty when none).
     kv_usage: Vec<(u32, f64)>,
+    /// The last (configured `total_kv_blocks`, engine `num_gpu_blocks`) seen, so that a
+    /// disagreement is logged once, not at every probe.
+    kv_capacity_seen: Option<(Option<u64>, u64)>,
 }
 
 /// Health of every engine, by worker id; kept across reloads for engines whose URL is unchanged.
@@ -60,6 +63,7 @@ impl HealthTable {
                 healthy: true,
                 last_error: None,
                 kv_usage: Vec::new(),
+                kv_capacity_seen: None,
             });
         }
     }
@@ -104,6 +108,17 @@ impl HealthTable {
     fn set_kv_usage(&self, id: u64, usage: Vec<(u32, f64)>) {
         if let Some(entry) = self.write().get_mut(&id) {
             entry.kv_usage = usage;
+        }
+    }
+
+    /// Record the configured and the engine's KV capacity of `id`; `true` when either changed.
+    fn see_kv_capacity(&self, id: u64, configured: Option<u64>, engine: u64) -> bool {
+        match self.write().get_mut(&id) {
+            Some(entry) if entry.kv_capacity_seen != Some((configured, engine)) => {
+                entry.kv_capacity_seen = Some((configured, engine));
+                true
+            }
+            _ => false,
         }
     }
 
@@ -324,7 +339,7 @@ pub async fn probe_round(app: &App, generation: &Generation) {
                     .collect();
                 usage.sort_by_key(|r| r.0);
                 app.health.set_kv_usage(u.id, usage);
-                learn_kv_capacity(generation, u, &metrics);
+                learn_kv_capacity(app, generation, u, &metrics);
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -353,20 +368,33 @@ pub async fn probe_round(app: &App, generation: &Generation) {
 }
 
 /// Give the core worker `u`'s KV capacity from its engine (the smallest `num_gpu_blocks` of its
-/// ranks), unless the configuration sets `total_kv_blocks`: what the operator wrote wins.
-fn learn_kv_capacity(generation: &Generation, u: &Upstream, metrics: &EngineMetrics) {
+/// ranks), unless the configuration sets `total_kv_blocks`: what the operator wrote wins, and
+/// an engine that reports another capacity is logged (once per value it reports).
+fn learn_kv_capacity(app: &App, generation: &Generation, u: &Upstream, metrics: &EngineMetrics) {
+    let Some(blocks) = engine_kv_capacity(metrics, u.dp_size) else {
+        return;
+    };
     let configured = generation
         .config
         .workers
         .iter()
         .find(|w| w.id == u.id)
         .and_then(|w| w.total_kv_blocks);
-    if configured.is_some() {
+    let changed = app.health.see_kv_capacity(u.id, configured, blocks);
+    if let Some(configured) = configured {
+        if changed && configured != blocks {
+            tracing::warn!(
+                worker = u.id,
+                url = %u.base,
+                total_kv_blocks = configured,
+                engine_kv_blocks = blocks,
+                "workers[].total_kv_blocks differs from the engine's KV capacity \
+                 (vllm:cache_config_info num_gpu_blocks); policies see the configured value \
+                 (remove total_kv_blocks to use the engine's)"
+            );
+        }
         return;
     }
-    let Some(blocks) = engine_kv_capacity(metrics, u.dp_size) else {
-        return;
-    };
     let core = generation.host.core();
     let known = core
         .topology()

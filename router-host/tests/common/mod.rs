@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod logs;
 pub mod mock;
 
 use std::path::{Path, PathBuf};
