@@ -259,3 +259,28 @@ async fn kv_capacity_is_learned_from_the_engine_unless_configured() {
         .all(|l| !l.contains("differs from the engine's KV capacity")));
     router.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_capacity_learned_from_the_engine() {
+    let mut a: Vec<&str> = FAST.to_vec();
+    a.extend(["--block-size", "4", "--kv-blocks", "300"]);
+    let m1 = Mock::start(&a);
+    // One probe round runs before the router listens; the next would be a minute later.
+    let config = yaml(&[(1, &m1.url(""))], &[]).replace("interval_ms: 100", "interval_ms: 60000");
+    let router = Router::start("engine_metrics_kv_capacity_reload", &config).await;
+    let capacity = || router.metric("router_worker_kv_capacity_blocks{worker=\"1\"}");
+    assert_eq!(capacity(), 300.0, "learned by the probe round at start");
+    // The new configuration's core starts without it: the health table hands it over.
+    std::fs::write(
+        &router.config,
+        config.replace("block_size: 4\n", "block_size: 4\n\n"),
+    )
+    .expect("rewrite the config");
+    assert_eq!(router.handle.reload().await.expect("reload"), 2);
+    assert_eq!(
+        capacity(),
+        300.0,
+        "kept across the reload, before any probe"
+    );
+    router.stop().await;
+}

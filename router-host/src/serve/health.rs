@@ -133,14 +133,23 @@ impl HealthTable {
         rows
     }
 
-    /// Give `generation`'s routing core the table's availability of every engine.
+    /// Give `generation`'s routing core the table's availability of every engine, and the KV
+    /// capacity each reported last where the configuration sets none (a reload then does not
+    /// wait for the next probe to know it).
     pub fn apply(&self, generation: &Generation) {
+        let core = generation.host.core();
         for u in &generation.upstreams {
             let healthy = self.is_healthy(u.id);
-            let _ = generation
-                .host
-                .core()
-                .set_worker_state(u.id, Some(healthy), None, None);
+            let _ = core.set_worker_state(u.id, Some(healthy), None, None);
+            let configured = configured_kv_capacity(generation, u.id);
+            let reported = self
+                .read()
+                .get(&u.id)
+                .and_then(|e| e.kv_capacity_seen)
+                .map(|(_, engine)| engine);
+            if let (None, Some(blocks)) = (configured, reported) {
+                let _ = core.set_kv_capacity(u.id, Some(blocks));
+            }
         }
     }
 }
@@ -374,12 +383,7 @@ fn learn_kv_capacity(app: &App, generation: &Generation, u: &Upstream, metrics: 
     let Some(blocks) = engine_kv_capacity(metrics, u.dp_size) else {
         return;
     };
-    let configured = generation
-        .config
-        .workers
-        .iter()
-        .find(|w| w.id == u.id)
-        .and_then(|w| w.total_kv_blocks);
+    let configured = configured_kv_capacity(generation, u.id);
     let changed = app.health.see_kv_capacity(u.id, configured, blocks);
     if let Some(configured) = configured {
         if changed && configured != blocks {
@@ -410,6 +414,16 @@ fn learn_kv_capacity(app: &App, generation: &Generation, u: &Upstream, metrics: 
             "KV capacity learned from the engine (vllm:cache_config_info num_gpu_blocks)"
         );
     }
+}
+
+/// Worker `id`'s `workers[].total_kv_blocks` in `generation`'s configuration.
+fn configured_kv_capacity(generation: &Generation, id: u64) -> Option<u64> {
+    generation
+        .config
+        .workers
+        .iter()
+        .find(|w| w.id == id)
+        .and_then(|w| w.total_kv_blocks)
 }
 
 /// The smallest `num_gpu_blocks` over ranks `0 .. dp_size`, if any rank reports one.
