@@ -2,9 +2,10 @@
 //! its `/metrics` (`vllm:cache_config_info` `num_gpu_blocks`), the capacity reaches the real
 //! `.so` as the `kv_capacity_blocks` column, and new requests that share a cached prefix stop
 //! following it to one engine once that engine's booked blocks would pass its capacity. Without
-//! the limit the same requests all go to the engine that cached the prefix. The engines are the
-//! real `router-host mock-engine` binary; the requests stay in flight (long streams) so that
-//! their bookings add up.
+//! the limit the same requests all go to the engine that cached the prefix. With soft session
+//! affinity the same holds for a session bound to that engine: the limit releases its binding
+//! once the engine is booked full. The engines are the real `router-host mock-engine` binary;
+//! the requests stay in flight (long streams) so that their bookings add up.
 
 mod common;
 
@@ -39,12 +40,28 @@ fn mock() -> Mock {
     ])
 }
 
-fn yaml(m1: &Mock, m2: &Mock, limit: Option<f64>) -> String {
+/// How the requests of [`route_in_turn`] relate.
+#[derive(Clone, Copy)]
+enum Sessions {
+    /// Each request on its own.
+    None,
+    /// All of one session, with soft affinity respected: bound to where the first one went.
+    One,
+}
+
+fn yaml(m1: &Mock, m2: &Mock, limit: Option<f64>, sessions: Sessions) -> String {
     let limit = limit.map_or(String::new(), |l| format!(", kv_capacity_limit: {l}"));
+    let (respect, affinity) = match sessions {
+        Sessions::None => ("", ""),
+        Sessions::One => (
+            ", respect_soft_affinity: true",
+            "session_affinity: {mode: soft, ttl_secs: 600}\n",
+        ),
+    };
     let mut out = format!(
         "block_size: {BLOCK}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: tt\n  \
          instances:\n    - name: tt\n      type: dynamo-two-tier-cost-fn\n      \
-         parameters: {{load_signal: active_requests{limit}}}\n\
+         parameters: {{load_signal: active_requests{limit}{respect}}}\n{affinity}\
          serve:\n  health:\n    interval_ms: 100\n  tokenizer: remote\nworkers:\n",
         common::plugin("two_tier_cost_fn").display()
     );
@@ -67,11 +84,16 @@ fn prompt(n: u32, own: u32) -> Vec<u32> {
 }
 
 /// For each of `n` requests of 10 blocks (the shared 8 and 2 of their own), sent one after the
-/// other while the earlier ones stream: (worker, policy reason). The prefix is cached on worker
-/// 1 first, and the router has learned both capacities.
-async fn route_in_turn(test: &str, limit: Option<f64>, n: u32) -> Vec<(String, String)> {
+/// other while the earlier ones stream: (worker, policy reason, session outcome). The prefix is
+/// cached on worker 1 first, and the router has learned both capacities.
+async fn route_in_turn(
+    test: &str,
+    limit: Option<f64>,
+    sessions: Sessions,
+    n: u32,
+) -> Vec<(String, String, String)> {
     let (m1, m2) = (mock(), mock());
-    let router = Router::start(test, &yaml(&m1, &m2, limit)).await;
+    let router = Router::start(test, &yaml(&m1, &m2, limit, sessions)).await;
     m1.sync(&router, 1, 0).await;
     m2.sync(&router, 2, 0).await;
     let capacity = |id: u64| {
@@ -114,13 +136,17 @@ async fn route_in_turn(test: &str, limit: Option<f64>, n: u32) -> Vec<(String, S
     let mut seen = Vec::new();
     let mut streams = Vec::new();
     for i in 1..=n {
-        let body = json!({"model": "tiny", "prompt": prompt(i, 2 * BLOCK), "max_tokens": 20,
-                          "stream": true});
+        let mut body = json!({"model": "tiny", "prompt": prompt(i, 2 * BLOCK), "max_tokens": 20,
+                              "stream": true});
+        if let Sessions::One = sessions {
+            body["user"] = json!("conversation-1");
+        }
         let response = post(&http, &router.url("/v1/completions"), &body).await;
         assert_eq!(response.status(), 200, "request {i}");
         seen.push((
             header(&response, "x-router-worker"),
             header(&response, "x-router-reason"),
+            header(&response, "x-router-session"),
         ));
         // Kept open: its booking stays until the stream ends.
         streams.push(response);
@@ -130,24 +156,44 @@ async fn route_in_turn(test: &str, limit: Option<f64>, n: u32) -> Vec<(String, S
     seen
 }
 
-fn pair(worker: &str, reason: &str) -> (String, String) {
-    (worker.to_string(), reason.to_string())
+fn seen(worker: &str, reason: &str, session: &str) -> (String, String, String) {
+    (worker.to_string(), reason.to_string(), session.to_string())
 }
+
+const CACHE: &str = "cache_tier_least_loaded_among_max_overlap";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_requests_stop_following_a_cached_prefix_onto_a_full_engine() {
     // 10 booked blocks each against 64: six fit on worker 1, the seventh would make 70.
-    let cache = "cache_tier_least_loaded_among_max_overlap";
     let over = "cache_row_over_kv_capacity_least_loaded";
-    let seen = route_in_turn("kv_capacity_limit", Some(1.0), 7).await;
-    let mut expected = vec![pair("1", cache); 6];
-    expected.push(pair("2", over));
-    assert_eq!(seen, expected);
+    let got = route_in_turn("kv_capacity_limit", Some(1.0), Sessions::None, 7).await;
+    let mut expected = vec![seen("1", CACHE, "-"); 6];
+    expected.push(seen("2", over, "-"));
+    assert_eq!(got, expected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_limit_every_request_follows_the_cached_prefix() {
-    let cache = "cache_tier_least_loaded_among_max_overlap";
-    let seen = route_in_turn("kv_capacity_no_limit", None, 7).await;
-    assert_eq!(seen, vec![pair("1", cache); 7]);
+    let got = route_in_turn("kv_capacity_no_limit", None, Sessions::None, 7).await;
+    assert_eq!(got, vec![seen("1", CACHE, "-"); 7]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_bound_to_a_full_engine_is_released_to_one_with_room() {
+    // The first request goes where the prefix is and binds the session there; the next five
+    // keep the binding; the seventh would book 70 of worker 1's 64 blocks, so the binding is
+    // released and moves with it to worker 2.
+    let got = route_in_turn("kv_capacity_session", Some(1.0), Sessions::One, 7).await;
+    let mut expected = vec![seen("1", CACHE, "created")];
+    expected.extend(vec![seen("1", "soft_affinity_target", "kept"); 5]);
+    expected.push(seen("2", "soft_affinity_released_kv_capacity", "moved"));
+    assert_eq!(got, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_limit_a_bound_session_stays_on_its_full_engine() {
+    let got = route_in_turn("kv_capacity_session_no_limit", None, Sessions::One, 7).await;
+    let mut expected = vec![seen("1", CACHE, "created")];
+    expected.extend(vec![seen("1", "soft_affinity_target", "kept"); 6]);
+    assert_eq!(got, expected);
 }

@@ -15,8 +15,8 @@ pub enum Tier {
     Cache,
     /// Neither tier fired: least-loaded row.
     LeastLoaded,
-    /// The cache tier fired, but its row would pass `kv_capacity_limit` of its KV capacity and
-    /// the least-loaded row would not: the least-loaded row.
+    /// The cache tier fired, but its row would pass `kv_capacity_limit` of its KV capacity: the
+    /// least-loaded row that would not.
     OverKvCapacity,
 }
 
@@ -59,6 +59,9 @@ pub enum SoftAffinity {
     Kept,
     /// The target was too loaded compared with the least-loaded row; the all-rows decision won.
     ReleasedByGate,
+    /// The target's row would pass `kv_capacity_limit` of its KV capacity and the all-rows
+    /// decision's row would not; the all-rows decision won.
+    ReleasedByKvCapacity,
     /// No eligible row matches the target; the all-rows decision won.
     NotEligible,
 }
@@ -69,6 +72,7 @@ impl SoftAffinity {
             SoftAffinity::None => "none",
             SoftAffinity::Kept => "kept",
             SoftAffinity::ReleasedByGate => "released_by_gate",
+            SoftAffinity::ReleasedByKvCapacity => "released_by_kv_capacity",
             SoftAffinity::NotEligible => "not_eligible",
         }
     }
@@ -92,6 +96,7 @@ impl Decision {
         match self.soft_affinity {
             SoftAffinity::Kept => "soft_affinity_target",
             SoftAffinity::ReleasedByGate => "soft_affinity_released_load_gate",
+            SoftAffinity::ReleasedByKvCapacity => "soft_affinity_released_kv_capacity",
             SoftAffinity::None | SoftAffinity::NotEligible => self.all.tier.reason(),
         }
     }
@@ -367,6 +372,25 @@ fn scan<O: LoadOrder>(
     })
 }
 
+/// The least-loaded row (by the load order in force) of those where `in_set` holds that would
+/// not pass `limit` of its KV capacity with `request_blocks` more; `None` if every one would.
+/// A second pass, run only when the cache tier's row is over: the common decision never pays
+/// for it.
+#[cold]
+#[inline(never)]
+fn least_loaded_with_room<O: LoadOrder>(
+    cols: &Columns<'_>,
+    weight: f64,
+    prompt: Prompt,
+    in_set: &impl Fn(RowId) -> bool,
+    request_blocks: u64,
+    limit: f64,
+) -> Option<usize> {
+    (0..cols.len())
+        .filter(|&i| in_set(cols.row(i)) && !cols.over_kv_capacity(i, request_blocks, limit))
+        .min_by_key(|&i| O::key(cols, i, cols.effective_overlap(i, weight), prompt))
+}
+
 /// Run the load tier, then the cache tier, over the rows where `in_set` holds. The predicate is
 /// over rows, so the scan reads each row from its own bounds-checked columns.
 /// `None` when the set is empty.
@@ -397,14 +421,32 @@ pub fn run_tiers(
     let (row, tier) = if imbalanced {
         (scan.least_active, Tier::LoadImbalance)
     } else if cache_ratio > params.cache_threshold {
-        match params.kv_capacity_limit {
-            Some(limit)
-                if cols.over_kv_capacity(scan.best_row, request_blocks, limit)
-                    && !cols.over_kv_capacity(scan.least_loaded, request_blocks, limit) =>
-            {
-                (scan.least_loaded, Tier::OverKvCapacity)
+        let with_room = match params.kv_capacity_limit {
+            Some(limit) if cols.over_kv_capacity(scan.best_row, request_blocks, limit) => {
+                match params.load_signal {
+                    LoadSignal::ActiveRequests => least_loaded_with_room::<ByActive>(
+                        cols,
+                        params.host_cache_weight,
+                        prompt,
+                        &in_set,
+                        request_blocks,
+                        limit,
+                    ),
+                    LoadSignal::PrefillBacklog => least_loaded_with_room::<ByBacklog>(
+                        cols,
+                        params.host_cache_weight,
+                        prompt,
+                        &in_set,
+                        request_blocks,
+                        limit,
+                    ),
+                }
             }
-            _ => (scan.best_row, Tier::Cache),
+            _ => None,
+        };
+        match with_room {
+            Some(row) => (row, Tier::OverKvCapacity),
+            None => (scan.best_row, Tier::Cache),
         }
     } else {
         (scan.least_loaded, Tier::LeastLoaded)
@@ -452,8 +494,16 @@ pub fn decide(
             params.soft_affinity_gate_abs,
             params.soft_affinity_gate_rel,
         );
+    // A kept target never overfills its row while the all-rows decision has room: K's own
+    // capacity rule only moves between the target's rows.
+    let over_capacity = params.kv_capacity_limit.is_some_and(|limit| {
+        cols.over_kv_capacity(kept.row, request_blocks, limit)
+            && !cols.over_kv_capacity(all.row, request_blocks, limit)
+    });
     let (row, soft_affinity) = if released {
         (all.row, SoftAffinity::ReleasedByGate)
+    } else if over_capacity {
+        (all.row, SoftAffinity::ReleasedByKvCapacity)
     } else {
         (kept.row, SoftAffinity::Kept)
     };

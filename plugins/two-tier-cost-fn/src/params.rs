@@ -232,12 +232,12 @@ pub fn docs() -> Vec<ParamDoc> {
             "kv_capacity_limit",
             "f64 or absent",
             "absent (capacity ignored)",
-            "the cache tier gives way to the least-loaded row when the best-cached row's booked \
-             decode blocks plus this request's would pass this fraction of its KV capacity (the \
-             host's kv_capacity_blocks column: workers[].total_kv_blocks, or learned by serve \
-             from the engine's num_gpu_blocks) and the least-loaded row's would not; rows of \
-             unknown capacity are never full; finite, > 0.0 (above 1.0 allows for prefix \
-             blocks that requests share)",
+            "the cache tier gives way to the least-loaded row with room when the best-cached \
+             row's booked decode blocks plus this request's would pass this fraction of its KV \
+             capacity (the host's kv_capacity_blocks column: workers[].total_kv_blocks, or \
+             learned by serve from the engine's num_gpu_blocks), and a kept soft-affinity \
+             target whose row would pass it is released; rows of unknown capacity are never \
+             full; finite, > 0.0 (above 1.0 allows for prefix blocks that requests share)",
         ),
     ]
 }

@@ -552,7 +552,7 @@ fn cache_row_under_the_limit_is_kept() {
 }
 
 #[test]
-fn cache_row_is_kept_when_the_least_loaded_row_is_over_the_limit_too() {
+fn cache_row_is_kept_when_every_other_row_is_over_the_limit_too() {
     let rows = [
         (booked(A, 6.0, 4, 95), 100.0),
         (booked(B, 0.0, 0, 91), 100.0),
@@ -560,16 +560,33 @@ fn cache_row_is_kept_when_the_least_loaded_row_is_over_the_limit_too() {
     let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
     assert_eq!(row, at(A, 0));
     assert_eq!(e.reason, "cache_tier_least_loaded_among_max_overlap");
-    // Only the least-loaded row is considered: another row under the limit does not count.
+}
+
+#[test]
+fn the_replacement_is_the_least_loaded_row_with_room() {
+    // B is the least-loaded row but over the limit too; of the rows with room, C (3 active)
+    // is less loaded than D (5).
+    const D: u64 = 88;
     let rows = [
         (booked(A, 6.0, 4, 95), 100.0),
         (booked(B, 0.0, 0, 91), 100.0),
         (booked(C, 0.0, 3, 0), 100.0),
+        (booked(D, 0.0, 5, 0), 100.0),
     ];
-    assert_eq!(
-        capacity_decision(&policy(LIMIT), &rows, &request()).0,
-        at(A, 0)
-    );
+    let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
+    assert_eq!(row, at(C, 0));
+    assert_eq!(e.reason, "cache_row_over_kv_capacity_least_loaded");
+    // With `prefill_backlog` the order among the rows with room is by backlog: D has none.
+    let rows = [
+        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(B, 0.0, 0, 91).prefill_tokens(0), 100.0),
+        (booked(C, 0.0, 3, 0).prefill_tokens(500), 100.0),
+        (booked(D, 0.0, 5, 0).prefill_tokens(0), 100.0),
+    ];
+    let backlog = policy(r#"{"kv_capacity_limit": 1.0, "load_signal": "prefill_backlog"}"#);
+    let (row, e) = capacity_decision(&backlog, &rows, &request());
+    assert_eq!(row, at(D, 0));
+    assert_eq!(e.reason, "cache_row_over_kv_capacity_least_loaded");
 }
 
 #[test]
@@ -732,10 +749,11 @@ fn kv_capacity_limit_moves_a_worker_target_to_another_of_its_ranks() {
 }
 
 #[test]
-fn kv_capacity_limit_does_not_move_a_request_off_a_single_row_target() {
-    // The target has one row: it is both K's cache row and K's least-loaded row, so the rule
-    // cannot fire in K, and the target is kept though it is over its limit (G alone would
-    // have moved the request to B). The gate compares active requests only.
+fn kv_capacity_limit_releases_a_target_whose_row_would_overfill() {
+    // The target has one row: it is both K's cache row and K's only row, so the rule cannot
+    // move the request inside K. K's row is over its limit and G's (B) is not: the target is
+    // released, with or without the active-request gate (which does not fire: 3 against 0 is
+    // within its defaults).
     let rows = [
         (booked(A, 8.0, 3, 95), 100.0),
         (booked(B, 0.0, 0, 0), 100.0),
@@ -746,14 +764,40 @@ fn kv_capacity_limit_does_not_move_a_request_off_a_single_row_target() {
     ] {
         for request in [request().target(A, None), request().target(A, Some(0))] {
             let (row, e) = capacity_decision(&policy(params), &rows, &request);
-            assert_eq!(row, at(A, 0), "{params} {request:?}");
-            assert_eq!(e.reason, "soft_affinity_target");
+            assert_eq!(row, at(B, 0), "{params} {request:?}");
+            assert_eq!(e.reason, "soft_affinity_released_kv_capacity");
+            assert_eq!(
+                e.get_label("soft_affinity"),
+                Some("released_by_kv_capacity")
+            );
             assert_eq!(
                 e.get_label("tier"),
-                Some("cache_tier_least_loaded_among_max_overlap")
+                Some("cache_row_over_kv_capacity_least_loaded")
             );
+            assert_eq!(e.get_label("target_row"), Some("29:0"));
         }
     }
+    // Without the limit the target is kept, however full.
+    let (row, e) = capacity_decision(&policy(RESPECT), &rows, &request().target(A, None));
+    assert_eq!(row, at(A, 0));
+    assert_eq!(e.reason, "soft_affinity_target");
+    // Kept when G's row would overfill too (every row is over): nothing better to go to.
+    let full = [
+        (booked(A, 8.0, 3, 95), 100.0),
+        (booked(B, 0.0, 0, 95), 100.0),
+    ];
+    let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &full, &request().target(A, None));
+    assert_eq!(row, at(A, 0));
+    assert_eq!(e.reason, "soft_affinity_target");
+    assert_eq!(e.get_label("soft_affinity"), Some("kept"));
+    // Kept when the target's row has room, however full another row is.
+    let room = [
+        (booked(A, 8.0, 3, 50), 100.0),
+        (booked(B, 0.0, 0, 0), 100.0),
+    ];
+    let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &room, &request().target(A, None));
+    assert_eq!(row, at(A, 0));
+    assert_eq!(e.reason, "soft_affinity_target");
     // G over all rows does move it: a new session (no target yet) goes to B.
     let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &rows, &request());
     assert_eq!(row, at(B, 0));
