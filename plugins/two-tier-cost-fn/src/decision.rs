@@ -372,23 +372,34 @@ fn scan<O: LoadOrder>(
     })
 }
 
-/// The least-loaded row (by the load order in force) of those where `in_set` holds that would
-/// not pass `limit` of its KV capacity with `request_blocks` more; `None` if every one would.
-/// A second pass, run only when the cache tier's row is over: the common decision never pays
-/// for it.
+/// The least-loaded row (by `params.load_signal`) of those where `in_set` holds that would not
+/// pass `limit` of its KV capacity with `request_blocks` more; `None` if every one would. A
+/// second pass, run only when the cache tier's row is over: the common decision never pays for
+/// it.
 #[cold]
 #[inline(never)]
-fn least_loaded_with_room<O: LoadOrder>(
+fn least_loaded_with_room(
+    params: &ResolvedParams,
     cols: &Columns<'_>,
-    weight: f64,
     prompt: Prompt,
     in_set: &impl Fn(RowId) -> bool,
     request_blocks: u64,
     limit: f64,
 ) -> Option<usize> {
+    // Both orders as one key: `(active, row)` orders as `(active, 0, row)`.
+    let key = |i: usize| {
+        let eff = cols.effective_overlap(i, params.host_cache_weight);
+        match params.load_signal {
+            LoadSignal::ActiveRequests => {
+                let (active, row) = ByActive::key(cols, i, eff, prompt);
+                (active, 0, row)
+            }
+            LoadSignal::PrefillBacklog => ByBacklog::key(cols, i, eff, prompt),
+        }
+    };
     (0..cols.len())
         .filter(|&i| in_set(cols.row(i)) && !cols.over_kv_capacity(i, request_blocks, limit))
-        .min_by_key(|&i| O::key(cols, i, cols.effective_overlap(i, weight), prompt))
+        .min_by_key(|&i| key(i))
 }
 
 /// Run the load tier, then the cache tier, over the rows where `in_set` holds. The predicate is
@@ -423,24 +434,7 @@ pub fn run_tiers(
     } else if cache_ratio > params.cache_threshold {
         let with_room = match params.kv_capacity_limit {
             Some(limit) if cols.over_kv_capacity(scan.best_row, request_blocks, limit) => {
-                match params.load_signal {
-                    LoadSignal::ActiveRequests => least_loaded_with_room::<ByActive>(
-                        cols,
-                        params.host_cache_weight,
-                        prompt,
-                        &in_set,
-                        request_blocks,
-                        limit,
-                    ),
-                    LoadSignal::PrefillBacklog => least_loaded_with_room::<ByBacklog>(
-                        cols,
-                        params.host_cache_weight,
-                        prompt,
-                        &in_set,
-                        request_blocks,
-                        limit,
-                    ),
-                }
+                least_loaded_with_room(params, cols, prompt, &in_set, request_blocks, limit)
             }
             _ => None,
         };

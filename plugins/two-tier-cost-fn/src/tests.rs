@@ -781,23 +781,18 @@ fn kv_capacity_limit_releases_a_target_whose_row_would_overfill() {
     let (row, e) = capacity_decision(&policy(RESPECT), &rows, &request().target(A, None));
     assert_eq!(row, at(A, 0));
     assert_eq!(e.reason, "soft_affinity_target");
-    // Kept when G's row would overfill too (every row is over): nothing better to go to.
-    let full = [
-        (booked(A, 8.0, 3, 95), 100.0),
-        (booked(B, 0.0, 0, 95), 100.0),
-    ];
-    let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &full, &request().target(A, None));
-    assert_eq!(row, at(A, 0));
-    assert_eq!(e.reason, "soft_affinity_target");
-    assert_eq!(e.get_label("soft_affinity"), Some("kept"));
-    // Kept when the target's row has room, however full another row is.
-    let room = [
-        (booked(A, 8.0, 3, 50), 100.0),
-        (booked(B, 0.0, 0, 0), 100.0),
-    ];
-    let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &room, &request().target(A, None));
-    assert_eq!(row, at(A, 0));
-    assert_eq!(e.reason, "soft_affinity_target");
+    // Kept when G's row would overfill too (every row is over: nothing better to go to), and
+    // while the target's row has room.
+    for (a_booked, b_booked) in [(95, 95), (50, 0)] {
+        let rows = [
+            (booked(A, 8.0, 3, a_booked), 100.0),
+            (booked(B, 0.0, 0, b_booked), 100.0),
+        ];
+        let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &rows, &request().target(A, None));
+        assert_eq!(row, at(A, 0), "A {a_booked}, B {b_booked}");
+        assert_eq!(e.reason, "soft_affinity_target");
+        assert_eq!(e.get_label("soft_affinity"), Some("kept"));
+    }
     // G over all rows does move it: a new session (no target yet) goes to B.
     let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &rows, &request());
     assert_eq!(row, at(B, 0));
