@@ -182,6 +182,7 @@ impl Host {
             clock: Some(clock),
             id_tag: redis.as_ref().map_or(0, |r| r.id_tag()),
             drain_stall: Some(router.longest_hang_after()),
+            decode_booking: config.booking.decode,
         };
         let core = RoutingCore::new(router.clone(), cluster, settings);
         Host {

@@ -26,9 +26,11 @@ const THREADS: u64 = 4;
 const OPS: u64 = 1_500;
 const SESSIONS: u64 = 64;
 
-fn host() -> Host {
+/// The host under test; `booking` is its `booking` mapping.
+fn host(booking: &str) -> Host {
     let yaml = format!(
-        "plugins: [{{path: {}}}]\n\
+        "booking: {booking}\n\
+         plugins: [{{path: {}}}]\n\
          worker_selection:\n  aggregated: t\n  instances:\n    - {{name: t, type: dynamo-two-tier-cost-fn, parameters: {{respect_soft_affinity: true}}}}\n\
          session_affinity: {{mode: soft, ttl_secs: 3600}}\n\
          policy_classes:\n  - {{name: default, prefill_busy_threshold: 1500}}\n",
@@ -64,7 +66,18 @@ fn record(seen: &mut Seen, routed: &router_host::host::Routed, session: Option<&
 
 #[test]
 fn many_threads_route_complete_cancel_and_change_workers_without_losing_anything() {
-    let host = Arc::new(host());
+    stress("{}");
+}
+
+/// The same with each prompt block booked once per row: the per-row block counts are kept
+/// under the same locks as the bookings, so they must empty exactly as the ledger does.
+#[test]
+fn deduplicated_decode_booking_loses_nothing_under_threads_either() {
+    stress("{decode: deduplicated}");
+}
+
+fn stress(booking: &str) {
+    let host = Arc::new(host(booking));
     let start = Arc::new(Barrier::new(THREADS as usize));
     let removed_in_flight = Arc::new(Mutex::new(BTreeSet::new()));
     let draining = Arc::new(AtomicBool::new(false));
@@ -241,6 +254,7 @@ fn many_threads_route_complete_cancel_and_change_workers_without_losing_anything
 
     // Nothing booked anywhere, nothing in flight, nothing waiting.
     assert_eq!(core.in_flight(), 0);
+    assert_eq!(core.held_blocks(), (0, 0));
     let topology = core.topology();
     for (row, _) in topology.rows() {
         assert_eq!(core.booked(row), RowLoad::default(), "row {row:?}");

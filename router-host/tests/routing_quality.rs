@@ -1,4 +1,5 @@
-//! Routing quality settings (issue 12): `booking.prefill`, `default_selector.overlap_credit` and
+//! Routing quality settings (issue 12): `booking.prefill`, `booking.decode`,
+//! `default_selector.overlap_credit` and
 //! `default_selector.tie_break`: how they parse, how bad values are refused, and what they do to
 //! real bookings, admission, decisions and a replay.
 
@@ -6,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use router_host::config::{PrefillBooking, RouterConfig, TieBreak};
+use router_host::config::{DecodeBooking, PrefillBooking, RouterConfig, TieBreak};
 use router_host::host::{Host, NoOverlap, Submitted};
 use router_host::kv_index::{KvEventKind, Tier};
 use router_host::loader::SearchPath;
@@ -62,11 +63,13 @@ const UNCACHED: &str = "block_size: 16\nbooking:\n  prefill: uncached\n";
 fn new_keys_parse_and_default_to_the_old_behaviour() {
     let defaults = parse("{}");
     assert_eq!(defaults.booking.prefill, PrefillBooking::Prompt);
+    assert_eq!(defaults.booking.decode, DecodeBooking::Prompt);
     assert_eq!(defaults.default_selector.overlap_credit, 1.0);
     assert_eq!(defaults.default_selector.tie_break, TieBreak::LowestRow);
     for empty in [
         "booking:\n",
         "booking: {prefill: ~}\n",
+        "booking: {prefill: ~, decode: ~}\n",
         "default_selector: {tie_break: ~, overlap_credit: ~}\n",
     ] {
         assert_eq!(parse(empty), defaults, "{empty}");
@@ -81,6 +84,13 @@ fn new_keys_parse_and_default_to_the_old_behaviour() {
     assert_eq!(
         parse("booking: {prefill: prompt}\n").booking.prefill,
         PrefillBooking::Prompt
+    );
+    let decode = parse("booking:\n  decode: deduplicated\n").booking;
+    assert_eq!(decode.decode, DecodeBooking::Deduplicated);
+    assert_eq!(decode.prefill, PrefillBooking::Prompt);
+    assert_eq!(
+        parse("booking: {decode: prompt}\n").booking.decode,
+        DecodeBooking::Prompt
     );
 }
 
@@ -97,7 +107,15 @@ fn bad_values_name_the_key_and_the_line() {
         ),
         (
             "booking:\n  prefil: uncached\n",
-            "line 2 column 3: booking: unknown field `prefil`, expected `prefill`",
+            "line 2 column 3: booking: unknown field `prefil`, expected `prefill` or `decode`",
+        ),
+        (
+            "booking:\n  prefill: uncached\n  decode: distinct\n",
+            "line 3 column 11: booking.decode: unknown variant `distinct`, expected `prompt` or `deduplicated`",
+        ),
+        (
+            "booking:\n  decode: {deduplicated: true}\n",
+            "line 2 column 11: booking.decode: invalid type: map, expected `prompt` or `deduplicated`",
         ),
         (
             "booking: uncached\n",
@@ -192,6 +210,105 @@ fn uncached_booking_books_only_what_the_row_computes() {
         assert!(core.complete(routed.id));
         assert_eq!(core.booked(row(1)), RowLoad::default());
     }
+}
+
+#[test]
+fn deduplicated_decode_booking_counts_each_block_once_per_row() {
+    let yaml = "block_size: 16\nbooking: {decode: deduplicated}\n";
+    let host = host(yaml, vec![Worker::new(1).with_ranks(0, 2)]);
+    let core = host.core();
+    let rank = |dp_rank| RowId {
+        worker_id: 1,
+        dp_rank,
+    };
+    let decode = |r| core.booked(r).decode_blocks;
+    // A 10-block prompt whose 11th block is partial: 11 ids.
+    let first = Request {
+        pinned_worker: Some(rank(0)),
+        ..prompt(100, 10, 4)
+    };
+    let a = core.route_indexed(&first, false).unwrap().id;
+    assert_eq!(decode(rank(0)), 11);
+    // The same first 8 blocks, then 4 of its own: 4 more on the row.
+    let shared = Request {
+        pinned_worker: Some(rank(0)),
+        blocks: (100..108).chain(500..504).collect(),
+        isl_tokens: 12 * 16,
+        ..Request::default()
+    };
+    let b = core.route_indexed(&shared, false).unwrap().id;
+    assert_eq!(decode(rank(0)), 15);
+    // Another rank holds its own copy.
+    let elsewhere = Request {
+        pinned_worker: Some(rank(1)),
+        ..shared.clone()
+    };
+    let c = core.route_indexed(&elsewhere, false).unwrap().id;
+    assert_eq!(decode(rank(1)), 12);
+    // Without ids every block is its own (as in `prompt` mode); a request naming fewer blocks
+    // than its prompt has books the rest as its own too.
+    let anonymous = Request {
+        pinned_worker: Some(rank(0)),
+        isl_tokens: 5 * 16,
+        ..Request::default()
+    };
+    let d = core.route_indexed(&anonymous, false).unwrap().id;
+    assert_eq!(decode(rank(0)), 20);
+    let partly = Request {
+        pinned_worker: Some(rank(0)),
+        blocks: vec![100, 101],
+        isl_tokens: 6 * 16,
+        ..Request::default()
+    };
+    let e = core.route_indexed(&partly, false).unwrap().id;
+    assert_eq!(decode(rank(0)), 24);
+    // Blocks held on the two ranks, and the requests holding them (d names none).
+    assert_eq!(core.held_blocks(), (15 + 12, 4));
+    // Releases: a block goes with the last request holding it, whatever the order.
+    assert!(core.complete(a));
+    assert_eq!(decode(rank(0)), 24 - 3, "blocks 108..111 were a's alone");
+    assert!(core.complete(e));
+    assert_eq!(
+        decode(rank(0)),
+        21 - 4,
+        "e's own 4; 100 and 101 are still b's"
+    );
+    core.finish(d, plugin_api::abi::CompletionCode::FAILED);
+    assert_eq!(decode(rank(0)), 12);
+    assert!(core.complete(b));
+    assert!(core.complete(c));
+    assert_eq!(core.booked(rank(0)), RowLoad::default());
+    assert_eq!(core.booked(rank(1)), RowLoad::default());
+    assert_eq!(core.held_blocks(), (0, 0));
+    // The default mode books every request's whole prompt.
+    let host = self::host("block_size: 16\n", vec![Worker::new(1)]);
+    let core = host.core();
+    core.route_indexed(&prompt(100, 10, 4), false).unwrap();
+    core.route_indexed(&prompt(100, 10, 4), false).unwrap();
+    assert_eq!(core.booked(row(1)).decode_blocks, 22);
+    assert_eq!(core.held_blocks(), (0, 0));
+}
+
+#[test]
+fn a_removed_workers_held_blocks_go_with_it() {
+    let yaml = "block_size: 16\nbooking: {decode: deduplicated}\n";
+    let host = host(yaml, vec![Worker::new(1), Worker::new(2)]);
+    let core = host.core();
+    let on = |w: u64| Request {
+        pinned_worker: Some(row(w)),
+        ..prompt(0, 4, 0)
+    };
+    core.route_indexed(&on(1), false).unwrap();
+    let kept = core.route_indexed(&on(2), false).unwrap().id;
+    assert_eq!(core.held_blocks(), (8, 2));
+    core.remove_worker(1).unwrap();
+    assert_eq!(core.held_blocks(), (4, 1));
+    // A worker joining later on the freed slot starts from nothing.
+    core.add_worker(Worker::new(3)).unwrap();
+    core.route_indexed(&on(3), false).unwrap();
+    assert_eq!(core.booked(row(3)).decode_blocks, 4);
+    assert!(core.complete(kept));
+    assert_eq!(core.booked(row(2)), RowLoad::default());
 }
 
 #[test]

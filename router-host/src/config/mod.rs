@@ -67,8 +67,10 @@ pub use sessions::{
     SessionStoreConfig,
 };
 pub use workers::{KvEventsConfig, WorkerConfig, MAX_DP_SIZE};
-// `booking.prefill` is the core's own mode; `default_selector.tie_break` the built-in's.
+// `booking.prefill` and `booking.decode` are the core's own modes; `default_selector.tie_break`
+// the built-in's.
 pub use crate::builtin::TieBreak;
+pub use router_core::ledger::DecodeBooking;
 pub use router_core::select::PrefillBooking;
 
 use admission::RawPolicyClass;
@@ -80,7 +82,7 @@ use numbers::{de_block_size, de_weight};
 use plugins::RawPlugin;
 use serve::RawServe;
 use sessions::RawSessionAffinity;
-use strings::{de_prefill_booking, de_tie_break};
+use strings::{de_decode_booking, de_prefill_booking, de_tie_break};
 use workers::RawWorker;
 
 /// The instance name reserved for the built-in selector (docs/configuration.md, `default`).
@@ -213,6 +215,9 @@ impl Default for DefaultSelectorConfig {
 pub struct BookingConfig {
     /// Prompt tokens booked as pending prefill: the whole prompt (default) or its uncached part.
     pub prefill: PrefillBooking,
+    /// Prompt blocks booked as KV held while decoding: every request's whole prompt (default), or
+    /// each block id once per row.
+    pub decode: DecodeBooking,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -339,6 +344,8 @@ struct RawDefaultSelector {
 struct RawBooking {
     #[serde(default, deserialize_with = "de_prefill_booking")]
     prefill: Option<PrefillBooking>,
+    #[serde(default, deserialize_with = "de_decode_booking")]
+    decode: Option<DecodeBooking>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -383,7 +390,12 @@ impl Builder<'_> {
             })
             .unwrap_or_default();
         let booking = BookingConfig {
-            prefill: raw.booking.and_then(|b| b.prefill).unwrap_or_default(),
+            prefill: raw
+                .booking
+                .as_ref()
+                .and_then(|b| b.prefill)
+                .unwrap_or_default(),
+            decode: raw.booking.and_then(|b| b.decode).unwrap_or_default(),
         };
         let plugins = self.plugins(raw.plugins.unwrap_or_default())?;
         let worker_selection = self.worker_selection(raw.worker_selection)?;

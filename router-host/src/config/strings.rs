@@ -8,7 +8,8 @@ use serde::Deserializer;
 
 use super::error::excerpt;
 use super::{
-    AdmissionMode, AffinityMode, OnError, PrefillBooking, TieBreak, DEFAULT_INSTANCE, MAX_NAME_LEN,
+    AdmissionMode, AffinityMode, DecodeBooking, OnError, PrefillBooking, TieBreak,
+    DEFAULT_INSTANCE, MAX_NAME_LEN,
 };
 
 /// A settings enum written as a plain string: its spellings and the value of each. The
@@ -43,7 +44,13 @@ macro_rules! spelled_in_core {
     )+};
 }
 
-spelled_in_core!(AdmissionMode, AffinityMode, PrefillBooking, TieBreak);
+spelled_in_core!(
+    AdmissionMode,
+    AffinityMode,
+    DecodeBooking,
+    PrefillBooking,
+    TieBreak
+);
 
 /// Accepts a unit variant of `T` written as a plain string; null means "absent" unless
 /// `required`. Without it, `serde_yaml` reports a sequence or mapping given for an enum as
@@ -108,6 +115,12 @@ pub(super) fn de_prefill_booking<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<PrefillBooking>, D::Error> {
     de_variant(d, "`prompt` or `uncached`", false)
+}
+
+pub(super) fn de_decode_booking<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<DecodeBooking>, D::Error> {
+    de_variant(d, "`prompt` or `deduplicated`", false)
 }
 
 pub(super) fn de_tie_break<'de, D: Deserializer<'de>>(d: D) -> Result<Option<TieBreak>, D::Error> {

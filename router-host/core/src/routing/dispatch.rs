@@ -15,7 +15,7 @@ use super::{
 };
 use crate::admission::{AdmissionMode, LaneKey, Ticket};
 use crate::eligibility::{check_pin, eligible_rows};
-use crate::ledger::Charge;
+use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{OverlapSource, Request, RowId};
 use crate::select::{Decision, Scratch, Selection};
 use crate::sessions::{BindingMode, Lease, SessionError};
@@ -432,7 +432,15 @@ impl RoutingCore {
             Some(id) => id,
             None => Self::draw_id(&mut shard, index),
         };
-        self.ledger.book(slot, charge);
+        let charge = match self.decode_booking {
+            DecodeBooking::Prompt => {
+                self.ledger.book(slot, charge);
+                charge
+            }
+            DecodeBooking::Deduplicated => {
+                hold_prompt(&self.ledger, &mut shard, id, slot, request, charge)
+            }
+        };
         shard.bookings.insert(
             id,
             Booking {
@@ -652,6 +660,36 @@ impl OwedHook {
     pub fn instance(&self) -> crate::select::InstanceId {
         self.booking.instance
     }
+}
+
+/// Book `charge` on `slot` with its prompt blocks counted once per slot
+/// ([`DecodeBooking::Deduplicated`], docs/routing-contract.md §7): the ledger gets the blocks
+/// the slot did not hold yet plus those the request's ids do not name; the booking keeps the
+/// latter as its charge, the shard the ids it holds. Out of line: the default mode never runs it.
+#[inline(never)]
+fn hold_prompt(
+    ledger: &Ledger,
+    shard: &mut Shard,
+    id: RequestId,
+    slot: Slot,
+    request: &Request,
+    charge: Charge,
+) -> Charge {
+    let unnamed = Charge {
+        decode_blocks: charge
+            .decode_blocks
+            .saturating_sub(request.blocks.len() as u64),
+        ..charge
+    };
+    let new = shard.held.hold(id, slot, &request.blocks);
+    ledger.book(
+        slot,
+        Charge {
+            decode_blocks: unnamed.decode_blocks.saturating_add(new),
+            ..charge
+        },
+    );
+    unnamed
 }
 
 #[cfg(test)]

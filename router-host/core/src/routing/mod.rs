@@ -29,6 +29,7 @@
 //! shard, then in-flight shard.
 
 mod dispatch;
+mod held;
 mod queue;
 mod signals;
 mod workers;
@@ -46,11 +47,12 @@ use crate::admission::{AdmissionStats, ClassSpec, Lanes};
 use crate::eligibility::EligibilityError;
 use crate::fast_hash::FastMap;
 use crate::kv_index::KvIndex;
-use crate::ledger::{Charge, Ledger};
+use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{Cluster, RowId, RowLoad};
 use crate::select::{Decision, InstanceId, SelectError, Selector};
 use crate::sessions::{Clock, DispatchOutcome, SessionError, SessionStore, SystemClock};
 use crate::topology::{Slot, SlotAllocator, Topology};
+use held::HeldBlocks;
 
 pub use dispatch::{OwedHook, Submitted};
 pub use queue::Drained;
@@ -144,6 +146,8 @@ pub struct CoreSettings {
     /// without it (its policy call is taken to be hung); [`DEFAULT_DRAIN_STALL`] when `None`.
     /// Set it to the longest time after which the caller's watchdog declares a call hung.
     pub drain_stall: Option<Duration>,
+    /// How prompts are booked as KV blocks (`decode_blocks`, docs/routing-contract.md §7).
+    pub decode_booking: DecodeBooking,
 }
 
 /// The watchdog's default hang limit (router-host's `hang_after_ms`).
@@ -156,6 +160,8 @@ struct Booking {
     slot: Slot,
     /// The instance configured for the request (told about dispatch and completion).
     instance: InstanceId,
+    /// What releasing it gives back; for [`DecodeBooking::Deduplicated`] `decode_blocks` is
+    /// only the part its block ids do not name, the rest being what its held ids free.
     charge: Charge,
     session: Option<Arc<str>>,
     /// Whether the session store counts this request in flight (release it on completion).
@@ -169,6 +175,8 @@ const SHARDS: usize = 1 << SHARD_BITS;
 #[derive(Debug, Default)]
 struct Shard {
     bookings: FastMap<RequestId, Booking>,
+    /// The prompt blocks held on the shard's slots ([`DecodeBooking::Deduplicated`] only).
+    held: HeldBlocks,
     drawn: u64,
     /// The replica tag, already shifted into place (the same in every shard).
     tag: u64,
@@ -203,6 +211,7 @@ pub struct RoutingCore {
     /// its cached snapshot, and a booking its decision's, with one plain load.
     generation: AtomicU64,
     clock: Arc<dyn Clock>,
+    decode_booking: DecodeBooking,
 }
 
 /// Topology publications, numbered across the process so that a thread's cached snapshot can
@@ -251,6 +260,7 @@ impl RoutingCore {
             callers: std::array::from_fn(|_| CachePadded::new(Mutex::new(FastMap::default()))),
             generation: AtomicU64::new(generation),
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
+            decode_booking: settings.decode_booking,
         }
     }
 
@@ -310,6 +320,16 @@ impl RoutingCore {
         self.inflight.iter().map(|s| lock(s).bookings.len()).sum()
     }
 
+    /// Distinct prompt blocks held by requests in flight, summed over rows, and the requests
+    /// holding them (always 0 unless [`DecodeBooking::Deduplicated`]); for invariant checks:
+    /// both 0 once nothing is in flight.
+    pub fn held_blocks(&self) -> (usize, usize) {
+        self.inflight
+            .iter()
+            .map(|s| lock(s).held.totals())
+            .fold((0, 0), |(b, r), (sb, sr)| (b + sb, r + sr))
+    }
+
     pub fn admission_stats(&self) -> AdmissionStats {
         lock(&self.queues).stats
     }
@@ -355,7 +375,12 @@ impl RoutingCore {
     fn take_booking(&self, id: RequestId) -> Option<Booking> {
         let release = |shard: &mut Shard| {
             let booking = shard.bookings.remove(&id)?;
-            self.ledger.release(booking.slot, booking.charge);
+            let mut charge = booking.charge;
+            if self.decode_booking == DecodeBooking::Deduplicated {
+                let freed = shard.held.release(id, booking.slot);
+                charge.decode_blocks = charge.decode_blocks.saturating_add(freed);
+            }
+            self.ledger.release(booking.slot, charge);
             Some(booking)
         };
         if id & DRAWN_ID_BIT != 0 {

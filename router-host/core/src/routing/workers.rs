@@ -5,7 +5,10 @@ use std::sync::Arc;
 
 use plugin_api::abi::CompletionCode;
 
-use super::{lock, next_generation, write, Booking, RequestId, RoutingCore, DRAWN_ID_BIT, SHARDS};
+use super::{
+    lock, next_generation, shard_of_slot, write, Booking, RequestId, RoutingCore, DRAWN_ID_BIT,
+    SHARDS,
+};
 use crate::kv_index::{KvEvent, KvEventKind, Tier};
 use crate::model::{RowId, Worker};
 use crate::topology::{MembershipError, Topology};
@@ -113,6 +116,7 @@ impl RoutingCore {
                     .collect();
                 for id in ids {
                     if let Some(booking) = shard.bookings.remove(&id) {
+                        shard.held.forget_request(id);
                         if id & DRAWN_ID_BIT == 0 {
                             directories[(id % SHARDS as u64) as usize].remove(&id);
                         }
@@ -123,6 +127,7 @@ impl RoutingCore {
             let mut kv = write(&self.kv);
             for &slot in &freed {
                 self.ledger.reset(slot);
+                shards[shard_of_slot(slot)].held.forget(slot);
                 cached_blocks += kv.clear_row(slot);
             }
             drop(kv);
