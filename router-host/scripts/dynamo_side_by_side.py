@@ -58,7 +58,28 @@ OUR_CONFIGS = [
 # lowest-row ties): what examples/replay/default.yaml was before issue 12.
 GENERATED_CONFIGS = {
     "default (host defaults)": ("host-defaults.yaml", "worker_selection:\n  aggregated: default\n"),
+    # --booking-variants: the same with Dynamo's decode booking, then with all of Dynamo's
+    # booking (prefill as isl - cached overlap too), and default.yaml with deduplicated decode.
+    "default (host defaults, decode deduplicated)": (
+        "host-defaults-decode-deduplicated.yaml",
+        "booking:\n  decode: deduplicated\nworker_selection:\n  aggregated: default\n",
+    ),
+    "default (host defaults, Dynamo's booking)": (
+        "host-defaults-dynamo-booking.yaml",
+        "booking:\n  prefill: uncached\n  decode: deduplicated\nworker_selection:\n  aggregated: default\n",
+    ),
+    "default, decode deduplicated": (
+        "default-decode-deduplicated.yaml",
+        "booking:\n  prefill: uncached\n  decode: deduplicated\ndefault_selector:\n  prefill_load_scale: 20\n"
+        "  overlap_credit: 1.5\n  tie_break: spread\nworker_selection:\n  aggregated: default\n",
+    ),
 }
+# Added by --booking-variants, after the default list.
+BOOKING_VARIANTS = [
+    ("default (host defaults, decode deduplicated)", None),
+    ("default (host defaults, Dynamo's booking)", None),
+    ("default, decode deduplicated", None),
+]
 
 
 class Fail(Exception):
@@ -455,6 +476,8 @@ def run_ours(exe: Path, a, work: Path, timeout_s: float, nice: int) -> tuple[dic
 
 def our_configs(a) -> list[tuple[str, str]]:
     configs = [] if a.no_default_configs else list(OUR_CONFIGS)
+    if a.booking_variants:
+        configs += BOOKING_VARIANTS
     for extra in a.config or []:
         p = Path(extra).expanduser().resolve()
         configs.append((p.stem, str(p)))
@@ -620,6 +643,9 @@ def parse_args(argv):
                    help="an extra router-host config to run (repeatable), after " + ", ".join(l for l, _ in OUR_CONFIGS))
     p.add_argument("--no-default-configs", action="store_true",
                    help="run only the --config files on our side, not the built-in list")
+    p.add_argument("--booking-variants", action="store_true",
+                   help="also run the built-in default with booking.decode: deduplicated, with Dynamo's whole "
+                        "booking model (prefill: uncached too), and default.yaml with deduplicated decode")
     p.add_argument("--dynamo-variant", action="append", metavar="NAME=JSON",
                    help="an extra Dynamo KV-router run with KvRouterConfig(**JSON) (repeatable), e.g. "
                         "'no-reuse={\"router_assume_kv_reuse\": false}'")
