@@ -4,8 +4,10 @@
 //! following it to one engine once that engine's booked blocks would pass its capacity. Without
 //! the limit the same requests all go to the engine that cached the prefix. With soft session
 //! affinity the same holds for a session bound to that engine: the limit releases its binding
-//! once the engine is booked full. The engines are the real `router-host mock-engine` binary;
-//! the requests stay in flight (long streams) so that their bookings add up.
+//! once the engine is booked full. With `booking.decode: deduplicated` the shared prefix is
+//! booked once per engine, so the same requests fit. The engines are the real
+//! `router-host mock-engine` binary; the requests stay in flight (long streams) so that their
+//! bookings add up.
 
 mod common;
 
@@ -49,7 +51,14 @@ enum Sessions {
     One,
 }
 
-fn yaml(m1: &Mock, m2: &Mock, limit: Option<f64>, sessions: Sessions) -> String {
+/// How the router books prompt blocks (`booking.decode`).
+#[derive(Clone, Copy)]
+enum Decode {
+    Prompt,
+    Deduplicated,
+}
+
+fn yaml(m1: &Mock, m2: &Mock, limit: Option<f64>, sessions: Sessions, decode: Decode) -> String {
     let limit = limit.map_or(String::new(), |l| format!(", kv_capacity_limit: {l}"));
     let (respect, affinity) = match sessions {
         Sessions::None => ("", ""),
@@ -58,8 +67,12 @@ fn yaml(m1: &Mock, m2: &Mock, limit: Option<f64>, sessions: Sessions) -> String 
             "session_affinity: {mode: soft, ttl_secs: 600}\n",
         ),
     };
+    let decode = match decode {
+        Decode::Prompt => "prompt",
+        Decode::Deduplicated => "deduplicated",
+    };
     let mut out = format!(
-        "block_size: {BLOCK}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: tt\n  \
+        "block_size: {BLOCK}\nbooking: {{decode: {decode}}}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: tt\n  \
          instances:\n    - name: tt\n      type: dynamo-two-tier-cost-fn\n      \
          parameters: {{load_signal: active_requests{limit}{respect}}}\n{affinity}\
          serve:\n  health:\n    interval_ms: 100\n  tokenizer: remote\nworkers:\n",
@@ -83,6 +96,14 @@ fn prompt(n: u32, own: u32) -> Vec<u32> {
         .collect()
 }
 
+/// What [`route_in_turn`] saw.
+struct Routed {
+    /// Per request: (worker, policy reason, session outcome).
+    seen: Vec<(String, String, String)>,
+    /// `router_booked_decode_blocks` per worker (1, 2) with every stream still open.
+    booked: (f64, f64),
+}
+
 /// For each of `n` requests of 10 blocks (the shared 8 and 2 of their own), sent one after the
 /// other while the earlier ones stream: (worker, policy reason, session outcome). The prefix is
 /// cached on worker 1 first, and the router has learned both capacities.
@@ -90,10 +111,11 @@ async fn route_in_turn(
     test: &str,
     limit: Option<f64>,
     sessions: Sessions,
+    decode: Decode,
     n: u32,
-) -> Vec<(String, String, String)> {
+) -> Routed {
     let (m1, m2) = (mock(), mock());
-    let router = Router::start(test, &yaml(&m1, &m2, limit, sessions)).await;
+    let router = Router::start(test, &yaml(&m1, &m2, limit, sessions, decode)).await;
     m1.sync(&router, 1, 0).await;
     m2.sync(&router, 2, 0).await;
     let capacity = |id: u64| {
@@ -151,9 +173,12 @@ async fn route_in_turn(
         // Kept open: its booking stays until the stream ends.
         streams.push(response);
     }
+    let booked =
+        |id: u64| router.metric(&format!("router_booked_decode_blocks{{worker=\"{id}\"}}"));
+    let booked = (booked(1), booked(2));
     drop(streams);
     router.stop().await;
-    seen
+    Routed { seen, booked }
 }
 
 fn seen(worker: &str, reason: &str, session: &str) -> (String, String, String) {
@@ -166,16 +191,49 @@ const CACHE: &str = "cache_tier_least_loaded_among_max_overlap";
 async fn new_requests_stop_following_a_cached_prefix_onto_a_full_engine() {
     // 10 booked blocks each against 64: six fit on worker 1, the seventh would make 70.
     let over = "cache_row_over_kv_capacity_least_loaded";
-    let got = route_in_turn("kv_capacity_limit", Some(1.0), Sessions::None, 7).await;
+    let got = route_in_turn(
+        "kv_capacity_limit",
+        Some(1.0),
+        Sessions::None,
+        Decode::Prompt,
+        7,
+    )
+    .await;
     let mut expected = vec![seen("1", CACHE, "-"); 6];
     expected.push(seen("2", over, "-"));
-    assert_eq!(got, expected);
+    assert_eq!(got.seen, expected);
+    assert_eq!(got.booked, (60.0, 10.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_deduplicated_booking_the_shared_prefix_counts_once_and_requests_fit() {
+    // Worker 1 holds the shared 8 blocks once and 2 of each request's own: 8 + 2 x 7 = 22 of
+    // 64 with all seven in flight (the engine reserves the prefix once too), so the cache tier
+    // keeps every one of them there.
+    let got = route_in_turn(
+        "kv_capacity_dedup",
+        Some(1.0),
+        Sessions::None,
+        Decode::Deduplicated,
+        7,
+    )
+    .await;
+    assert_eq!(got.seen, vec![seen("1", CACHE, "-"); 7]);
+    assert_eq!(got.booked, (22.0, 0.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_limit_every_request_follows_the_cached_prefix() {
-    let got = route_in_turn("kv_capacity_no_limit", None, Sessions::None, 7).await;
-    assert_eq!(got, vec![seen("1", CACHE, "-"); 7]);
+    let got = route_in_turn(
+        "kv_capacity_no_limit",
+        None,
+        Sessions::None,
+        Decode::Prompt,
+        7,
+    )
+    .await;
+    assert_eq!(got.seen, vec![seen("1", CACHE, "-"); 7]);
+    assert_eq!(got.booked, (70.0, 0.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,17 +241,31 @@ async fn a_session_bound_to_a_full_engine_is_released_to_one_with_room() {
     // The first request goes where the prefix is and binds the session there; the next five
     // keep the binding; the seventh would book 70 of worker 1's 64 blocks, so the binding is
     // released and moves with it to worker 2.
-    let got = route_in_turn("kv_capacity_session", Some(1.0), Sessions::One, 7).await;
+    let got = route_in_turn(
+        "kv_capacity_session",
+        Some(1.0),
+        Sessions::One,
+        Decode::Prompt,
+        7,
+    )
+    .await;
     let mut expected = vec![seen("1", CACHE, "created")];
     expected.extend(vec![seen("1", "soft_affinity_target", "kept"); 5]);
     expected.push(seen("2", "soft_affinity_released_kv_capacity", "moved"));
-    assert_eq!(got, expected);
+    assert_eq!(got.seen, expected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_limit_a_bound_session_stays_on_its_full_engine() {
-    let got = route_in_turn("kv_capacity_session_no_limit", None, Sessions::One, 7).await;
+    let got = route_in_turn(
+        "kv_capacity_session_no_limit",
+        None,
+        Sessions::One,
+        Decode::Prompt,
+        7,
+    )
+    .await;
     let mut expected = vec![seen("1", CACHE, "created")];
     expected.extend(vec![seen("1", "soft_affinity_target", "kept"); 6]);
-    assert_eq!(got, expected);
+    assert_eq!(got.seen, expected);
 }
