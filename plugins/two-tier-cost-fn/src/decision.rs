@@ -18,6 +18,12 @@ pub enum Tier {
     /// The cache tier fired, but its row would pass `kv_capacity_limit` of its KV capacity: the
     /// least-loaded row that would not.
     OverKvCapacity,
+    /// The load tier fired, but its row would pass `kv_capacity_limit`: the least-loaded row
+    /// that would not.
+    LoadImbalanceOverKvCapacity,
+    /// Neither tier fired, and the least-loaded row would pass `kv_capacity_limit`: the
+    /// least-loaded row that would not.
+    LeastLoadedOverKvCapacity,
 }
 
 impl Tier {
@@ -28,6 +34,18 @@ impl Tier {
             Tier::Cache => "cache_tier_least_loaded_among_max_overlap",
             Tier::LeastLoaded => "least_loaded_no_cache_winner",
             Tier::OverKvCapacity => "cache_row_over_kv_capacity_least_loaded",
+            Tier::LoadImbalanceOverKvCapacity => "load_imbalance_row_over_kv_capacity_least_loaded",
+            Tier::LeastLoadedOverKvCapacity => "least_loaded_row_over_kv_capacity_least_loaded",
+        }
+    }
+
+    /// The tier that replaced this one's row for being over `kv_capacity_limit`.
+    fn over_kv_capacity(self) -> Tier {
+        match self {
+            Tier::LoadImbalance => Tier::LoadImbalanceOverKvCapacity,
+            Tier::Cache => Tier::OverKvCapacity,
+            Tier::LeastLoaded => Tier::LeastLoadedOverKvCapacity,
+            replaced => replaced,
         }
     }
 }
@@ -432,18 +450,21 @@ pub fn run_tiers(
     let (row, tier) = if imbalanced {
         (scan.least_active, Tier::LoadImbalance)
     } else if cache_ratio > params.cache_threshold {
-        let with_room = match params.kv_capacity_limit {
-            Some(limit) if cols.over_kv_capacity(scan.best_row, request_blocks, limit) => {
-                least_loaded_with_room(params, cols, prompt, &in_set, request_blocks, limit)
-            }
-            _ => None,
-        };
-        match with_room {
-            Some(row) => (row, Tier::OverKvCapacity),
-            None => (scan.best_row, Tier::Cache),
-        }
+        (scan.best_row, Tier::Cache)
     } else {
         (scan.least_loaded, Tier::LeastLoaded)
+    };
+    // Whichever tier chose it, a row the request would overfill gives way to the least-loaded
+    // row with room, if there is one.
+    let with_room = match params.kv_capacity_limit {
+        Some(limit) if cols.over_kv_capacity(row, request_blocks, limit) => {
+            least_loaded_with_room(params, cols, prompt, &in_set, request_blocks, limit)
+        }
+        _ => None,
+    };
+    let (row, tier) = match with_room {
+        Some(room) => (room, tier.over_kv_capacity()),
+        None => (row, tier),
     };
     Some(TierDecision {
         row,

@@ -6,9 +6,9 @@
 //!    than `cache_threshold` of the prompt, pick the least-loaded row among the best-cached ones.
 //! 3. Otherwise pick the least-loaded row.
 //!
-//! With `kv_capacity_limit`, the cache tier gives way to the least-loaded row with room when its
-//! own row's KV cache would be over that fraction of its capacity, and a kept soft-affinity
-//! target whose row would be over is released.
+//! With `kv_capacity_limit`, the row any tier chose gives way to the least-loaded row with room
+//! when its KV cache would be over that fraction of its capacity, and a kept soft-affinity target
+//! whose row would be over is released.
 //!
 //! Ties always go to the lowest `(worker_id, dp_rank)`, so the row order the host uses never
 //! matters. With `respect_soft_affinity` the same rules run over the soft target's rows first

@@ -24,7 +24,7 @@ pub struct TwoTierParams {
     /// Absent: `balance_rel_threshold`.
     pub soft_affinity_gate_rel: Option<f64>,
     pub load_signal: LoadSignal,
-    /// Absent: the cache tier ignores KV capacity.
+    /// Absent: no tier looks at KV capacity.
     pub kv_capacity_limit: Option<f64>,
 }
 

@@ -677,15 +677,54 @@ fn load_tier_wins_before_the_capacity_rule() {
 }
 
 #[test]
-fn kv_capacity_limit_only_changes_the_cache_tier() {
-    // No cache winner (0.5 is not > 0.5): the least-loaded row is picked even over its limit.
+fn kv_capacity_limit_applies_to_the_least_loaded_tier_too() {
+    // No cache winner (0.5 is not > 0.5): the least-loaded row, A, would overfill (95 + 10 >
+    // 100), so the least-loaded row with room, B, takes the request.
     let rows = [
         (booked(A, 5.0, 0, 95), 100.0),
         (booked(B, 0.0, 4, 0), 100.0),
     ];
     let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
-    assert_eq!(row, at(A, 0));
-    assert_eq!(e.reason, "least_loaded_no_cache_winner");
+    assert_eq!(row, at(B, 0));
+    assert_eq!(e.reason, "least_loaded_row_over_kv_capacity_least_loaded");
+    assert_eq!(
+        e.get_label("tier"),
+        Some("least_loaded_row_over_kv_capacity_least_loaded")
+    );
+    // Without the limit, or with no row that has room, A keeps it.
+    let (row, e) = capacity_decision(&policy("{}"), &rows, &request());
+    assert_eq!(
+        (row, e.reason.as_str()),
+        (at(A, 0), "least_loaded_no_cache_winner")
+    );
+    let full = [
+        (booked(A, 5.0, 0, 95), 100.0),
+        (booked(B, 0.0, 4, 91), 100.0),
+    ];
+    let (row, e) = capacity_decision(&policy(LIMIT), &full, &request());
+    assert_eq!(
+        (row, e.reason.as_str()),
+        (at(A, 0), "least_loaded_no_cache_winner")
+    );
+}
+
+#[test]
+fn kv_capacity_limit_applies_to_the_load_tier_too() {
+    // Imbalanced (40 vs 0): the load tier takes the fewest-active row, B, but B would overfill;
+    // C, the least-loaded row with room, takes the request instead of A (40 active).
+    let rows = [
+        (booked(A, 0.0, 40, 0), 100.0),
+        (booked(B, 0.0, 0, 95), 100.0),
+        (booked(C, 0.0, 5, 0), 100.0),
+    ];
+    let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
+    assert_eq!(row, at(C, 0));
+    assert_eq!(e.reason, "load_imbalance_row_over_kv_capacity_least_loaded");
+    let (row, e) = capacity_decision(&policy("{}"), &rows, &request());
+    assert_eq!(
+        (row, e.reason.as_str()),
+        (at(B, 0), "load_imbalance_least_loaded")
+    );
 }
 
 #[test]
