@@ -43,40 +43,18 @@ impl Default for BuiltinSettings {
     }
 }
 
-/// How the built-in `default` breaks an exact tie between rows of equal cost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TieBreak {
-    /// The lowest `(worker_id, dp_rank)`: deterministic, but with idle rows every request lands
-    /// on the lowest ids.
-    #[default]
-    LowestRow,
-    /// The tied row that ranks first in an order drawn from the request (its prompt length,
-    /// block count and session id) and each row's id: the same request always breaks the same
-    /// way, whatever the row order, and different requests spread over the tied rows.
-    Spread,
-}
-
-impl TieBreak {
-    /// Every mode, in the order errors list their spellings.
-    pub const ALL: [TieBreak; 2] = [TieBreak::LowestRow, TieBreak::Spread];
-
-    /// The configuration spelling.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            TieBreak::LowestRow => "lowest_row",
-            TieBreak::Spread => "spread",
-        }
-    }
-
-    /// The mode spelled `name`.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.as_str() == name)
-    }
-}
-
-impl std::fmt::Display for TieBreak {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+router_core::spelled_enum! {
+    /// How the built-in `default` breaks an exact tie between rows of equal cost.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum TieBreak {
+        /// The lowest `(worker_id, dp_rank)`: deterministic, but with idle rows every request
+        /// lands on the lowest ids.
+        #[default]
+        LowestRow = "lowest_row",
+        /// The tied row that ranks first in an order drawn from the request (its prompt length,
+        /// block count and session id) and each row's id: the same request always breaks the
+        /// same way, whatever the row order, and different requests spread over the tied rows.
+        Spread = "spread",
     }
 }
 

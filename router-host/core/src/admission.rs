@@ -20,38 +20,16 @@ use std::time::{Duration, Instant};
 use crate::model::{Request, RowId, RowLoad};
 use crate::routing::{RouteError, Routed};
 
-/// How a policy class decides that a queued request may go (docs/routing-contract.md §8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum AdmissionMode {
-    /// Dispatch while any eligible row is under the threshold (a deferral signal, not a
-    /// reservation: the policy may still pick a busy row).
-    #[default]
-    AnyEligible,
-    /// Decide first; dispatch only if the chosen row is under the threshold.
-    ChosenRow,
-}
-
-impl AdmissionMode {
-    /// Every mode, in declaration order.
-    pub const ALL: [AdmissionMode; 2] = [AdmissionMode::AnyEligible, AdmissionMode::ChosenRow];
-
-    /// The YAML / metrics spelling.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            AdmissionMode::AnyEligible => "any_eligible",
-            AdmissionMode::ChosenRow => "chosen_row",
-        }
-    }
-
-    /// The mode spelled `name` (as [`Self::as_str`] writes it), if any.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
-    }
-}
-
-impl fmt::Display for AdmissionMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::spelled_enum! {
+    /// How a policy class decides that a queued request may go (docs/routing-contract.md §8).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub enum AdmissionMode {
+        /// Dispatch while any eligible row is under the threshold (a deferral signal, not a
+        /// reservation: the policy may still pick a busy row).
+        #[default]
+        AnyEligible = "any_eligible",
+        /// Decide first; dispatch only if the chosen row is under the threshold.
+        ChosenRow = "chosen_row",
     }
 }
 

@@ -72,42 +72,20 @@ pub struct Charge {
     pub decode_blocks: u64,
 }
 
-/// How a dispatched request's prompt is booked as KV blocks (`decode_blocks`,
-/// docs/routing-contract.md §7). The core applies it, under the lock that owns the row's slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DecodeBooking {
-    /// Every request books its whole prompt, `ceil(isl_tokens / block_size)` blocks, whatever
-    /// the row's other requests share with it (what every host before the mode did).
-    #[default]
-    Prompt,
-    /// A row's `decode_blocks` counts each prompt block id held by its in-flight requests once
-    /// (a shared system prompt is one copy, as in the engine's cache), plus, per request, the
-    /// blocks its ids do not name (the partial last block; all of them for a request sent
-    /// without block ids). Dynamo's router books decode load this way.
-    Deduplicated,
-}
-
-impl DecodeBooking {
-    /// Every mode, in the order errors list their spellings.
-    pub const ALL: [DecodeBooking; 2] = [DecodeBooking::Prompt, DecodeBooking::Deduplicated];
-
-    /// The configuration spelling.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            DecodeBooking::Prompt => "prompt",
-            DecodeBooking::Deduplicated => "deduplicated",
-        }
-    }
-
-    /// The mode spelled `name`.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.as_str() == name)
-    }
-}
-
-impl std::fmt::Display for DecodeBooking {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+crate::spelled_enum! {
+    /// How a dispatched request's prompt is booked as KV blocks (`decode_blocks`,
+    /// docs/routing-contract.md §7). The core applies it, under the lock that owns the row's slot.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum DecodeBooking {
+        /// Every request books its whole prompt, `ceil(isl_tokens / block_size)` blocks, whatever
+        /// the row's other requests share with it (what every host before the mode did).
+        #[default]
+        Prompt = "prompt",
+        /// A row's `decode_blocks` counts each prompt block id held by its in-flight requests
+        /// once (a shared system prompt is one copy, as in the engine's cache), plus, per
+        /// request, the blocks its ids do not name (the partial last block; all of them for a
+        /// request sent without block ids). Dynamo's router books decode load this way.
+        Deduplicated = "deduplicated",
     }
 }
 

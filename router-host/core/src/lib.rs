@@ -19,5 +19,6 @@ pub mod rng;
 pub mod routing;
 pub mod select;
 pub mod sessions;
+pub mod spelled;
 pub mod striped;
 pub mod topology;

@@ -51,35 +51,21 @@ pub trait Selector: Send + Sync {
     fn instance_name(&self, instance: InstanceId) -> &str;
 }
 
-/// How a dispatched request's prompt is booked as pending prefill (`active_prefill_tokens`,
-/// docs/routing-contract.md §7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefillBooking {
-    /// The whole prompt, `isl_tokens`, whatever the row caches (the behaviour of 1.0 hosts).
-    #[default]
-    Prompt,
-    /// The prompt tokens the row has to compute: `isl_tokens` minus the row's device-tier
-    /// overlap at decision time (`min(isl_tokens, overlap_blocks * block_size)`).
-    Uncached,
+crate::spelled_enum! {
+    /// How a dispatched request's prompt is booked as pending prefill (`active_prefill_tokens`,
+    /// docs/routing-contract.md §7).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum PrefillBooking {
+        /// The whole prompt, `isl_tokens`, whatever the row caches (the behaviour of 1.0 hosts).
+        #[default]
+        Prompt = "prompt",
+        /// The prompt tokens the row has to compute: `isl_tokens` minus the row's device-tier
+        /// overlap at decision time (`min(isl_tokens, overlap_blocks * block_size)`).
+        Uncached = "uncached",
+    }
 }
 
 impl PrefillBooking {
-    /// Every mode, in the order errors list their spellings.
-    pub const ALL: [PrefillBooking; 2] = [PrefillBooking::Prompt, PrefillBooking::Uncached];
-
-    /// The configuration spelling.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            PrefillBooking::Prompt => "prompt",
-            PrefillBooking::Uncached => "uncached",
-        }
-    }
-
-    /// The mode spelled `name`.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.as_str() == name)
-    }
-
     /// Prompt tokens booked for a prompt of `isl_tokens` on a row holding `cached_blocks`
     /// leading blocks of it (asked only in [`PrefillBooking::Uncached`] mode). A fractional,
     /// negative or NaN overlap counts whole blocks only, at least 0; a cached partial last block
@@ -99,12 +85,6 @@ impl PrefillBooking {
                 isl_tokens - cached.min(isl_tokens)
             }
         }
-    }
-}
-
-impl std::fmt::Display for PrefillBooking {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

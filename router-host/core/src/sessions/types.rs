@@ -10,36 +10,15 @@ use thiserror::Error;
 #[cfg(doc)]
 use super::{SessionTable, MAX_SESSION_ID_BYTES};
 
-/// How a binding constrains later requests of its session (`session_affinity.mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BindingMode {
-    /// The binding is an advisory target; it follows wherever the request was actually dispatched.
-    Soft,
-    /// The binding is a pin; a dispatch elsewhere is an error and invalidates the binding.
-    Hard,
-}
-
-impl BindingMode {
-    /// Every mode, in declaration order.
-    pub const ALL: [BindingMode; 2] = [BindingMode::Soft, BindingMode::Hard];
-
-    /// The YAML / metrics spelling.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            BindingMode::Soft => "soft",
-            BindingMode::Hard => "hard",
-        }
-    }
-
-    /// The mode spelled `name` (as [`Self::as_str`] writes it), if any.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
-    }
-}
-
-impl fmt::Display for BindingMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::spelled_enum! {
+    /// How a binding constrains later requests of its session (`session_affinity.mode`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum BindingMode {
+        /// The binding is an advisory target; it follows wherever the request was actually
+        /// dispatched.
+        Soft = "soft",
+        /// The binding is a pin; a dispatch elsewhere is an error and invalidates the binding.
+        Hard = "hard",
     }
 }
 
