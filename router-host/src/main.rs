@@ -270,6 +270,11 @@ fn check(check: &CheckArgs) -> anyhow::Result<ExitCode> {
     let mut out = Stdout::lock();
     writeln!(out, "config {}: OK", args.config.display())?;
     writeln!(out, "session store: {store}")?;
+    writeln!(
+        out,
+        "booking: prefill {}, decode {}",
+        config.booking.prefill, config.booking.decode
+    )?;
     writeln!(out, "plugins:")?;
     if router.catalog().libraries().is_empty() {
         writeln!(out, "  (none)")?;

@@ -39,6 +39,11 @@ fn check_prints_plugins_types_instances_and_roles() {
     assert!(out.contains("inputs = [cache, load] (default)"), "{out}");
     assert!(out.contains("aggregated -> p (probe)"), "{out}");
     assert!(out.contains("prefill -> default (default)"), "{out}");
+    // What dispatch books, defaults included.
+    assert!(
+        out.contains("\nbooking: prefill prompt, decode prompt\n"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -266,5 +266,13 @@ fn every_example_config_loads() {
         ]);
         assert_eq!(code, 0, "{}: {err}", config.display());
         assert!(out.contains(": OK"), "{out}");
+        // The multi-turn example's capacity limit counts shared prompt blocks once
+        // (docs/policies/two-tier-cost-fn.md).
+        if config.ends_with("two-tier-soft-affinity.yaml") {
+            assert!(
+                out.contains("booking: prefill prompt, decode deduplicated"),
+                "{out}"
+            );
+        }
     }
 }

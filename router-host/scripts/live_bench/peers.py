@@ -223,6 +223,9 @@ def _router_host_config(
     if spec.policy == "two-tier":
         params = "".join(f"        {k}: {json.dumps(v)}\n" for k, v in two_tier_parameters.items())
         selection = (
+            # As the shipped example: shared prompt blocks count once, so the capacity limit
+            # fires when an engine's cache is really full.
+            "booking:\n  decode: deduplicated\n"
             f"plugins:\n  - path: {bins.two_tier_so}\n"
             "worker_selection:\n  aggregated: two-tier\n  instances:\n"
             "    - name: two-tier\n      type: dynamo-two-tier-cost-fn\n"
@@ -269,7 +272,8 @@ def select_routers(known: list[RouterSpec], wanted: str | None) -> list[RouterSp
     return out
 
 
-# The shipped multi-turn configuration (examples/two-tier-soft-affinity.yaml).
+# The shipped multi-turn configuration (examples/two-tier-soft-affinity.yaml; its
+# `booking.decode: deduplicated` is written by _router_host_config).
 DEFAULT_TWO_TIER_PARAMETERS = {
     "respect_soft_affinity": True,
     "soft_affinity_load_gate": True,
