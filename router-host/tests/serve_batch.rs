@@ -61,9 +61,11 @@ fn remote_yaml(extra: &str, engine: &Engine) -> String {
 }
 
 /// Send `body` to `/v1/completions` while the engine holds completions open, read the prefill
-/// tokens booked on worker 1 once the router has the request in flight, then let the client go
+/// tokens booked on worker 1 once the router has the request in flight and `arrived` says the
+/// engine has it (so a test can then look at what the engine received: on a busy machine the
+/// client could otherwise go away between the booking and the forward), then let the client go
 /// and check that the booking is released.
-async fn booked_while_held(router: &Router, body: &Value) -> f64 {
+async fn booked_while_held(router: &Router, body: &Value, arrived: impl Fn() -> bool) -> f64 {
     let (http, url, body) = (client(), router.url("/v1/completions"), body.clone());
     let request = tokio::spawn(async move {
         let response = post(&http, &url, &body).await;
@@ -71,14 +73,19 @@ async fn booked_while_held(router: &Router, body: &Value) -> f64 {
         (status, response.text().await.unwrap_or_default())
     });
     let in_flight = eventually(WAIT, || {
-        router.in_flight() == (1, 1) || request.is_finished()
+        (router.in_flight() == (1, 1) && arrived()) || request.is_finished()
     })
     .await;
     if request.is_finished() {
         let answer = request.await.expect("the request task");
         panic!("the request was answered instead of held: {answer:?}");
     }
-    assert!(in_flight, "never in flight: {:?}", router.in_flight());
+    assert!(
+        in_flight,
+        "never in flight and at the engine: {:?}, arrived {}",
+        router.in_flight(),
+        arrived()
+    );
     let booked = router.metric(BOOKED);
     request.abort();
     assert!(
@@ -88,6 +95,12 @@ async fn booked_while_held(router: &Router, body: &Value) -> f64 {
     );
     assert_eq!(router.metric(BOOKED), 0.0);
     booked
+}
+
+/// Whether `engine` has received a completion since this was called.
+fn received(engine: &Engine) -> impl Fn() -> bool + '_ {
+    let before = engine.state.seen.completions.load(Ordering::SeqCst);
+    move || engine.state.seen.completions.load(Ordering::SeqCst) > before
 }
 
 fn hold(engine: &Engine) {
@@ -122,7 +135,10 @@ async fn a_batch_of_texts_is_booked_by_all_its_prompts_with_the_local_tokenizer(
     hold(&engine);
     let router = Router::start("batch_booked_local", &local_yaml("", &engine)).await;
     let body = json!({"model": "tiny", "prompt": BATCH, "max_tokens": 2});
-    assert_eq!(booked_while_held(&router, &body).await, batch_tokens());
+    assert_eq!(
+        booked_while_held(&router, &body, received(&engine)).await,
+        batch_tokens()
+    );
     assert_eq!(engine.state.seen.tokenize.load(Ordering::SeqCst), 0);
     // Without `forward_token_ids` the batch reaches the engine as sent.
     assert_eq!(last_body(&engine), body);
@@ -136,7 +152,10 @@ async fn a_batch_of_texts_is_tokenized_by_the_engine_once_per_prompt() {
     let router = Router::start("batch_booked_remote", &remote_yaml("", &engine)).await;
     let body = json!({"model": "tiny", "prompt": BATCH});
     // The engine's ids are the fixture's: the same total as the local tokenizer books.
-    assert_eq!(booked_while_held(&router, &body).await, batch_tokens());
+    assert_eq!(
+        booked_while_held(&router, &body, received(&engine)).await,
+        batch_tokens()
+    );
     assert_eq!(
         engine.state.seen.tokenize.load(Ordering::SeqCst),
         BATCH.len()
@@ -145,7 +164,7 @@ async fn a_batch_of_texts_is_tokenized_by_the_engine_once_per_prompt() {
     // A list of one is one prompt: one call, its tokens.
     let one = json!({"model": "tiny", "prompt": [BATCH[1]]});
     assert_eq!(
-        booked_while_held(&router, &one).await,
+        booked_while_held(&router, &one, received(&engine)).await,
         ids(BATCH[1]).len() as f64
     );
     assert_eq!(
@@ -162,7 +181,10 @@ async fn a_batch_of_token_id_lists_is_booked_by_the_sum_of_their_lengths() {
     let router = Router::start("batch_booked_ids", &remote_yaml("", &engine)).await;
     let lists: Vec<Vec<u32>> = vec![(1..=10).collect(), (20..28).collect(), vec![5, 6, 7]];
     let body = json!({"model": "tiny", "prompt": lists});
-    assert_eq!(booked_while_held(&router, &body).await, 21.0);
+    assert_eq!(
+        booked_while_held(&router, &body, received(&engine)).await,
+        21.0
+    );
     assert_eq!(
         engine.state.seen.tokenize.load(Ordering::SeqCst),
         0,
@@ -458,7 +480,10 @@ async fn remote_tokenize_calls_of_a_batch_are_bounded() {
     let prompts: Vec<String> = (0..20).map(|i| format!("prompt number {i}")).collect();
     let bytes: usize = prompts.iter().map(String::len).sum();
     let body = json!({"model": "tiny", "prompt": prompts});
-    assert_eq!(booked_while_held(&router, &body).await, bytes as f64);
+    assert_eq!(
+        booked_while_held(&router, &body, || true).await,
+        bytes as f64
+    );
     assert_eq!(bare.calls.load(Ordering::SeqCst), 20, "one call per prompt");
     let most = bare.max_in_flight.load(Ordering::SeqCst);
     assert!(
@@ -475,7 +500,10 @@ async fn a_batch_whose_remote_tokenization_fails_is_routed_on_its_estimated_size
     let body = json!({"model": "tiny", "prompt": BATCH});
     // bytes / 4 per prompt, rounded up, for every prompt.
     let estimate: usize = BATCH.iter().map(|t| t.len().div_ceil(4)).sum();
-    assert_eq!(booked_while_held(&router, &body).await, estimate as f64);
+    assert_eq!(
+        booked_while_held(&router, &body, || true).await,
+        estimate as f64
+    );
     assert_eq!(router.metric("router_tokenize_fallbacks_total"), 1.0);
     let calls = bare.calls.load(Ordering::SeqCst);
     assert!((1..=BATCH.len()).contains(&calls), "{calls} calls");
