@@ -8,6 +8,9 @@
 //!   matching to the end, so the walk covers all 256 blocks (the expensive case).
 //! * `lookup/cached_prompt_rotating`: the same over 1,024 different cached prompts in turn, so
 //!   the index entries are not left in the CPU caches by the previous lookup (the realistic case).
+//! * `lookup/churned_prompt_rotating`: as `cached_prompt_rotating`, over 1,024 prompts cached
+//!   after a churn (below) had every row replace all 125 of its prompts and 35 more, so their
+//!   blocks sit in reused slots, as in an index that has run for a while.
 //! * `lookup/new_prompt`: a prompt no row has seen beyond its tenant's system prompt: the walk
 //!   stops after 33 blocks (the common case for a first turn).
 //! * `events/churn`: one rank drops its oldest prompt (224 `Evicted` events: the system prompt
@@ -106,6 +109,23 @@ fn main() {
     f.index.overlaps(&fresh, &mut out, &mut alive);
     assert!(out.iter().all(|&d| d as usize <= PREFIX_BLOCKS));
     let mut churn = Churn::new(rows);
+    // An index that has run for a while (a second one, so the lookups above keep theirs): every
+    // row replaced all of its prompts and then some, so the later ones reuse the slots of
+    // earlier churned prompts. The rotation holds the last prompt each row stored, and so on back.
+    let mut aged = CacheFixture::new(rows, 4_000, 125, 7);
+    let mut aging = Churn::new(rows);
+    for _ in 0..160 * rows {
+        aging.step(&mut aged);
+    }
+    let churned: Vec<Vec<u64>> = (0..1024)
+        .map(|i| aging.fresh[i % rows][124 - i / rows].clone())
+        .collect();
+    aged.index.overlaps(&churned[0], &mut out, &mut alive);
+    assert!(
+        out.iter().any(|&d| d as usize == churned[0].len()),
+        "a churned prompt is held whole by its row"
+    );
+    let mut next_churned = 0;
 
     if let Some((name, _)) = common::profile_request() {
         let iters = common::profile_iters(20_000);
@@ -139,6 +159,13 @@ fn main() {
                 next = (next + 1) % rotation.len();
                 f.index
                     .overlaps(black_box(&rotation[next]), &mut out, &mut alive)
+            })
+        });
+        group.bench_function("lookup/churned_prompt_rotating", |b| {
+            b.iter(|| {
+                next_churned = (next_churned + 1) % churned.len();
+                aged.index
+                    .overlaps(black_box(&churned[next_churned]), &mut out, &mut alive)
             })
         });
         group.bench_function("lookup/new_prompt", |b| {

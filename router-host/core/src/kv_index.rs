@@ -13,6 +13,8 @@
 //! a routing decision. Engines store a prompt's blocks in order, so each slot also remembers the
 //! block stored after it (`SlotInfo`): along a cached prompt the walk follows those hints
 //! through slot data that lies mostly in sequence, and hashes only where a hint does not match.
+//! Before the hint it tries the slots next to the current one, whose addresses it knows without
+//! waiting for the current slot's data: a prompt's blocks are often in consecutive slots.
 //!
 //! Engines that offload KV to host memory or disk report those tiers too. Each slot then also
 //! has a host and a disk bitset (allocated on the first offload event, so a device-only index
@@ -283,8 +285,23 @@ impl KvIndex {
 
     /// The slot of `block` if the hint of slot `previous` names it and still holds it (see
     /// [`SlotInfo`]); `None` means "look it up".
+    ///
+    /// The slots right after and right before `previous` are tried first: their addresses do
+    /// not depend on `previous`'s data, so along a prompt stored in consecutive slots (as a new
+    /// index hands them out, and as freed slots are reused when a prompt's blocks were freed
+    /// together) the walk's loads overlap instead of waiting one for another.
     #[inline]
     fn successor(&self, previous: u32, block: u64) -> Option<u32> {
+        let holds = |slot: u32| {
+            self.info
+                .get(slot as usize)
+                .is_some_and(|next| next.live && next.block == block)
+        };
+        for guess in [previous.wrapping_add(1), previous.wrapping_sub(1)] {
+            if holds(guess) {
+                return Some(guess);
+            }
+        }
         let hint = self.info.get(previous as usize)?;
         let next = hint.next_slot;
         let target = self.info.get(next as usize)?;
