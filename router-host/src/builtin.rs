@@ -81,29 +81,17 @@ pub fn shipped_plugin_of(type_name: &str) -> Option<&'static str> {
         .map(|(_, plugin)| *plugin)
 }
 
-/// The built-in policy types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Builtin {
-    Default,
-    RoundRobin,
-    Random,
+router_core::spelled_enum! {
+    /// The built-in policy types, spelled as their `type` in a config.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Builtin {
+        Default = "default",
+        RoundRobin = "round-robin",
+        Random = "random",
+    }
 }
 
 impl Builtin {
-    pub const ALL: [Builtin; 3] = [Builtin::Default, Builtin::RoundRobin, Builtin::Random];
-
-    pub fn type_name(self) -> &'static str {
-        match self {
-            Builtin::Default => "default",
-            Builtin::RoundRobin => "round-robin",
-            Builtin::Random => "random",
-        }
-    }
-
-    pub fn from_type_name(name: &str) -> Option<Builtin> {
-        Self::ALL.into_iter().find(|b| b.type_name() == name)
-    }
-
     pub fn doc(self) -> PolicyTypeDoc {
         let (summary, parameters) = match self {
             Builtin::Default => (
@@ -125,7 +113,7 @@ impl Builtin {
             ),
         };
         PolicyTypeDoc {
-            name: self.type_name().to_string(),
+            name: self.as_str().to_string(),
             summary: summary.to_string(),
             parameters,
         }

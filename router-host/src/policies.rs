@@ -155,7 +155,7 @@ fn key_prefix(key: &str) -> String {
 fn builtin_names() -> String {
     Builtin::ALL
         .iter()
-        .map(|b| format!("`{}`", b.type_name()))
+        .map(|b| format!("`{}`", b.as_str()))
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -199,7 +199,7 @@ fn register_library_types(
                 type_name: doc.name.clone(),
             });
         }
-        if Builtin::from_type_name(&doc.name).is_some() {
+        if Builtin::from_name(&doc.name).is_some() {
             return Err(PolicyError::BuiltinTypeName {
                 library: library(),
                 type_name: doc.name.clone(),
@@ -395,7 +395,7 @@ impl Catalog {
 fn builtin_types() -> BTreeMap<String, (TypeOrigin, PolicyTypeDoc)> {
     Builtin::ALL
         .into_iter()
-        .map(|b| (b.type_name().to_string(), (TypeOrigin::Builtin(b), b.doc())))
+        .map(|b| (b.as_str().to_string(), (TypeOrigin::Builtin(b), b.doc())))
         .collect()
 }
 
@@ -743,14 +743,14 @@ mod tests {
     fn a_type_named_like_a_built_in_is_refused_as_such_not_as_a_second_library() {
         for builtin in Builtin::ALL {
             let mut types = builtin_types();
-            let err = register(&mut types, 0, "/lib0.so", &["ok", builtin.type_name()]);
+            let err = register(&mut types, 0, "/lib0.so", &["ok", builtin.as_str()]);
             assert_eq!(
                 err.unwrap_err(),
                 format!(
                     "library /lib0.so exports policy type `{}`, which is the name of a built-in \
                      policy type (built-ins: `default`, `round-robin`, `random`); a plugin cannot \
                      replace a built-in, so the library is refused: rename the type in the plugin",
-                    builtin.type_name()
+                    builtin.as_str()
                 )
             );
         }
@@ -769,7 +769,7 @@ mod tests {
             assert!(is_valid_type_name(good), "{good}");
         }
         for builtin in Builtin::ALL {
-            assert!(is_valid_type_name(builtin.type_name()));
+            assert!(is_valid_type_name(builtin.as_str()));
         }
         for bad in [
             "",

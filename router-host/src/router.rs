@@ -118,7 +118,7 @@ impl Router {
         let pick_budget = std::time::Duration::from_millis(1);
         let default_config = InstanceConfig {
             name: DEFAULT_INSTANCE.to_string(),
-            type_name: Builtin::Default.type_name().to_string(),
+            type_name: Builtin::Default.as_str().to_string(),
             parameters_json: "{}".to_string(),
             on_error: OnError::Fail,
             pick_budget,

@@ -48,27 +48,17 @@ impl KvEvent {
     }
 }
 
-/// Where a row holds a block: the engine's device memory, or an offload tier behind it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    /// GPU (or, on a CPU engine, its main KV cache): vLLM's `"GPU"` medium.
-    Device,
-    /// Host memory an offload connector copies blocks to: vLLM's `"CPU"`.
-    Host,
-    /// Local or remote storage behind that: vLLM's `"STORAGE"`.
-    Disk,
-}
-
-impl Tier {
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
-
-    /// The name used in metrics and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Disk => "disk",
-        }
+crate::spelled_enum! {
+    /// Where a row holds a block: the engine's device memory, or an offload tier behind it.
+    /// Spelled as in metrics and logs.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum Tier {
+        /// GPU (or, on a CPU engine, its main KV cache): vLLM's `"GPU"` medium.
+        Device = "device",
+        /// Host memory an offload connector copies blocks to: vLLM's `"CPU"`.
+        Host = "host",
+        /// Local or remote storage behind that: vLLM's `"STORAGE"`.
+        Disk = "disk",
     }
 }
 

@@ -100,7 +100,7 @@ impl Subscriber {
         RowTierLabels {
             worker: self.spec.worker.to_string(),
             dp_rank: self.spec.rank.to_string(),
-            tier: tier.name().to_owned(),
+            tier: tier.as_str().to_owned(),
         }
     }
 
