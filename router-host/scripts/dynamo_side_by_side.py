@@ -709,6 +709,9 @@ def main(argv=None) -> int:
         report, cmdline = run_ours(exe, a, work, a.timeout, a.nice)
         result["ours"] = {"binary": str(exe), "command": cmdline, "git": git_state(),
                           "binary_mtime_utc": _dt.datetime.fromtimestamp(exe.stat().st_mtime, _dt.timezone.utc).isoformat()}
+        reference = report["configs"][0].get("pooled_lru_reference") if report["configs"] else None
+        if reference:
+            result["ours"]["pooled_lru_reference"] = reference
         for (label, _), cfg in zip(our_configs(a), report["configs"]):
             runs.append({"name": f"ours {label}", "simulator": "router-host", "policy": label,
                          "config": cfg["config"], "metrics": our_metrics(report, cfg)})
@@ -763,6 +766,13 @@ def main(argv=None) -> int:
     ]
     if not a.skip_dynamo:
         header.append(f"dynamo: {DYNAMO_PACKAGE}=={DYNAMO_VERSION}, vLLM mocker, KvRouterConfig() defaults")
+    reference = result.get("ours", {}).get("pooled_lru_reference")
+    if reference:
+        # What the KV capacity allows a router at best (docs/replay.md, "The pooled-LRU reference").
+        t = reference["ttft_ms"]
+        header.append(f"pooled-LRU reference ({reference['kv_blocks'] or 'unlimited'} blocks as one LRU cache, "
+                      f"each request alone on an idle engine): hit rate (blocks) {reference['hit_rate']:.4f}, "
+                      f"TTFT p50 / p90 / p99 {t['p50']:,.1f} / {t['p90']:,.1f} / {t['p99']:,.1f} ms")
     spread_line = ""
     if sp and sp["runs"] > 1:
         spread_line = (f"Dynamo kv_router spread over {sp['runs']} runs: hit (blocks) "

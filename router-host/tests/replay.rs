@@ -106,6 +106,9 @@ fn one_worker_unlimited_kv_reuses_exactly_the_ideal_bound_when_requests_do_not_o
     assert_eq!(c.hit_rate, report.workload.ideal_hit_rate);
     // Dispatch/complete accounting: every request booked on the one worker.
     assert_eq!(c.requests_per_worker, vec![7]);
+    // One engine serving one request at a time is what the pooled-LRU reference assumes.
+    assert_eq!(c.pooled_lru_reference.hit_rate, c.hit_rate);
+    assert_eq!(c.pooled_lru_reference.ttft_ms, c.ttft_ms);
 
     let Some(path) = shared_trace() else {
         return;
@@ -121,6 +124,7 @@ fn one_worker_unlimited_kv_reuses_exactly_the_ideal_bound_when_requests_do_not_o
         (stats.reusable_blocks, stats.prompt_blocks)
     );
     assert_eq!(c.hit_rate, report.workload.ideal_hit_rate);
+    assert_eq!(c.pooled_lru_reference.ttft_ms, c.ttft_ms);
 }
 
 #[test]
@@ -284,6 +288,7 @@ fn cli_writes_table_json_contract_svg_and_a_replayable_workload() {
         "TTFT p99 ms",
         "decision ns p50",
         "requests per worker:",
+        "pooled-LRU reference (6144 blocks as one LRU cache",
     ] {
         assert!(out.contains(needle), "{needle}: {out}");
     }
@@ -308,6 +313,14 @@ fn cli_writes_table_json_contract_svg_and_a_replayable_workload() {
         }
         assert_eq!(c["requests_routed"].as_u64(), Some(requests));
         assert_eq!(c["errors"].as_u64(), Some(0));
+        let reference = &c["pooled_lru_reference"];
+        assert_eq!(reference["kv_blocks"].as_u64(), Some(3 * 2048), "{c}");
+        assert_eq!(reference, &configs[0]["pooled_lru_reference"]);
+        let hit = reference["hit_rate"].as_f64().unwrap();
+        assert!(hit > 0.0 && hit <= ideal, "{hit} {ideal}");
+        for p in ["p50", "p90", "p99"] {
+            assert!(reference["ttft_ms"][p].as_f64().unwrap() > 0.0, "{c}");
+        }
     }
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));

@@ -27,7 +27,7 @@ use crate::model::ClusterError;
 use crate::router::{RouterOptions, StartupError};
 
 pub use engine::{EngineParams, EngineSpec, KvCapacity};
-pub use report::{ConfigReport, Report};
+pub use report::{ConfigReport, ReferenceReport, Report};
 pub use sim::{RunConfig, Shape};
 pub use synth::SynthParams;
 pub use trace::{TimeScaleError, TraceError, Workload, WorkloadRequest};
@@ -163,8 +163,25 @@ pub fn replay(
 ) -> Result<Report, ReplayError> {
     let stats = workload.stats();
     let mut reports = Vec::with_capacity(configs.len());
+    // Configs usually share their engines, and with them the reference.
+    let mut references: Vec<(EngineParams, ReferenceReport)> = Vec::new();
     for (i, config) in configs.iter().enumerate() {
         let output = sim::run(workload, shape, config, &mut |done| progress(i, done))?;
+        let reference = match references.iter().find(|(e, _)| *e == config.engine) {
+            Some((_, r)) => r.clone(),
+            None => {
+                let engines = shape.workers * shape.dp_size;
+                let pooled = engine::pooled_lru(
+                    &workload.requests,
+                    workload.block_size,
+                    engines,
+                    &config.engine,
+                );
+                let r = ReferenceReport::new(&pooled);
+                references.push((config.engine, r.clone()));
+                r
+            }
+        };
         reports.push(ConfigReport::new(
             &config.label,
             config.block_size_replaced,
@@ -172,6 +189,7 @@ pub fn replay(
             shape,
             workload,
             output,
+            reference,
         ));
     }
     Ok(Report {

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::engine::EngineParams;
+use super::engine::{EngineParams, PooledLru};
 use super::sim::{RunOutput, Shape};
 use super::trace::{ratio, Workload, WorkloadStats};
 
@@ -160,6 +160,30 @@ pub struct ConfigReport {
     /// session lookup, admission, overlap lookup, the policy call, booking. Not deterministic.
     pub decision_ns: Percentiles,
     pub load_over_time: LoadOverTime,
+    /// The same workload on the pooled-LRU reference of this config's engines.
+    pub pooled_lru_reference: ReferenceReport,
+}
+
+/// The pooled-LRU reference ([`super::engine::pooled_lru`]): all engines' KV blocks as one LRU
+/// cache, each request alone on an idle engine.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReferenceReport {
+    /// The pooled capacity in blocks; `null` = unlimited.
+    pub kv_blocks: Option<u64>,
+    pub hit_rate: f64,
+    /// Arrival to first token.
+    pub ttft_ms: Percentiles,
+}
+
+impl ReferenceReport {
+    pub fn new(reference: &PooledLru) -> Self {
+        ReferenceReport {
+            kv_blocks: reference.capacity_blocks,
+            hit_rate: ratio(reference.hit_blocks, reference.prompt_blocks),
+            ttft_ms: Percentiles::of(reference.ttft_ns.iter().map(|&n| n as f64 / 1e6).collect())
+                .rounded(3),
+        }
+    }
 }
 
 impl WorkloadReport {
@@ -196,6 +220,7 @@ impl ConfigReport {
         shape: Shape,
         workload: &Workload,
         run: RunOutput,
+        pooled_lru_reference: ReferenceReport,
     ) -> ConfigReport {
         let origin = workload.requests.first().map_or(0, |r| r.arrival_ns);
         let ms = |ns: u64| ns as f64 / 1e6;
@@ -281,6 +306,7 @@ impl ConfigReport {
                 interval_s: run.timeline.interval_ns as f64 / 1e9,
                 active_requests: run.timeline.samples,
             },
+            pooled_lru_reference,
         }
     }
 }
@@ -332,6 +358,17 @@ impl Report {
                 e.decode_ms_per_seq,
                 e.prefill_ms_per_token
             );
+            if same {
+                let r = &first.pooled_lru_reference;
+                let blocks = r
+                    .kv_blocks
+                    .map_or_else(|| "unlimited".to_string(), |b| b.to_string());
+                let _ = writeln!(
+                    s,
+                    "pooled-LRU reference ({blocks} blocks as one LRU cache, each request alone on an idle engine): hit rate {:.3}, TTFT p50 / p90 / p99 {:.1} / {:.1} / {:.1} ms",
+                    r.hit_rate, r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99
+                );
+            }
         }
         let names = column_names(&self.configs);
         let replaced: Vec<String> = self

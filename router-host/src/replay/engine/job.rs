@@ -39,15 +39,14 @@ impl Job {
         arrival_ns: u64,
         dispatched_ns: u64,
     ) -> Job {
-        let output_tokens = w.output_length.max(1);
         Job {
             request,
             arrival_ns,
             dispatched_ns,
             prompt_blocks: w.hash_ids.len() as u32,
-            output_blocks: output_tokens.div_ceil(u64::from(block_size.max(1))) as u32,
+            output_blocks: output_blocks(w, block_size),
             input_tokens: w.input_length,
-            output_tokens,
+            output_tokens: output_tokens(w),
             ..Job::default()
         }
     }
@@ -59,6 +58,22 @@ impl Job {
     pub fn output_tokens(&self) -> u64 {
         self.output_tokens
     }
+}
+
+/// Tokens a request generates: `max(output_length, 1)` (prefill always yields the first token).
+fn output_tokens(w: &WorkloadRequest) -> u64 {
+    w.output_length.max(1)
+}
+
+/// KV blocks a request reserves at admission for its output.
+pub(super) fn output_blocks(w: &WorkloadRequest, block_size: u32) -> u32 {
+    output_tokens(w).div_ceil(u64::from(block_size.max(1))) as u32
+}
+
+/// Prompt tokens an engine does not compute when the first `hit_blocks` blocks are cached. A
+/// fully cached prompt still computes its last token, which yields the first output token.
+pub(super) fn reused_tokens(hit_blocks: u32, input_tokens: u64, block_size: u64) -> u64 {
+    (u64::from(hit_blocks) * block_size).min(input_tokens.saturating_sub(1))
 }
 
 /// What an engine reports to the host side after a step.

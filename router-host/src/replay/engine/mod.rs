@@ -24,9 +24,13 @@
 //!
 //! Decode-only stretches (no prefill to do) are simulated in one jump up to the next completion;
 //! an arrival cuts the jump at the step in progress, so the result equals stepping one by one.
+//!
+//! [`pooled_lru`] runs a workload through the same cache and timing rules as one pooled cache,
+//! each request alone: the report's yardstick for what the KV capacity allows.
 
 mod cache;
 mod job;
+mod reference;
 mod spec;
 #[cfg(test)]
 mod tests;
@@ -39,6 +43,7 @@ use crate::kv_index::{KvEvent, KvEventKind};
 
 use cache::BlockCache;
 pub use job::{Job, Outbox};
+pub use reference::{pooled_lru, PooledLru};
 pub use spec::{
     EngineParams, EngineSpec, KvCapacity, DEFAULT_DECODE_MS_PER_SEQ, DEFAULT_KV_TOKENS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_MS_PER_TOKEN,
@@ -375,11 +380,7 @@ impl Engine {
         j.private_blocks = needed;
         j.hit_blocks = hits;
         j.stored_blocks = hits;
-        j.computed_tokens = (u64::from(hits) * self.block_size).min(j.input_tokens);
-        if j.computed_tokens >= j.input_tokens {
-            // A fully cached prompt still computes its last token.
-            j.computed_tokens = j.input_tokens - 1;
-        }
+        j.computed_tokens = job::reused_tokens(hits, j.input_tokens, self.block_size);
         j.admitted_ns = Some(now);
         true
     }

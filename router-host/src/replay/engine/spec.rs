@@ -252,6 +252,15 @@ impl EngineParams {
         ((ms * 1e6).round() as u64).max(1)
     }
 
+    /// Arrival to first token of a request alone on an idle engine with `tokens` prompt tokens
+    /// to compute: one prefill step per `max_num_batched_tokens` chunk, nothing decoding.
+    pub fn alone_prefill_ns(&self, tokens: u64) -> u64 {
+        let budget = self.max_num_batched_tokens.max(1);
+        let (full, rest) = (tokens / budget, tokens % budget);
+        let last = if rest > 0 { self.step_ns(0, rest) } else { 0 };
+        full * self.step_ns(0, budget) + last
+    }
+
     pub fn capacity(&self) -> Option<u64> {
         match self.kv_blocks {
             KvCapacity::Blocks(n) => Some(n),

@@ -106,3 +106,95 @@ fn arrival_cuts_a_decode_jump_at_the_step_in_progress() {
         Some(4_500_000 + 100 * 1_500_000 + 1_000_000)
     );
 }
+
+/// Five conversations at a time over a shared first block: each turn repeats its
+/// conversation's last prompt and adds 1 to 3 blocks (the last one often partial); past 7
+/// blocks a conversation ends and a new one takes its place.
+fn conversations(turns: usize) -> Vec<WorkloadRequest> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let mut prompts: Vec<Vec<u64>> = vec![vec![0]; 5];
+    let mut fresh = 1u64;
+    (0..turns)
+        .map(|_| {
+            let c = next(5) as usize;
+            if prompts[c].len() > 7 {
+                prompts[c].truncate(1); // a new conversation in that place
+            }
+            for _ in 0..=next(3) {
+                prompts[c].push(fresh);
+                fresh += 1;
+            }
+            let ids = prompts[c].clone();
+            let input = ids.len() as u64 * 4 - next(4);
+            request(input, 1 + next(3), &ids)
+        })
+        .collect()
+}
+
+#[test]
+fn pooled_reference_of_one_engine_is_that_engine_serving_one_request_at_a_time() {
+    // Far-apart arrivals: every request runs alone on the engine, which is what the reference
+    // assumes. Capacity 12 blocks: conversations evict one another.
+    let requests = conversations(80);
+    let arrivals: Vec<u64> = (0..requests.len() as u64)
+        .map(|i| i * 1_000_000_000)
+        .collect();
+    let p = params(KvCapacity::Blocks(12));
+    let mut engine = Engine::new(0, p, 4);
+    let jobs = run(&mut engine, &requests, &arrivals);
+    assert!(engine.stats().evicted_blocks > 20, "{:?}", engine.stats());
+    let reference = pooled_lru(&requests, 4, 1, &p);
+    let engine_ttft: Vec<u64> = jobs
+        .iter()
+        .map(|j| j.first_token_ns.unwrap() - j.arrival_ns)
+        .collect();
+    assert_eq!(reference.ttft_ns, engine_ttft);
+    let hits: u64 = jobs.iter().map(|j| u64::from(j.hit_blocks)).sum();
+    assert!(hits > 0);
+    assert_eq!(reference.hit_blocks, hits);
+    assert_eq!(reference.capacity_blocks, Some(12));
+}
+
+#[test]
+fn pooled_reference_pools_the_engines_and_skips_what_no_engine_holds() {
+    let mut requests = conversations(80);
+    let p = params(KvCapacity::Blocks(6));
+    let pooled = pooled_lru(&requests, 4, 3, &p);
+    let one_big = pooled_lru(&requests, 4, 1, &params(KvCapacity::Blocks(18)));
+    assert_eq!(pooled.capacity_blocks, Some(18));
+    // Requests over 6 blocks (prompt + output) are refused by every engine of 6 blocks.
+    let fits = |r: &WorkloadRequest| r.hash_ids.len() + r.output_length.div_ceil(4) as usize <= 6;
+    assert_eq!(
+        pooled.ttft_ns.len(),
+        requests.iter().filter(|r| fits(r)).count()
+    );
+    assert!(pooled.ttft_ns.len() < one_big.ttft_ns.len());
+    requests.retain(fits);
+    assert_eq!(
+        pooled,
+        PooledLru {
+            capacity_blocks: Some(18),
+            ..pooled_lru(&requests, 4, 1, &params(KvCapacity::Blocks(18)))
+        }
+    );
+    // Unlimited: every block seen before is a hit, the workload's ideal.
+    let all = conversations(80);
+    let unlimited = pooled_lru(&all, 4, 3, &params(KvCapacity::Unlimited));
+    let workload = crate::replay::Workload {
+        block_size: 4,
+        requests: all,
+        source: String::new(),
+    };
+    let stats = workload.stats();
+    assert_eq!(unlimited.capacity_blocks, None);
+    assert_eq!(
+        unlimited.hit_blocks as f64 / unlimited.prompt_blocks as f64,
+        stats.ideal_hit_rate
+    );
+}
