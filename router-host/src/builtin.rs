@@ -69,7 +69,7 @@ impl<'de> Deserialize<'de> for TieBreak {
 /// Policy types shipped with the host as plugins, each with the plugin name (`export_plugin!`'s
 /// `name`) of the plugin that ships it. Another library exporting one of these names shadows the
 /// shipped policy: allowed, but warned about ([`crate::policies::ShadowedType`]). A built-in's
-/// name ([`Builtin::type_name`]) cannot be exported by any library.
+/// name ([`Builtin::as_str`]) cannot be exported by any library.
 pub const SHIPPED_PLUGIN_TYPES: &[(&str, &str)] =
     &[("dynamo-two-tier-cost-fn", "two-tier-cost-fn")];
 

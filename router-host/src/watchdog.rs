@@ -5,7 +5,7 @@
 //! do is notice, stop sending that instance work, and keep serving on its other threads. This
 //! module does the noticing.
 //!
-//! **Per call (the hot path).** Every thread that calls a policy owns one cache-padded [`Slot`],
+//! **Per call (the hot path).** Every thread that calls a policy owns one cache-padded `Slot`,
 //! registered once per thread in a process-wide list the watchdog scans. Before a call the thread
 //! stores the call's tag (instance id and call kind), a per-thread sequence number, the start
 //! time (nanoseconds since the watchdog's epoch, or 0 when the caller took no clock reading) and

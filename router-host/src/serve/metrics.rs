@@ -1,7 +1,7 @@
 //! `GET /metrics`: Prometheus (OpenMetrics text) metrics of the proxy.
 //!
 //! Two kinds: counters and histograms the request path updates as things happen ([`Metrics`]),
-//! and values read from the current configuration at scrape time ([`StateCollector`]: booked
+//! and values read from the current configuration at scrape time (`StateCollector`: booked
 //! load per row, queue depth, per-instance policy counters, engine health). The names and labels
 //! are listed in docs/serve.md.
 

@@ -9,7 +9,7 @@
 //! docs/performance.md §8). Here the connection belongs to the request while it runs: polling
 //! the body first decodes whatever the connection has already read, on this task, so the
 //! relay's [`super::coalesce::Coalesce`] takes every ready event at once. Between requests a
-//! connection waits in [`Http1Pool`], idle and unpolled; it is checked (one poll: has the engine
+//! connection waits in `Http1Pool`, idle and unpolled; it is checked (one poll: has the engine
 //! closed it?) before it is used again, and a request that a stale connection never sent is sent
 //! once more on a new one.
 

@@ -62,7 +62,7 @@ pub use workers::RemovedWorker;
 /// Identifies a dispatched request until it completes: the caller's id, or one the core drew.
 pub type RequestId = u64;
 
-/// Ids the core draws have this bit set ([`RoutingCore::draw_id`]); callers' ids must not.
+/// Ids the core draws have this bit set (`RoutingCore::draw_id`); callers' ids must not.
 pub const DRAWN_ID_BIT: u64 = 1 << 63;
 
 /// Bits of a drawn id that carry the replica tag ([`CoreSettings::id_tag`]), just below
