@@ -324,6 +324,7 @@ fn cli_writes_table_json_contract_svg_and_a_replayable_workload() {
     }
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    assert!(text.contains("dotted: pooled-LRU reference"), "{text}");
     // The written workload replays to the same ideal bound.
     let again = Workload::from_jsonl_file(&jsonl, 512).unwrap();
     assert_eq!(again.requests.len() as u64, requests);

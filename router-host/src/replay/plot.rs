@@ -1,6 +1,7 @@
 //! `--plot`: one self-contained SVG comparing the configs.
 //!
-//! Top left: measured hit rate per config, with the workload's ideal bound as a dashed line.
+//! Top left: measured hit rate per config, with the workload's ideal bound as a dashed line and
+//! the pooled-LRU reference (when the configs share engines) as a dotted one.
 //! Top right: TTFT p50 / p90 / p99 per config. Below: one panel per config with the requests on
 //! each worker over simulated time (one line per worker, same scales in every panel).
 
@@ -111,9 +112,24 @@ pub fn svg(report: &Report) -> String {
         w: 400.0,
         h: 220.0,
     };
+    // The pooled-LRU reference, when every config has the same one (the same engines).
+    let reference = report
+        .configs
+        .first()
+        .map(|c| c.pooled_lru_reference.hit_rate)
+        .filter(|&r| {
+            report
+                .configs
+                .iter()
+                .all(|c| c.pooled_lru_reference.hit_rate == r)
+        });
     hit.frame(
         &mut s,
-        "prefix-cache hit rate (dashed: ideal bound)",
+        if reference.is_some() {
+            "prefix-cache hit rate (dashed: ideal bound; dotted: pooled-LRU reference)"
+        } else {
+            "prefix-cache hit rate (dashed: ideal bound)"
+        },
         1.0,
         &|v| format!("{v:.2}"),
     );
@@ -141,6 +157,15 @@ pub fn svg(report: &Report) -> String {
         hit.x,
         hit.x + hit.w
     );
+    if let Some(r) = reference {
+        let y = hit.y + hit.h * (1.0 - r.clamp(0.0, 1.0));
+        let _ = writeln!(
+            s,
+            "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#000\" stroke-dasharray=\"1 3\"/>",
+            hit.x,
+            hit.x + hit.w
+        );
+    }
 
     // TTFT percentiles.
     let ttft = Panel {
