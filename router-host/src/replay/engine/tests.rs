@@ -111,13 +111,8 @@ fn arrival_cuts_a_decode_jump_at_the_step_in_progress() {
 /// conversation's last prompt and adds 1 to 3 blocks (the last one often partial); past 7
 /// blocks a conversation ends and a new one takes its place.
 fn conversations(turns: usize) -> Vec<WorkloadRequest> {
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move |n: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state % n
-    };
+    let mut rng = crate::rng::SplitMix64::new(7);
+    let mut next = move |n: u64| rng.below(n);
     let mut prompts: Vec<Vec<u64>> = vec![vec![0]; 5];
     let mut fresh = 1u64;
     (0..turns)
