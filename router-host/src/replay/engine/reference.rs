@@ -1,5 +1,5 @@
-//! The pooled-LRU reference: what the cluster's KV capacity allows a router at best, as a
-//! yardstick for the policies' results (`docs/replay.md`, "The pooled-LRU reference").
+//! The pooled-LRU reference: what the cluster's KV capacity allows a router, as a yardstick
+//! for the policies' results (`docs/replay.md`, "The pooled-LRU reference").
 //!
 //! Every engine's blocks form one LRU prefix cache, and each request, in arrival order, runs
 //! alone on an idle engine. That is a router that never splits a prefix across workers, never
