@@ -768,7 +768,7 @@ def main(argv=None) -> int:
         header.append(f"dynamo: {DYNAMO_PACKAGE}=={DYNAMO_VERSION}, vLLM mocker, KvRouterConfig() defaults")
     reference = result.get("ours", {}).get("pooled_lru_reference")
     if reference:
-        # What the KV capacity allows a router at best (docs/replay.md, "The pooled-LRU reference").
+        # What the KV capacity allows a router (docs/replay.md, "The pooled-LRU reference").
         t = reference["ttft_ms"]
         header.append(f"pooled-LRU reference ({reference['kv_blocks'] or 'unlimited'} blocks as one LRU cache, "
                       f"each request alone on an idle engine): hit rate (blocks) {reference['hit_rate']:.4f}, "
