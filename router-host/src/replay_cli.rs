@@ -1,4 +1,5 @@
-//! The `replay` subcommand: flags, progress on stderr, table on stdout, `--json`, `--plot`.
+//! The `replay` subcommand: flags, progress on stderr, table on stdout, `--json`, `--plot`,
+//! `--requests`.
 //!
 //! Output files are written before the table, each through a temporary file renamed into place.
 
@@ -60,6 +61,10 @@ pub struct ReplayArgs {
     /// Write an SVG comparing the configs.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
+    /// Write every request's outcome in every config as CSV (worker, hits, engine wait, TTFT,
+    /// e2e): the rows behind the percentiles.
+    #[arg(long, value_name = "FILE")]
+    pub requests: Option<PathBuf>,
     /// Seed of the generated workload (policies such as `random` take their own `seed`).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -228,6 +233,11 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.plot {
         let svg = plot::svg(&report);
         write_file(path, |out| out.write_all(svg.as_bytes()))?;
+    }
+    if let Some(path) = &args.requests {
+        write_file(path, |out| {
+            report.write_requests_csv(out).map_err(std::io::Error::from)
+        })?;
     }
     let mut out = crate::Stdout::lock();
     out.write_all(report.to_table().as_bytes())

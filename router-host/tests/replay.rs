@@ -260,6 +260,7 @@ fn cli_writes_table_json_contract_svg_and_a_replayable_workload() {
     let json = dir.join("report.json");
     let svg = dir.join("plot.svg");
     let jsonl = dir.join("workload.jsonl");
+    let per_request = dir.join("requests.csv");
     // The embedded example configs, plugins found with --plugin-dir.
     let (code, out, err) = run_cli(&[
         "replay",
@@ -277,6 +278,8 @@ fn cli_writes_table_json_contract_svg_and_a_replayable_workload() {
         svg.to_str().unwrap(),
         "--write-workload",
         jsonl.to_str().unwrap(),
+        "--requests",
+        per_request.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     for needle in [
@@ -321,6 +324,33 @@ fn cli_writes_table_json_contract_svg_and_a_replayable_workload() {
         for p in ["p50", "p90", "p99"] {
             assert!(reference["ttft_ms"][p].as_f64().unwrap() > 0.0, "{c}");
         }
+    }
+    // The per-request CSV: the rows behind each config's figures.
+    let mut csv = csv::Reader::from_path(&per_request).unwrap();
+    let header: Vec<String> = csv.headers().unwrap().iter().map(String::from).collect();
+    assert_eq!(header, router_host::replay::report::REQUEST_COLUMNS);
+    let records: Vec<csv::StringRecord> = csv.records().map(Result::unwrap).collect();
+    assert_eq!(records.len() as u64, 4 * requests);
+    for (c, rows) in configs.iter().zip(records.chunks(requests as usize)) {
+        let field = |r: &csv::StringRecord, name: &str| -> Option<f64> {
+            let i = header.iter().position(|h| h == name).unwrap();
+            (!r[i].is_empty()).then(|| r[i].parse().unwrap())
+        };
+        for (i, r) in rows.iter().enumerate() {
+            assert_eq!(&r[0], c["config"].as_str().unwrap());
+            assert_eq!(field(r, "request"), Some(i as f64));
+            assert!(field(r, "worker").unwrap() < 3.0, "{r:?}");
+        }
+        let hits: f64 = rows.iter().filter_map(|r| field(r, "hit_blocks")).sum();
+        assert_eq!(Some(hits), c["hit_blocks"].as_f64(), "{c}");
+        let mut ttft: Vec<f64> = rows.iter().filter_map(|r| field(r, "ttft_ms")).collect();
+        assert_eq!(ttft.len() as u64, requests);
+        ttft.sort_by(f64::total_cmp);
+        let at = 0.99 * (ttft.len() - 1) as f64;
+        let (lo, hi) = (ttft[at.floor() as usize], ttft[at.ceil() as usize]);
+        let p99 = lo + (hi - lo) * (at - at.floor());
+        let reported = c["ttft_ms"]["p99"].as_f64().unwrap();
+        assert!((p99 - reported).abs() < 1e-3, "{p99} {reported}");
     }
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));

@@ -162,7 +162,43 @@ pub struct ConfigReport {
     pub load_over_time: LoadOverTime,
     /// The same workload on the pooled-LRU reference of this config's engines.
     pub pooled_lru_reference: ReferenceReport,
+    /// Every request's outcome, in workload order: `--requests` writes them, the JSON does not.
+    #[serde(skip)]
+    pub requests: Vec<RequestOutcome>,
 }
+
+/// What happened to one request in one config (a line of `--requests`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutcome {
+    /// Arrival, milliseconds after the workload's first.
+    pub arrival_ms: f64,
+    /// Where it was sent; `None` when it failed before reaching an engine.
+    pub worker: Option<u32>,
+    pub rank: Option<u32>,
+    pub input_tokens: u64,
+    pub prompt_blocks: u32,
+    /// Prompt blocks found cached at admission; `None` if never admitted.
+    pub hit_blocks: Option<u32>,
+    /// Dispatch to admission into the engine's batch.
+    pub engine_wait_ms: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+}
+
+/// The columns of `--requests`, in order (docs/replay.md, "Per-request CSV").
+pub const REQUEST_COLUMNS: [&str; 11] = [
+    "config",
+    "request",
+    "arrival_ms",
+    "worker",
+    "rank",
+    "input_tokens",
+    "prompt_blocks",
+    "hit_blocks",
+    "engine_wait_ms",
+    "ttft_ms",
+    "e2e_ms",
+];
 
 /// The pooled-LRU reference ([`super::engine::pooled_lru`]): all engines' KV blocks as one LRU
 /// cache, each request alone on an idle engine.
@@ -226,6 +262,26 @@ impl ConfigReport {
         let ms = |ns: u64| ns as f64 / 1e6;
         let (mut hit, mut prompt, mut output, mut completed) = (0u64, 0u64, 0u64, 0u64);
         let (mut ttft, mut e2e, mut wait) = (Vec::new(), Vec::new(), Vec::new());
+        let ranks = shape.dp_size.max(1);
+        let requests = run
+            .jobs
+            .iter()
+            .zip(&run.reached_engine)
+            .map(|(job, &reached)| RequestOutcome {
+                arrival_ms: ms(job.arrival_ns - origin),
+                worker: job.engine.map(|e| e / ranks),
+                rank: job.engine.map(|e| e % ranks),
+                input_tokens: job.input_tokens(),
+                prompt_blocks: job.prompt_blocks(),
+                hit_blocks: (reached && job.admitted_ns.is_some()).then_some(job.hit_blocks),
+                engine_wait_ms: job
+                    .admitted_ns
+                    .filter(|_| reached)
+                    .map(|a| ms(a - job.dispatched_ns)),
+                ttft_ms: job.first_token_ns.map(|t| ms(t - job.arrival_ns)),
+                e2e_ms: job.finish_ns.map(|t| ms(t - job.arrival_ns)),
+            })
+            .collect();
         for (job, reached) in run.jobs.iter().zip(&run.reached_engine) {
             if !reached {
                 continue;
@@ -307,6 +363,7 @@ impl ConfigReport {
                 active_requests: run.timeline.samples,
             },
             pooled_lru_reference,
+            requests,
         }
     }
 }
@@ -315,6 +372,33 @@ impl Report {
     /// The JSON document `--json` writes.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// `--requests`: one CSV record per request and config ([`REQUEST_COLUMNS`]), configs in
+    /// order, requests in workload order (`request` is the 0-based index in the workload as
+    /// `--write-workload` writes it). What a request never reached is an empty field.
+    pub fn write_requests_csv<W: std::io::Write>(&self, out: W) -> Result<(), csv::Error> {
+        let mut csv = csv::Writer::from_writer(out);
+        csv.write_record(REQUEST_COLUMNS)?;
+        for config in &self.configs {
+            for (i, r) in config.requests.iter().enumerate() {
+                csv.serialize((
+                    &config.config,
+                    i,
+                    r.arrival_ms,
+                    r.worker,
+                    r.rank,
+                    r.input_tokens,
+                    r.prompt_blocks,
+                    r.hit_blocks,
+                    r.engine_wait_ms,
+                    r.ttft_ms,
+                    r.e2e_ms,
+                ))?;
+            }
+        }
+        csv.flush()?;
+        Ok(())
     }
 
     /// The human table for stdout.

@@ -428,6 +428,7 @@ impl Sim<'_> {
         };
         self.requests_per_row[e] += 1;
         let j = &mut self.jobs[job as usize];
+        j.engine = Some(e as u32);
         j.host_id = routed.id;
         j.dispatched_ns = self.now;
         let now = self.now;

@@ -20,6 +20,8 @@ pub struct Job {
     pub finish_ns: Option<u64>,
     /// Prompt blocks found in the engine's cache at admission.
     pub hit_blocks: u32,
+    /// The engine it was sent to (`worker * dp_size + rank`).
+    pub engine: Option<u32>,
     pub(super) prompt_blocks: u32,
     pub(super) output_blocks: u32,
     pub(super) input_tokens: u64,
@@ -53,6 +55,10 @@ impl Job {
 
     pub fn prompt_blocks(&self) -> u32 {
         self.prompt_blocks
+    }
+
+    pub fn input_tokens(&self) -> u64 {
+        self.input_tokens
     }
 
     pub fn output_tokens(&self) -> u64 {
