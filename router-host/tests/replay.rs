@@ -210,6 +210,16 @@ fn same_seed_gives_the_same_report_except_decision_cost() {
     assert_eq!(strip(&a), strip(&b));
     let c = run(&repeated_prefixes(12), &setup, &configs);
     assert_ne!(strip(&a), strip(&c));
+    // The per-request outcomes too; their (worker, rank) add up to the per-worker counts.
+    for (x, y) in a.configs.iter().zip(&b.configs) {
+        assert_eq!(x.requests, y.requests);
+        for (w, &n) in x.requests_per_worker.iter().enumerate() {
+            let here = x.requests.iter().filter(|r| r.worker == Some(w as u32));
+            assert_eq!(here.clone().count() as u64, n, "{}", x.config);
+            assert!(here.clone().all(|r| r.rank.is_some_and(|k| k < 2)));
+        }
+    }
+    assert!(a.configs[0].requests.iter().any(|r| r.rank == Some(1)));
     // Sessions were bound: most later turns kept their worker.
     let s = &a.configs[0].sessions;
     assert_eq!(s.new, 80);
