@@ -417,7 +417,10 @@ pub struct InstanceStats {
     pub panics: AtomicU64,
     pub out_of_range: AtomicU64,
     pub fallbacks: AtomicU64,
+    /// Decisions over the budget because `pick` alone took longer than it.
     pub slow_picks: AtomicU64,
+    /// Decisions over the budget because `explain` pushed `pick + explain` past it.
+    pub slow_explains: AtomicU64,
     /// Calls found running past `hang_after` (counted by the watchdog, which shares it).
     pub hangs: Arc<AtomicU64>,
 }
@@ -431,6 +434,7 @@ pub struct InstanceCounters {
     pub out_of_range: u64,
     pub fallbacks: u64,
     pub slow_picks: u64,
+    pub slow_explains: u64,
     pub hangs: u64,
 }
 
@@ -444,6 +448,7 @@ impl InstanceStats {
             out_of_range: get(&self.out_of_range),
             fallbacks: get(&self.fallbacks),
             slow_picks: get(&self.slow_picks),
+            slow_explains: get(&self.slow_explains),
             hangs: get(&self.hangs),
         }
     }
@@ -460,8 +465,9 @@ pub struct PolicyInstance {
     pub narrows_soft_target: bool,
     pub parameters_json: String,
     pub on_error: OnError,
+    /// What one decision (`pick`, plus `explain` when the caller asks for one) may take.
     pub pick_budget: Duration,
-    /// Consecutive over-budget picks that quarantine the instance.
+    /// Consecutive over-budget decisions that quarantine the instance.
     pub quarantine_after: u32,
     /// A call still running after this long marks the instance hung (see [`crate::watchdog`]).
     pub hang_after: Duration,
@@ -472,7 +478,7 @@ pub struct PolicyInstance {
     pub stats: crossbeam_utils::CachePadded<InstanceStats>,
     /// Set after the policy panicked: it is no longer called.
     pub(crate) poisoned: AtomicBool,
-    /// Set after `quarantine_after` consecutive slow picks: it is no longer called.
+    /// Set after `quarantine_after` consecutive slow decisions: it is no longer called.
     pub(crate) quarantined: AtomicBool,
     pub(crate) consecutive_slow: AtomicU32,
     /// Registered with the watchdog, which marks it hung; every call is marked in this
@@ -606,34 +612,50 @@ impl PolicyInstance {
         self.failed(PolicyFailure::from_abi(failure))
     }
 
-    /// Count one timed pick; quarantine the instance (and say so, once) after
-    /// `quarantine_after` consecutive picks over its budget.
-    pub(crate) fn record_pick_time(&self, pick_ns: u64) {
+    /// Count one timed decision: `pick_ns` for `pick`, `explain_ns` for `explain` (0 when none
+    /// was asked for). Their sum is held to the instance's `pick_budget`; after
+    /// `quarantine_after` consecutive decisions over it the instance is quarantined (and said
+    /// so, once).
+    #[inline]
+    pub(crate) fn record_decision_time(&self, pick_ns: u64, explain_ns: u64) {
         let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
-        if pick_ns <= budget {
+        if pick_ns.saturating_add(explain_ns) <= budget {
             // Load first: an unconditional store would bounce this line between routing threads.
             if self.consecutive_slow.load(Ordering::Relaxed) != 0 {
                 self.consecutive_slow.store(0, Ordering::Relaxed);
             }
             return;
         }
-        self.slow_pick(pick_ns);
+        self.slow_decision(pick_ns, explain_ns, budget);
     }
 
-    /// A pick over its budget: counted, and the instance quarantined (and said so, once) after
-    /// `quarantine_after` in a row. Cold and out of line, as [`Self::not_callable`].
+    /// A decision over its budget: counted as a slow pick (the pick alone was over) or a slow
+    /// explain (the explanation pushed it over), and the instance quarantined (and said so,
+    /// once) after `quarantine_after` in a row. Cold and out of line, as [`Self::not_callable`].
     #[cold]
     #[inline(never)]
-    fn slow_pick(&self, pick_ns: u64) {
-        self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+    fn slow_decision(&self, pick_ns: u64, explain_ns: u64, budget_ns: u64) {
+        if pick_ns > budget_ns {
+            self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.slow_explains.fetch_add(1, Ordering::Relaxed);
+        }
         let streak = self.consecutive_slow.fetch_add(1, Ordering::Relaxed) + 1;
-        if streak >= self.quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed) {
+        if streak < self.quarantine_after {
+            return;
+        }
+        let budget_us = self.pick_budget.as_micros() as u64;
+        let (pick_us, explain_us) = (pick_ns / 1000, explain_ns / 1000);
+        if !self.quarantined.swap(true, Ordering::Relaxed) {
             tracing::error!(
                 instance = %self.name,
+                policy = %self.type_name,
                 origin = %self.origin,
-                budget_us = self.pick_budget.as_micros() as u64,
-                last_pick_us = pick_ns / 1000,
-                "instance quarantined after {} consecutive picks over its time budget; its requests now go to its fallback",
+                budget_us,
+                last_pick_us = pick_us,
+                last_explain_us = explain_us,
+                "instance quarantined after {} consecutive decisions (pick + explain) over its \
+                 time budget; its requests now go to its fallback",
                 self.quarantine_after
             );
         }

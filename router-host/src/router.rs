@@ -7,7 +7,10 @@
 //! from that policy: the request gets the instance's fallback (`on_error: fallback`, the built-in
 //! default over the same rows) or an error (`on_error: fail`). `explain`, asked for only after a
 //! successful pick, cannot undo it: a failing or panicking `explain` is counted (a panic poisons
-//! the instance) and the request keeps its row without an explanation.
+//! the instance) and the request keeps its row without an explanation. The decision's time,
+//! `pick` plus `explain` when one was asked for (`serve` asks on every request), is held to the
+//! instance's `pick_budget`: `quarantine_after` decisions over it in a row quarantine the
+//! instance.
 //!
 //! Every call into a policy (`create`, `pick`, `explain`, the hooks) is marked in the calling
 //! thread's [`crate::watchdog`] slot while it runs. A call that runs past its instance's
@@ -333,7 +336,6 @@ impl Router {
             instance.policy.pick(&ctx, &view)
         };
         let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        instance.record_pick_time(pick_ns);
         let outcome = match picked {
             RResult::ROk(index) if index < narrowed.len() => Ok(narrowed[index]),
             RResult::ROk(index) => Err(instance.failed(PolicyFailure::OutOfRange {
@@ -342,12 +344,15 @@ impl Router {
             })),
             RResult::RErr(failure) => Err(instance.failed_in_plugin("pick", failure)),
         };
-        let explanation = match (&outcome, selection.explain) {
+        let (explanation, explain_ns) = match (&outcome, selection.explain) {
             // A pick that came back after the watchdog gave up on it keeps its row, but the
             // instance is not called again.
             (Ok(_), true) if !instance.is_hung() => explain(instance, &ctx, &view, request.id),
-            _ => None,
+            _ => (None, 0),
         };
+        // `serve` explains every decision (its headers and metric labels), so `explain` is on
+        // the request path and held to the same budget as `pick`.
+        instance.record_decision_time(pick_ns, explain_ns);
         let candidates = narrowed.len();
         scratch.narrowed = narrowed;
         outcome.map(|row| Pick {
@@ -383,23 +388,28 @@ impl Router {
     }
 }
 
-/// Ask `instance` to explain the pick it just made. A failure is counted like a failed pick (a
-/// panic poisons the instance) but does not undo the pick: the request keeps its row, without an
-/// explanation. Out of line: most requests do not ask.
+/// Ask `instance` to explain the pick it just made, and how long that took (nanoseconds). A
+/// failure is counted like a failed pick (a panic poisons the instance) but does not undo the
+/// pick: the request keeps its row, without an explanation. Out of line: most callers other
+/// than `serve` do not ask.
 #[inline(never)]
 fn explain(
     instance: &PolicyInstance,
     ctx: &RawRequestContext<'_>,
     view: &plugin_api::abi::RawCandidateView<'_>,
     request: Option<u64>,
-) -> Option<Box<Explanation>> {
+) -> (Option<Box<Explanation>>, u64) {
+    let started = Instant::now();
     let explained = {
-        let _call = instance.watch_call(Call::Explain, Some(Instant::now()), request);
+        let _call = instance.watch_call(Call::Explain, Some(started), request);
         instance.policy.explain(ctx, view)
     };
+    let explain_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
     let failure = match explained {
-        RResult::ROk(ROption::RSome(raw)) => return Some(Box::new(explanation_from_abi(raw))),
-        RResult::ROk(ROption::RNone) => return None,
+        RResult::ROk(ROption::RSome(raw)) => {
+            return (Some(Box::new(explanation_from_abi(raw))), explain_ns)
+        }
+        RResult::ROk(ROption::RNone) => return (None, explain_ns),
         RResult::RErr(failure) => instance.failed_in_plugin("explain", failure),
     };
     if matches!(failure, PolicyFailure::Poisoned) {
@@ -413,7 +423,7 @@ fn explain(
             "explain failed: {failure}; the request keeps the row its pick chose, without an explanation"
         );
     }
-    None
+    (None, explain_ns)
 }
 
 fn explanation_from_abi(raw: RawExplanation) -> Explanation {

@@ -200,6 +200,75 @@ fn repeatedly_slow_picks_quarantine_the_instance_to_its_fallback() {
     assert_eq!((stats.picks, stats.slow_picks, stats.fallbacks), (2, 2, 1));
 }
 
+/// `serve` asks for an explanation on every request, so `explain` is held to the instance's
+/// budget with `pick`: a slow one is counted, quarantines the instance after the streak (logged
+/// once), and later decisions go to the fallback without calling the slow code.
+#[test]
+fn repeatedly_slow_explains_quarantine_the_instance_to_its_fallback() {
+    // 50 ms per explain against a 1 ms budget: far apart on any machine.
+    let router = faulty(
+        "    - {name: x, type: slow-explain, parameters: {sleep_us: 50000}, pick_budget_us: 1000, quarantine_after: 3}\n",
+    )
+    .unwrap();
+    let x = position(&router, "x");
+    let explained = |router: &Router| {
+        router
+            .select(
+                &cluster(),
+                Selection::of(&Request {
+                    isl_tokens: 64,
+                    ..Default::default()
+                })
+                .explained(),
+                &NoSignals,
+                &mut Scratch::default(),
+            )
+            .unwrap()
+    };
+    // Without an explanation asked for, the same instance is fast: no breach.
+    let d = pick(&router).unwrap();
+    assert_eq!(d.fallback, None);
+    assert_eq!(router.instance(x).stats.snapshot().slow_explains, 0);
+    let (_, logs) = plugin_api::testing::capture_logs(|| {
+        for _ in 0..3 {
+            let d = explained(&router);
+            // A slow explanation is still used.
+            assert_eq!(d.fallback, None);
+            assert_eq!(
+                d.explanation.as_ref().map(|e| e.reason.as_str()),
+                Some("slow")
+            );
+        }
+    });
+    assert!(router.instance(x).is_quarantined());
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.slow_picks, stats.slow_explains), (0, 3), "{stats:?}");
+    let quarantined: Vec<_> = errors_naming_x(&logs)
+        .into_iter()
+        .filter(|l| l.contains("quarantined after 3 consecutive decisions (pick + explain)"))
+        .collect();
+    assert_eq!(quarantined.len(), 1, "{logs:#?}");
+    assert!(
+        quarantined[0].contains("last_explain_us="),
+        "{}",
+        quarantined[0]
+    );
+    // From now on: the fallback, without entering the slow explain.
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let d = explained(&router);
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(25),
+            "a quarantined instance's explain is not called: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(d.fallback, Some(PolicyFailure::Quarantined));
+        assert_eq!(d.row, LOWEST);
+    }
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.slow_explains, stats.fallbacks), (3, 5), "{stats:?}");
+}
+
 #[test]
 fn two_libraries_exporting_one_type_name_fail_startup_naming_both_files() {
     let err = start(

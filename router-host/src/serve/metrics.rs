@@ -649,7 +649,7 @@ impl Collector for StateCollector {
             .iter()
             .map(|i| (instance_labels(i), i.stats.snapshot(), i))
             .collect();
-        let counters: [CounterSpec; 6] = [
+        let counters: [CounterSpec; 7] = [
             (
                 "router_policy_picks",
                 "Picks asked of each policy instance",
@@ -672,8 +672,14 @@ impl Collector for StateCollector {
             ),
             (
                 "router_policy_slow_picks",
-                "Picks over the instance's pick_budget_us",
+                "Decisions over the instance's pick_budget_us because the pick alone was",
                 |c| c.slow_picks,
+            ),
+            (
+                "router_policy_slow_explains",
+                "Decisions over the instance's pick_budget_us because explain pushed pick + \
+                 explain past it (serve explains every decision)",
+                |c| c.slow_explains,
             ),
             (
                 "router_policy_hangs",
