@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use abi_stable::std_types::{RResult, RSlice, RStr};
@@ -384,9 +384,12 @@ impl Catalog {
             policy,
             stats,
             poisoned: AtomicBool::new(false),
+            poison_reason: OnceLock::new(),
             quarantined: AtomicBool::new(false),
+            quarantine_reason: OnceLock::new(),
             consecutive_slow: AtomicU32::new(0),
             watch,
+            logs: InstanceLogs::default(),
         })
     }
 }
@@ -478,12 +481,162 @@ pub struct PolicyInstance {
     pub stats: crossbeam_utils::CachePadded<InstanceStats>,
     /// Set after the policy panicked: it is no longer called.
     pub(crate) poisoned: AtomicBool,
+    /// The panic that poisoned it (the first one seen).
+    poison_reason: OnceLock<String>,
     /// Set after `quarantine_after` consecutive slow decisions: it is no longer called.
     pub(crate) quarantined: AtomicBool,
+    quarantine_reason: OnceLock<String>,
     pub(crate) consecutive_slow: AtomicU32,
     /// Registered with the watchdog, which marks it hung; every call is marked in this
     /// thread's watchdog slot while it runs.
     pub(crate) watch: Watch,
+    /// Log lines that could repeat per request, each rate-limited.
+    pub(crate) logs: InstanceLogs,
+}
+
+/// Whether an instance is called, and if not, why. The first that applies, in this order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InstanceState {
+    InService,
+    /// A callback panicked (in the plugin or seen by the host): never called again.
+    Poisoned,
+    /// `quarantine_after` consecutive decisions over `pick_budget_us`.
+    Quarantined,
+    /// A call ran past `hang_after_ms` (see [`crate::watchdog`]).
+    Hung,
+}
+
+impl InstanceState {
+    pub const ALL: [InstanceState; 4] = [
+        InstanceState::InService,
+        InstanceState::Poisoned,
+        InstanceState::Quarantined,
+        InstanceState::Hung,
+    ];
+
+    /// `in_service`, `poisoned`, `quarantined`, `hung`: the `state` label and `/ready`'s word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceState::InService => "in_service",
+            InstanceState::Poisoned => "poisoned",
+            InstanceState::Quarantined => "quarantined",
+            InstanceState::Hung => "hung",
+        }
+    }
+}
+
+impl std::fmt::Display for InstanceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How often a log line that can repeat per request (a policy error, an out-of-range index, a
+/// failed `explain`, a request sent to the fallback of an instance out of service) is written
+/// for one instance: the first occurrence, then at most one line per interval saying how many
+/// were not written. The counters (`router_policy_*`) count every occurrence.
+pub const LOG_REPEAT_INTERVAL: Duration = Duration::from_secs(60);
+
+/// One kind of repeated log line of one instance (see [`LOG_REPEAT_INTERVAL`]).
+#[derive(Debug, Default)]
+pub(crate) struct LogThrottle {
+    /// Nanoseconds since [`log_epoch`] before which nothing more is written.
+    next_ns: AtomicU64,
+    /// Occurrences not written since the last line.
+    suppressed: AtomicU64,
+}
+
+impl LogThrottle {
+    /// Whether the occurrence at `now_ns` is written: `Some(n)` with `n` occurrences not written
+    /// since the last line, or `None` (counted for the next line).
+    pub(crate) fn admit(&self, now_ns: u64, interval_ns: u64) -> Option<u64> {
+        let next = self.next_ns.load(Ordering::Relaxed);
+        if now_ns >= next
+            && self
+                .next_ns
+                .compare_exchange(
+                    next,
+                    now_ns.saturating_add(interval_ns),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// [`Self::admit`], except that the first occurrence is not written but counted: for a
+    /// condition whose start was already logged (the transition out of service), so the first
+    /// line comes one interval later, with the count.
+    pub(crate) fn admit_after_first(&self, now_ns: u64, interval_ns: u64) -> Option<u64> {
+        if self.next_ns.load(Ordering::Relaxed) == 0
+            && self
+                .next_ns
+                .compare_exchange(
+                    0,
+                    now_ns.saturating_add(interval_ns).max(1),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        self.admit(now_ns, interval_ns)
+    }
+
+    /// [`Self::admit`] now, with [`LOG_REPEAT_INTERVAL`].
+    pub(crate) fn admit_now(&self) -> Option<u64> {
+        let (now, interval) = log_clock();
+        self.admit(now, interval)
+    }
+
+    /// [`Self::admit_after_first`] now, with [`LOG_REPEAT_INTERVAL`].
+    pub(crate) fn admit_after_first_now(&self) -> Option<u64> {
+        let (now, interval) = log_clock();
+        self.admit_after_first(now, interval)
+    }
+}
+
+/// Now and [`LOG_REPEAT_INTERVAL`], in nanoseconds on the throttles' clock.
+fn log_clock() -> (u64, u64) {
+    (
+        u64::try_from(log_epoch().elapsed().as_nanos()).unwrap_or(u64::MAX),
+        u64::try_from(LOG_REPEAT_INTERVAL.as_nanos()).unwrap_or(u64::MAX),
+    )
+}
+
+/// The clock of every [`LogThrottle`].
+fn log_epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// `" (N more since the last such line, not logged)"`, or nothing.
+pub(crate) fn suppressed_note(suppressed: u64) -> String {
+    if suppressed == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({suppressed} more like it in the last {} s, not logged)",
+            LOG_REPEAT_INTERVAL.as_secs()
+        )
+    }
+}
+
+/// The rate-limited log lines of one instance.
+#[derive(Debug, Default)]
+pub(crate) struct InstanceLogs {
+    /// `pick` returned an error or an out-of-range index.
+    pub(crate) pick_failed: LogThrottle,
+    /// `explain` returned an error.
+    pub(crate) explain_failed: LogThrottle,
+    /// A request of an instance out of service went to its fallback (or failed).
+    pub(crate) out_of_service: LogThrottle,
 }
 
 impl PolicyInstance {
@@ -504,6 +657,35 @@ impl PolicyInstance {
     /// The call that made it hung, how long it had run and its request, once it is hung.
     pub fn hang(&self) -> Option<&Hang> {
         self.watch.hang()
+    }
+
+    /// In service, or why not (the first of poisoned, quarantined, hung).
+    pub fn state(&self) -> InstanceState {
+        if self.is_poisoned() {
+            InstanceState::Poisoned
+        } else if self.is_quarantined() {
+            InstanceState::Quarantined
+        } else if self.is_hung() {
+            InstanceState::Hung
+        } else {
+            InstanceState::InService
+        }
+    }
+
+    /// Why the instance is out of service (`None` while in service): the panic, the slow
+    /// decisions, or the call that hung.
+    pub fn state_reason(&self) -> Option<String> {
+        match self.state() {
+            InstanceState::InService => None,
+            InstanceState::Poisoned => Some(
+                self.poison_reason
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| "it panicked".to_owned()),
+            ),
+            InstanceState::Quarantined => self.quarantine_reason.get().cloned(),
+            InstanceState::Hung => Some(self.watch.failure().to_string()),
+        }
     }
 
     /// Built into the host (its calls are ours: they do not hang).
@@ -572,6 +754,9 @@ impl PolicyInstance {
             PolicyFailure::Panicked(_) => {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
                 self.stats.panics.fetch_add(1, Ordering::Relaxed);
+                if let PolicyFailure::Panicked(message) = &failure {
+                    let _ = self.poison_reason.set(format!("panicked: {message}"));
+                }
                 self.poisoned.store(true, Ordering::Relaxed);
             }
             _ => {
@@ -646,6 +831,11 @@ impl PolicyInstance {
         }
         let budget_us = self.pick_budget.as_micros() as u64;
         let (pick_us, explain_us) = (pick_ns / 1000, explain_ns / 1000);
+        let _ = self.quarantine_reason.set(format!(
+            "{} consecutive decisions over pick_budget_us {budget_us} (the last: pick {pick_us} \
+             us, explain {explain_us} us)",
+            self.quarantine_after
+        ));
         if !self.quarantined.swap(true, Ordering::Relaxed) {
             tracing::error!(
                 instance = %self.name,
@@ -741,6 +931,43 @@ mod tests {
             TypeOrigin::Plugin(i) => format!("/lib{i}.so"),
         })
         .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_throttle_writes_the_first_line_then_one_per_interval_with_the_count() {
+        let t = LogThrottle::default();
+        let s = 1_000_000_000;
+        assert_eq!(
+            t.admit(5, 60 * s),
+            Some(0),
+            "the first occurrence is written"
+        );
+        for i in 0..99 {
+            assert_eq!(t.admit(5 + i * s / 2, 60 * s), None);
+        }
+        // One interval later: one line saying how many were not written.
+        assert_eq!(t.admit(61 * s, 60 * s), Some(99));
+        assert_eq!(t.admit(62 * s, 60 * s), None);
+        assert_eq!(t.admit(200 * s, 60 * s), Some(1));
+        // A lone occurrence after a quiet interval is written as a fresh one.
+        assert_eq!(t.admit(400 * s, 60 * s), Some(0));
+        assert_eq!(suppressed_note(0), "");
+        assert_eq!(
+            suppressed_note(99),
+            " (99 more like it in the last 60 s, not logged)"
+        );
+    }
+
+    #[test]
+    fn a_throttle_after_a_logged_transition_writes_its_first_line_an_interval_later() {
+        let t = LogThrottle::default();
+        let s = 1_000_000_000;
+        assert_eq!(t.admit_after_first(0, 60 * s), None);
+        for i in 1..50 {
+            assert_eq!(t.admit_after_first(i * s, 60 * s), None);
+        }
+        assert_eq!(t.admit_after_first(60 * s, 60 * s), Some(50));
+        assert_eq!(t.admit_after_first(61 * s, 60 * s), None);
     }
 
     #[test]

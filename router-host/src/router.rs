@@ -38,7 +38,7 @@ use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
 use crate::eligibility::eligible_rows;
 use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
 use crate::model::{Cluster, RequestRole, RowId, Signals};
-use crate::policies::{Catalog, HostSettings, PolicyError, PolicyInstance};
+use crate::policies::{suppressed_note, Catalog, HostSettings, PolicyError, PolicyInstance};
 use crate::watchdog::Call;
 pub use crate::watchdog::{Hang, OnHang};
 
@@ -255,19 +255,9 @@ impl Router {
             origin: instance.origin.clone(),
             failure: failure.clone(),
         };
-        // The transition into poison, quarantine or hung was logged when it happened.
-        let repeated = match &failure {
-            PolicyFailure::Poisoned | PolicyFailure::Quarantined => true,
-            // Every call after the hang gets the same failure; the hang itself was logged.
-            PolicyFailure::Hung { .. } => true,
-            _ => false,
-        };
-        if repeated {
-            tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
-        } else {
-            tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
-        }
-        if instance.on_error == OnError::Fail || configured == self.default_instance {
+        let fails = instance.on_error == OnError::Fail || configured == self.default_instance;
+        log_failure(instance, &failure, &error, fails);
+        if fails {
             return Err(error);
         }
         instance.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
@@ -364,6 +354,62 @@ impl Router {
     }
 }
 
+/// Log a failed call of `instance` (`fails`: the request fails instead of falling back). Only
+/// what happens once per instance is logged every time (a panic, the transition into poison);
+/// what can repeat on every request is rate-limited per instance (see
+/// [`crate::policies::LOG_REPEAT_INTERVAL`]): a returned error or an out-of-range index at error
+/// level, and, for an instance out of service (its transition was logged when it happened), a
+/// warning saying how many requests went to the fallback.
+#[cold]
+#[inline(never)]
+fn log_failure(
+    instance: &PolicyInstance,
+    failure: &PolicyFailure,
+    error: &SelectError,
+    fails: bool,
+) {
+    match failure {
+        PolicyFailure::Poisoned | PolicyFailure::Quarantined | PolicyFailure::Hung { .. } => {
+            tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
+            if let Some(suppressed) = instance.logs.out_of_service.admit_after_first_now() {
+                let state = instance.state();
+                let reason = instance.state_reason().unwrap_or_default();
+                let then = if fails {
+                    "its requests fail (on_error: fail)"
+                } else {
+                    "its requests go to its fallback"
+                };
+                tracing::warn!(
+                    instance = %instance.name,
+                    policy = %instance.type_name,
+                    origin = %instance.origin,
+                    state = state.as_str(),
+                    requests = suppressed + 1,
+                    "policy instance out of service ({state}: {reason}); {then}: {} request(s) in \
+                     the last {} s",
+                    suppressed + 1,
+                    crate::policies::LOG_REPEAT_INTERVAL.as_secs()
+                );
+            }
+        }
+        PolicyFailure::Panicked(_) => {
+            tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
+        }
+        _ => {
+            if let Some(suppressed) = instance.logs.pick_failed.admit_now() {
+                tracing::error!(
+                    instance = %instance.name,
+                    policy = %instance.type_name,
+                    origin = %instance.origin,
+                    suppressed,
+                    "{error}{}",
+                    suppressed_note(suppressed)
+                );
+            }
+        }
+    }
+}
+
 impl Router {
     /// Tell the instance that decided (or fell back for) a request where it was booked. Hooks
     /// exist since plugin-api 1.1; for a 1.0 plugin this is a no-op.
@@ -412,16 +458,31 @@ fn explain(
         RResult::ROk(ROption::RNone) => return (None, explain_ns),
         RResult::RErr(failure) => instance.failed_in_plugin("explain", failure),
     };
-    if matches!(failure, PolicyFailure::Poisoned) {
+    match &failure {
         // Poisoned by a concurrent call, which logged the transition.
-        tracing::debug!(instance = %instance.name, origin = %instance.origin, "explain: {failure}");
-    } else {
-        tracing::error!(
+        PolicyFailure::Poisoned => {
+            tracing::debug!(instance = %instance.name, origin = %instance.origin, "explain: {failure}");
+        }
+        // The transition into poison: logged once, as it happens once.
+        PolicyFailure::Panicked(_) => tracing::error!(
             instance = %instance.name,
             policy = %instance.type_name,
             origin = %instance.origin,
             "explain failed: {failure}; the request keeps the row its pick chose, without an explanation"
-        );
+        ),
+        // Can repeat on every request: rate-limited.
+        _ => {
+            if let Some(suppressed) = instance.logs.explain_failed.admit_now() {
+                tracing::error!(
+                    instance = %instance.name,
+                    policy = %instance.type_name,
+                    origin = %instance.origin,
+                    suppressed,
+                    "explain failed: {failure}; the request keeps the row its pick chose, without an explanation{}",
+                    suppressed_note(suppressed)
+                );
+            }
+        }
     }
     (None, explain_ns)
 }

@@ -253,6 +253,11 @@ fn repeatedly_slow_explains_quarantine_the_instance_to_its_fallback() {
         "{}",
         quarantined[0]
     );
+    let reason = router.instance(x).state_reason().unwrap();
+    assert!(
+        reason.contains("3 consecutive decisions over pick_budget_us 1000"),
+        "{reason}"
+    );
     // From now on: the fallback, without entering the slow explain.
     for _ in 0..5 {
         let started = std::time::Instant::now();
@@ -267,6 +272,55 @@ fn repeatedly_slow_explains_quarantine_the_instance_to_its_fallback() {
     }
     let stats = router.instance(x).stats.snapshot();
     assert_eq!((stats.slow_explains, stats.fallbacks), (3, 5), "{stats:?}");
+}
+
+/// Failures that can repeat on every request are logged once, then at most once per interval
+/// with the count not logged (unit-tested with a clock in policies.rs); the counters count them
+/// all.
+#[test]
+fn repeated_pick_errors_and_fallbacks_of_an_instance_out_of_service_do_not_flood_the_log() {
+    let router = faulty("    - {name: x, type: errors-in-pick}\n").unwrap();
+    let x = position(&router, "x");
+    let (_, logs) = plugin_api::testing::capture_logs(|| {
+        for _ in 0..200 {
+            assert!(pick(&router).unwrap().fallback.is_some());
+        }
+    });
+    let lines: Vec<_> = errors_naming_x(&logs)
+        .into_iter()
+        .filter(|l| l.contains("no good row today"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{logs:#?}");
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.errors, stats.fallbacks), (200, 200), "{stats:?}");
+
+    // A poisoned instance: the panic once at error level, then nothing per request.
+    let router = faulty("    - {name: x, type: panics-in-pick}\n").unwrap();
+    let x = position(&router, "x");
+    let (_, logs) = plugin_api::testing::capture_logs(|| {
+        for _ in 0..200 {
+            assert!(pick(&router).unwrap().fallback.is_some());
+        }
+    });
+    assert_eq!(
+        errors_naming_x(&logs)
+            .iter()
+            .filter(|l| l.contains("exploded") || l.contains("out of service"))
+            .count(),
+        1,
+        "{logs:#?}"
+    );
+    assert_eq!(router.instance(x).stats.snapshot().fallbacks, 200);
+    assert_eq!(
+        (
+            router.instance(x).state().as_str(),
+            router.instance(x).state_reason()
+        ),
+        (
+            "poisoned",
+            Some("panicked: pick exploded on purpose".to_owned())
+        )
+    );
 }
 
 #[test]

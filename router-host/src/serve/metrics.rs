@@ -726,6 +726,24 @@ impl Collector for StateCollector {
                     .map(|(l, _, i)| (l.clone(), ConstGauge::new(i64::from(get(i))))),
             )?;
         }
+        // One series per instance and state, 1 for the state it is in: an alert can match
+        // `state!="in_service"` without knowing the states.
+        family(
+            &mut encoder,
+            "router_policy_instance_state",
+            "1 for the state each policy instance is in (in_service, poisoned, quarantined, \
+             hung), 0 for the others; out of service, its requests go to its fallback (or fail \
+             with on_error: fail)",
+            MetricType::Gauge,
+            instances.iter().flat_map(|(l, _, i)| {
+                let now = i.state();
+                crate::policies::InstanceState::ALL.map(|state| {
+                    let mut labels = l.clone();
+                    labels.push(("state", state.as_str().to_owned()));
+                    (labels, ConstGauge::new(i64::from(state == now)))
+                })
+            }),
+        )?;
         let health = self.health.snapshot();
         family(
             &mut encoder,
