@@ -76,6 +76,8 @@ pub struct Router {
     settings: HostSettings,
     /// How dispatch books prompt tokens (`booking.prefill`).
     prefill_booking: PrefillBooking,
+    /// `plugin_images_max` of the configuration it was built from.
+    plugin_images_max: usize,
 }
 
 impl Router {
@@ -93,7 +95,7 @@ impl Router {
         search: &SearchPath,
         options: RouterOptions,
     ) -> Result<Router, StartupError> {
-        let mut loader = Loader::new();
+        let mut loader = Loader::with_image_cap(config.plugin_images_max);
         for (index, spec) in config.plugins.iter().enumerate() {
             let plugin_error = |source| StartupError::Plugin {
                 index,
@@ -156,7 +158,14 @@ impl Router {
             default_instance: 0,
             settings,
             prefill_booking: config.booking.prefill,
+            plugin_images_max: config.plugin_images_max,
         })
+    }
+
+    /// The most plugin images the process may map (`plugin_images_max`); how many it has is
+    /// [`crate::loader::images_mapped`].
+    pub fn plugin_images_max(&self) -> usize {
+        self.plugin_images_max
     }
 
     pub fn catalog(&self) -> &Catalog {

@@ -1,15 +1,20 @@
-//! Policy instances over the life of `serve`: an instance out of service (poisoned,
-//! quarantined) is named in `/ready` and in `router_policy_instance_state`, and a reload
-//! recreates every instance, clearing poison and quarantine (docs/reliability.md).
+//! Policy instances and plugin images over the life of `serve`: an instance out of service
+//! (poisoned, quarantined) is named in `/ready` and in `router_policy_instance_state`; a reload
+//! recreates every instance (clearing poison and quarantine) and loads a plugin file replaced on
+//! disk as a new image, counted in `router_plugin_images_mapped` and capped by
+//! `plugin_images_max`, while an unchanged file maps nothing new (docs/reliability.md, "Plugin
+//! lifecycle on reload").
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
 use common::engine::{client, eventually, header, post, workers_yaml, Engine, Router};
 use serde_json::{json, Value};
 
-/// Tests that load plugins run one at a time.
+/// The image count is process-wide: tests that load plugins run one at a time, so one test's
+/// first load of a fixture is never counted as another's reload.
 static IMAGES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -153,5 +158,146 @@ async fn an_instance_out_of_service_is_named_in_ready_and_its_state_metric_and_a
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["unservable_roles"], json!(["aggregated"]), "{body}");
     assert_eq!(instance(&body, "x")["serving"], "none");
+    router.stop().await;
+}
+
+/// Install `from` at `to` the way installers and `cargo` do: a new file renamed over the old.
+fn install(from: &Path, to: &Path) {
+    let tmp = to.with_extension("tmp");
+    std::fs::copy(from, &tmp).unwrap();
+    std::fs::rename(&tmp, to).unwrap();
+}
+
+fn probe_yaml(plugin: &Path, extra: &str, engines: &[&Engine]) -> String {
+    format!(
+        "block_size: 4\n{extra}plugins:\n  - path: {}\nworker_selection:\n  aggregated: x\n  instances:\n    - {{name: x, type: probe, parameters: {{return_index: 1}}}}\n{}",
+        plugin.display(),
+        workers_yaml(engines)
+    )
+}
+
+/// Images of `file_name` mapped in this process, as the kernel sees them: one executable mapping
+/// per image (of the file, of a replaced file `(deleted)`, or of a sealed copy `/memfd:NAME`).
+fn executable_mappings(file_name: &str) -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(file_name) && l.split_whitespace().nth(1) == Some("r-xp"))
+        .count()
+}
+
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_loads_a_replaced_plugin_as_one_new_image_up_to_the_cap() {
+    let _images = IMAGES.lock().await;
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let dir = common::temp_dir("lifecycle_upgrade");
+    let plugin = dir.join("libpolicy.so");
+    install(&common::plugin("fixture_probe"), &plugin);
+    let router = Router::start(
+        "lifecycle_upgrade_router",
+        &probe_yaml(&plugin, "", &[&e1, &e2]),
+    )
+    .await;
+    let images = || router.metric("router_plugin_images_mapped");
+    let decide = || async {
+        let response = complete(&router).await;
+        assert_eq!(response.status(), 200);
+        (
+            header(&response, "x-router-reason"),
+            header(&response, "x-router-worker"),
+        )
+    };
+    // The probe explains itself and returns index 1 (worker 2).
+    assert_eq!(decide().await, ("probe".to_owned(), "2".to_owned()));
+    let before = images();
+    assert!(before >= 1.0);
+    let mapped = || executable_mappings("libpolicy.so");
+    assert_eq!(mapped(), 1);
+    assert_eq!(
+        router.metric("router_plugin_images_max"),
+        router_host::loader::DEFAULT_PLUGIN_IMAGES_MAX as f64
+    );
+
+    // An unchanged file: no new image.
+    assert_eq!(router.handle.reload().await.unwrap(), 2);
+    assert_eq!((images(), mapped()), (before, 1));
+
+    // A new build at the same path: the reload runs it (another plugin exporting `probe`, which
+    // does not explain and always returns index 0), as one more image.
+    install(&common::plugin("fixture_duplicate"), &plugin);
+    assert_eq!(router.handle.reload().await.unwrap(), 3);
+    assert_eq!(decide().await, ("none".to_owned(), "1".to_owned()));
+    assert_eq!((images(), mapped()), (before + 1.0, 2));
+    let (_, body) = ready(&router).await;
+    assert_eq!(
+        instance(&body, "x")["plugin"]["name"],
+        "fixture-duplicate",
+        "{body}"
+    );
+    assert_eq!(router.handle.reload().await.unwrap(), 4);
+    assert_eq!(
+        (images(), mapped()),
+        (before + 1.0, 2),
+        "unchanged since: nothing new"
+    );
+
+    // With a sha256 the sealed copy is its own image, mapped once for the same contents.
+    let sha = {
+        let file = std::fs::File::open(&plugin).unwrap();
+        router_host::loader::sha256_hex(&file).unwrap()
+    };
+    let sealed = probe_yaml(&plugin, "", &[&e1, &e2]).replace(
+        &format!("  - path: {}\n", plugin.display()),
+        &format!("  - path: {}\n    sha256: \"{sha}\"\n", plugin.display()),
+    );
+    std::fs::write(&router.config, &sealed).unwrap();
+    assert_eq!(router.handle.reload().await.unwrap(), 5);
+    assert_eq!((images(), mapped()), (before + 2.0, 3));
+    assert_eq!(router.handle.reload().await.unwrap(), 6);
+    assert_eq!(
+        (images(), mapped()),
+        (before + 2.0, 3),
+        "same contents: the same sealed image"
+    );
+
+    // The cap: a reload that would map one more image fails, naming the cap and the fix, and
+    // the running configuration keeps serving.
+    let cap = (before + 2.0) as usize;
+    std::fs::write(
+        &router.config,
+        probe_yaml(&plugin, &format!("plugin_images_max: {cap}\n"), &[&e1, &e2]),
+    )
+    .unwrap();
+    assert_eq!(
+        router.handle.reload().await.unwrap(),
+        7,
+        "no new image needed"
+    );
+    install(&common::plugin("fixture_probe"), &plugin);
+    let err = router.handle.reload().await.unwrap_err();
+    let text = error_chain(&err);
+    assert!(
+        text.contains(&format!(
+            "already has {cap} plugin images mapped, the most plugin_images_max ({cap}) allows"
+        )) && text.contains("restart router-host to load it"),
+        "{text}"
+    );
+    assert_eq!((images(), mapped()), (before + 2.0, 3));
+    assert_eq!(
+        router.metric("router_config_reloads_total{outcome=\"error\"}"),
+        1.0
+    );
+    assert_eq!(decide().await, ("none".to_owned(), "1".to_owned()));
     router.stop().await;
 }

@@ -726,6 +726,28 @@ impl Collector for StateCollector {
                     .map(|(l, _, i)| (l.clone(), ConstGauge::new(i64::from(get(i))))),
             )?;
         }
+        family(
+            &mut encoder,
+            "router_plugin_images_mapped",
+            "Plugin images (shared objects) mapped in this process: one per distinct plugin file \
+             ever loaded; a reload of a changed plugin adds one, and none is ever unmapped",
+            MetricType::Gauge,
+            std::iter::once((
+                Labels::new(),
+                ConstGauge::new(crate::loader::images_mapped() as i64),
+            )),
+        )?;
+        family(
+            &mut encoder,
+            "router_plugin_images_max",
+            "plugin_images_max of the configuration serving now: a reload that would map more \
+             plugin images fails (restart to go back to one image per plugin)",
+            MetricType::Gauge,
+            std::iter::once((
+                Labels::new(),
+                ConstGauge::new(router.plugin_images_max() as i64),
+            )),
+        )?;
         // One series per instance and state, 1 for the state it is in: an alert can match
         // `state!="in_service"` without knowing the states.
         family(
