@@ -433,6 +433,55 @@ fn load_one(path: &Path, extra: &str) -> Result<Router, String> {
     Router::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
 }
 
+/// A plugin that logs on every pick cannot flood the host's log: past its budget per window its
+/// lines are counted, not written, and the host says so once.
+#[test]
+fn a_plugin_logging_on_every_pick_is_cut_at_its_budget() {
+    let dir = common::temp_dir("log_budget");
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: x\n  instances:\n    - {{name: x, type: chatty}}\n",
+            common::plugin("fixture_faulty").display()
+        ),
+    );
+    // 500 picks, two plugin lines each: ten times the budget, in far less than its window.
+    let requests = vec![r#"{"isl_tokens": 10}"#; 500].join(",");
+    let scenario = common::write(
+        &dir,
+        "s.json",
+        &format!(r#"{{"workers": [{{"worker_id": 1}}], "requests": [{requests}]}}"#),
+    );
+    let (code, out, err) = common::run_cli(&[
+        "select",
+        "--config",
+        config.to_str().unwrap(),
+        "--scenario",
+        scenario.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 500, "every request is still decided");
+    let plugin_lines = err
+        .lines()
+        .filter(|l| l.contains("chatty pick") || l.contains("chatty tail"))
+        .count();
+    assert!(
+        (90..=100).contains(&plugin_lines),
+        "{plugin_lines} plugin lines:\n{err}"
+    );
+    let said: Vec<_> = err
+        .lines()
+        .filter(|l| {
+            l.contains(
+                "log lines in 10 s; its further lines in this window are counted, not logged",
+            )
+        })
+        .collect();
+    assert_eq!(said.len(), 1, "{err}");
+    assert!(said[0].contains("plugin=\"fixture-faulty\""), "{}", said[0]);
+}
+
 #[test]
 fn sha256_is_checked_before_loading_and_a_mismatch_prints_both_hashes() {
     let (_dir, path) = private_copy("sha", "fixture_probe", 0o644, 0o755);
