@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use abi_stable::std_types::{RResult, RSlice, RStr};
@@ -384,9 +384,12 @@ impl Catalog {
             policy,
             stats,
             poisoned: AtomicBool::new(false),
+            poison_reason: OnceLock::new(),
             quarantined: AtomicBool::new(false),
+            quarantine_reason: OnceLock::new(),
             consecutive_slow: AtomicU32::new(0),
             watch,
+            logs: InstanceLogs::default(),
         })
     }
 }
@@ -417,7 +420,10 @@ pub struct InstanceStats {
     pub panics: AtomicU64,
     pub out_of_range: AtomicU64,
     pub fallbacks: AtomicU64,
+    /// Decisions over the budget because `pick` alone took longer than it.
     pub slow_picks: AtomicU64,
+    /// Decisions over the budget because `explain` pushed `pick + explain` past it.
+    pub slow_explains: AtomicU64,
     /// Calls found running past `hang_after` (counted by the watchdog, which shares it).
     pub hangs: Arc<AtomicU64>,
 }
@@ -431,6 +437,7 @@ pub struct InstanceCounters {
     pub out_of_range: u64,
     pub fallbacks: u64,
     pub slow_picks: u64,
+    pub slow_explains: u64,
     pub hangs: u64,
 }
 
@@ -444,6 +451,7 @@ impl InstanceStats {
             out_of_range: get(&self.out_of_range),
             fallbacks: get(&self.fallbacks),
             slow_picks: get(&self.slow_picks),
+            slow_explains: get(&self.slow_explains),
             hangs: get(&self.hangs),
         }
     }
@@ -460,8 +468,9 @@ pub struct PolicyInstance {
     pub narrows_soft_target: bool,
     pub parameters_json: String,
     pub on_error: OnError,
+    /// What one decision (`pick`, plus `explain` when the caller asks for one) may take.
     pub pick_budget: Duration,
-    /// Consecutive over-budget picks that quarantine the instance.
+    /// Consecutive over-budget decisions that quarantine the instance.
     pub quarantine_after: u32,
     /// A call still running after this long marks the instance hung (see [`crate::watchdog`]).
     pub hang_after: Duration,
@@ -472,12 +481,162 @@ pub struct PolicyInstance {
     pub stats: crossbeam_utils::CachePadded<InstanceStats>,
     /// Set after the policy panicked: it is no longer called.
     pub(crate) poisoned: AtomicBool,
-    /// Set after `quarantine_after` consecutive slow picks: it is no longer called.
+    /// The panic that poisoned it (the first one seen).
+    poison_reason: OnceLock<String>,
+    /// Set after `quarantine_after` consecutive slow decisions: it is no longer called.
     pub(crate) quarantined: AtomicBool,
+    quarantine_reason: OnceLock<String>,
     pub(crate) consecutive_slow: AtomicU32,
     /// Registered with the watchdog, which marks it hung; every call is marked in this
     /// thread's watchdog slot while it runs.
     pub(crate) watch: Watch,
+    /// Log lines that could repeat per request, each rate-limited.
+    pub(crate) logs: InstanceLogs,
+}
+
+/// Whether an instance is called, and if not, why. The first that applies, in this order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InstanceState {
+    InService,
+    /// A callback panicked (in the plugin or seen by the host): never called again.
+    Poisoned,
+    /// `quarantine_after` consecutive decisions over `pick_budget_us`.
+    Quarantined,
+    /// A call ran past `hang_after_ms` (see [`crate::watchdog`]).
+    Hung,
+}
+
+impl InstanceState {
+    pub const ALL: [InstanceState; 4] = [
+        InstanceState::InService,
+        InstanceState::Poisoned,
+        InstanceState::Quarantined,
+        InstanceState::Hung,
+    ];
+
+    /// `in_service`, `poisoned`, `quarantined`, `hung`: the `state` label and `/ready`'s word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceState::InService => "in_service",
+            InstanceState::Poisoned => "poisoned",
+            InstanceState::Quarantined => "quarantined",
+            InstanceState::Hung => "hung",
+        }
+    }
+}
+
+impl std::fmt::Display for InstanceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How often a log line that can repeat per request (a policy error, an out-of-range index, a
+/// failed `explain`, a request sent to the fallback of an instance out of service) is written
+/// for one instance: the first occurrence, then at most one line per interval saying how many
+/// were not written. The counters (`router_policy_*`) count every occurrence.
+pub const LOG_REPEAT_INTERVAL: Duration = Duration::from_secs(60);
+
+/// One kind of repeated log line of one instance (see [`LOG_REPEAT_INTERVAL`]).
+#[derive(Debug, Default)]
+pub(crate) struct LogThrottle {
+    /// Nanoseconds since [`log_epoch`] before which nothing more is written.
+    next_ns: AtomicU64,
+    /// Occurrences not written since the last line.
+    suppressed: AtomicU64,
+}
+
+impl LogThrottle {
+    /// Whether the occurrence at `now_ns` is written: `Some(n)` with `n` occurrences not written
+    /// since the last line, or `None` (counted for the next line).
+    pub(crate) fn admit(&self, now_ns: u64, interval_ns: u64) -> Option<u64> {
+        let next = self.next_ns.load(Ordering::Relaxed);
+        if now_ns >= next
+            && self
+                .next_ns
+                .compare_exchange(
+                    next,
+                    now_ns.saturating_add(interval_ns),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// [`Self::admit`], except that the first occurrence is not written but counted: for a
+    /// condition whose start was already logged (the transition out of service), so the first
+    /// line comes one interval later, with the count.
+    pub(crate) fn admit_after_first(&self, now_ns: u64, interval_ns: u64) -> Option<u64> {
+        if self.next_ns.load(Ordering::Relaxed) == 0
+            && self
+                .next_ns
+                .compare_exchange(
+                    0,
+                    now_ns.saturating_add(interval_ns).max(1),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        self.admit(now_ns, interval_ns)
+    }
+
+    /// [`Self::admit`] now, with [`LOG_REPEAT_INTERVAL`].
+    pub(crate) fn admit_now(&self) -> Option<u64> {
+        let (now, interval) = log_clock();
+        self.admit(now, interval)
+    }
+
+    /// [`Self::admit_after_first`] now, with [`LOG_REPEAT_INTERVAL`].
+    pub(crate) fn admit_after_first_now(&self) -> Option<u64> {
+        let (now, interval) = log_clock();
+        self.admit_after_first(now, interval)
+    }
+}
+
+/// Now and [`LOG_REPEAT_INTERVAL`], in nanoseconds on the throttles' clock.
+fn log_clock() -> (u64, u64) {
+    (
+        u64::try_from(log_epoch().elapsed().as_nanos()).unwrap_or(u64::MAX),
+        u64::try_from(LOG_REPEAT_INTERVAL.as_nanos()).unwrap_or(u64::MAX),
+    )
+}
+
+/// The clock of every [`LogThrottle`].
+fn log_epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// `" (N more since the last such line, not logged)"`, or nothing.
+pub(crate) fn suppressed_note(suppressed: u64) -> String {
+    if suppressed == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({suppressed} more like it in the last {} s, not logged)",
+            LOG_REPEAT_INTERVAL.as_secs()
+        )
+    }
+}
+
+/// The rate-limited log lines of one instance.
+#[derive(Debug, Default)]
+pub(crate) struct InstanceLogs {
+    /// `pick` returned an error or an out-of-range index.
+    pub(crate) pick_failed: LogThrottle,
+    /// `explain` returned an error.
+    pub(crate) explain_failed: LogThrottle,
+    /// A request of an instance out of service went to its fallback (or failed).
+    pub(crate) out_of_service: LogThrottle,
 }
 
 impl PolicyInstance {
@@ -498,6 +657,35 @@ impl PolicyInstance {
     /// The call that made it hung, how long it had run and its request, once it is hung.
     pub fn hang(&self) -> Option<&Hang> {
         self.watch.hang()
+    }
+
+    /// In service, or why not (the first of poisoned, quarantined, hung).
+    pub fn state(&self) -> InstanceState {
+        if self.is_poisoned() {
+            InstanceState::Poisoned
+        } else if self.is_quarantined() {
+            InstanceState::Quarantined
+        } else if self.is_hung() {
+            InstanceState::Hung
+        } else {
+            InstanceState::InService
+        }
+    }
+
+    /// Why the instance is out of service (`None` while in service): the panic, the slow
+    /// decisions, or the call that hung.
+    pub fn state_reason(&self) -> Option<String> {
+        match self.state() {
+            InstanceState::InService => None,
+            InstanceState::Poisoned => Some(
+                self.poison_reason
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| "it panicked".to_owned()),
+            ),
+            InstanceState::Quarantined => self.quarantine_reason.get().cloned(),
+            InstanceState::Hung => Some(self.watch.failure().to_string()),
+        }
     }
 
     /// Built into the host (its calls are ours: they do not hang).
@@ -566,6 +754,9 @@ impl PolicyInstance {
             PolicyFailure::Panicked(_) => {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
                 self.stats.panics.fetch_add(1, Ordering::Relaxed);
+                if let PolicyFailure::Panicked(message) = &failure {
+                    let _ = self.poison_reason.set(format!("panicked: {message}"));
+                }
                 self.poisoned.store(true, Ordering::Relaxed);
             }
             _ => {
@@ -606,34 +797,55 @@ impl PolicyInstance {
         self.failed(PolicyFailure::from_abi(failure))
     }
 
-    /// Count one timed pick; quarantine the instance (and say so, once) after
-    /// `quarantine_after` consecutive picks over its budget.
-    pub(crate) fn record_pick_time(&self, pick_ns: u64) {
+    /// Count one timed decision: `pick_ns` for `pick`, `explain_ns` for `explain` (0 when none
+    /// was asked for). Their sum is held to the instance's `pick_budget`; after
+    /// `quarantine_after` consecutive decisions over it the instance is quarantined (and said
+    /// so, once).
+    #[inline]
+    pub(crate) fn record_decision_time(&self, pick_ns: u64, explain_ns: u64) {
         let budget = u64::try_from(self.pick_budget.as_nanos()).unwrap_or(u64::MAX);
-        if pick_ns <= budget {
+        if pick_ns.saturating_add(explain_ns) <= budget {
             // Load first: an unconditional store would bounce this line between routing threads.
             if self.consecutive_slow.load(Ordering::Relaxed) != 0 {
                 self.consecutive_slow.store(0, Ordering::Relaxed);
             }
             return;
         }
-        self.slow_pick(pick_ns);
+        self.slow_decision(pick_ns, explain_ns, budget);
     }
 
-    /// A pick over its budget: counted, and the instance quarantined (and said so, once) after
-    /// `quarantine_after` in a row. Cold and out of line, as [`Self::not_callable`].
+    /// A decision over its budget: counted as a slow pick (the pick alone was over) or a slow
+    /// explain (the explanation pushed it over), and the instance quarantined (and said so,
+    /// once) after `quarantine_after` in a row. Cold and out of line, as [`Self::not_callable`].
     #[cold]
     #[inline(never)]
-    fn slow_pick(&self, pick_ns: u64) {
-        self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+    fn slow_decision(&self, pick_ns: u64, explain_ns: u64, budget_ns: u64) {
+        if pick_ns > budget_ns {
+            self.stats.slow_picks.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.slow_explains.fetch_add(1, Ordering::Relaxed);
+        }
         let streak = self.consecutive_slow.fetch_add(1, Ordering::Relaxed) + 1;
-        if streak >= self.quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed) {
+        if streak < self.quarantine_after {
+            return;
+        }
+        let budget_us = self.pick_budget.as_micros() as u64;
+        let (pick_us, explain_us) = (pick_ns / 1000, explain_ns / 1000);
+        let _ = self.quarantine_reason.set(format!(
+            "{} consecutive decisions over pick_budget_us {budget_us} (the last: pick {pick_us} \
+             us, explain {explain_us} us)",
+            self.quarantine_after
+        ));
+        if !self.quarantined.swap(true, Ordering::Relaxed) {
             tracing::error!(
                 instance = %self.name,
+                policy = %self.type_name,
                 origin = %self.origin,
-                budget_us = self.pick_budget.as_micros() as u64,
-                last_pick_us = pick_ns / 1000,
-                "instance quarantined after {} consecutive picks over its time budget; its requests now go to its fallback",
+                budget_us,
+                last_pick_us = pick_us,
+                last_explain_us = explain_us,
+                "instance quarantined after {} consecutive decisions (pick + explain) over its \
+                 time budget; its requests now go to its fallback",
                 self.quarantine_after
             );
         }
@@ -670,11 +882,95 @@ pub fn host_log() -> HostLog {
     }
 }
 
+/// Log lines one plugin may write per [`PLUGIN_LOG_WINDOW`]; past that, its lines are counted and
+/// not written, so a plugin that logs on every pick cannot flood the host's log.
+pub const PLUGIN_LOG_LINES_PER_WINDOW: u64 = 100;
+/// The window of [`PLUGIN_LOG_LINES_PER_WINDOW`].
+pub const PLUGIN_LOG_WINDOW: Duration = Duration::from_secs(10);
+/// Plugin names with a budget of their own; lines of further names share one budget.
+const PLUGIN_LOG_NAMES_MAX: usize = 64;
+
+/// One plugin's log budget in the current window.
+#[derive(Debug, Default)]
+struct PluginLogBudget {
+    window_start_ns: u64,
+    written: u64,
+    dropped: u64,
+}
+
+/// What to do with one plugin log line.
+#[derive(Debug, PartialEq, Eq)]
+enum PluginLogVerdict {
+    /// Write it; `dropped_before`: lines of the previous window that were not written.
+    Write {
+        dropped_before: u64,
+    },
+    /// Write it, then say that the budget is spent for the rest of the window.
+    WriteLast,
+    Drop,
+}
+
+impl PluginLogBudget {
+    fn admit(&mut self, now_ns: u64, window_ns: u64, limit: u64) -> PluginLogVerdict {
+        let mut dropped_before = 0;
+        if now_ns.saturating_sub(self.window_start_ns) >= window_ns || self.written == 0 {
+            dropped_before = std::mem::take(&mut self.dropped);
+            self.window_start_ns = now_ns;
+            self.written = 0;
+        }
+        if self.written >= limit {
+            self.dropped += 1;
+            return PluginLogVerdict::Drop;
+        }
+        self.written += 1;
+        if self.written == limit {
+            return PluginLogVerdict::WriteLast;
+        }
+        PluginLogVerdict::Write { dropped_before }
+    }
+}
+
+fn plugin_log_verdict(plugin: &str) -> PluginLogVerdict {
+    static BUDGETS: OnceLock<std::sync::Mutex<std::collections::HashMap<String, PluginLogBudget>>> =
+        OnceLock::new();
+    let mut budgets = BUDGETS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let key = if budgets.contains_key(plugin) || budgets.len() < PLUGIN_LOG_NAMES_MAX {
+        plugin
+    } else {
+        ""
+    };
+    let (now, _) = log_clock();
+    let window = u64::try_from(PLUGIN_LOG_WINDOW.as_nanos()).unwrap_or(u64::MAX);
+    budgets
+        .entry(key.to_owned())
+        .or_default()
+        .admit(now, window, PLUGIN_LOG_LINES_PER_WINDOW)
+}
+
 /// A plugin's log record as one `tracing` event. Every field is [`plugin_text`]: a newline in a
-/// plugin's message cannot forge a line of the host's log.
+/// plugin's message cannot forge a line of the host's log. At most
+/// [`PLUGIN_LOG_LINES_PER_WINDOW`] lines per plugin per [`PLUGIN_LOG_WINDOW`] are written; the
+/// host says when it starts dropping a plugin's lines and, in the next window, how many it
+/// dropped.
 extern "C" fn emit_plugin_log(record: &LogRecord<'_>) {
     let plugin = plugin_text(record.plugin.as_str());
     let plugin = plugin.as_str();
+    let verdict = plugin_log_verdict(plugin);
+    match verdict {
+        PluginLogVerdict::Drop => return,
+        PluginLogVerdict::Write { dropped_before } if dropped_before > 0 => tracing::warn!(
+            target: "plugin",
+            plugin,
+            dropped = dropped_before,
+            "{dropped_before} log lines of this plugin were not logged in the previous {} s \
+             (more than {PLUGIN_LOG_LINES_PER_WINDOW} per window)",
+            PLUGIN_LOG_WINDOW.as_secs()
+        ),
+        _ => {}
+    }
     let target = plugin_text(record.target.as_str());
     let target = target.as_str();
     let message = plugin_text(record.message.as_str());
@@ -692,6 +988,15 @@ extern "C" fn emit_plugin_log(record: &LogRecord<'_>) {
             tracing::debug!(target: "plugin", plugin, plugin_target = target, "{message}")
         }
         _ => tracing::trace!(target: "plugin", plugin, plugin_target = target, "{message}"),
+    }
+    if verdict == PluginLogVerdict::WriteLast {
+        tracing::warn!(
+            target: "plugin",
+            plugin,
+            "this plugin wrote {PLUGIN_LOG_LINES_PER_WINDOW} log lines in {} s; its further lines \
+             in this window are counted, not logged",
+            PLUGIN_LOG_WINDOW.as_secs()
+        );
     }
 }
 
@@ -719,6 +1024,70 @@ mod tests {
             TypeOrigin::Plugin(i) => format!("/lib{i}.so"),
         })
         .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_throttle_writes_the_first_line_then_one_per_interval_with_the_count() {
+        let t = LogThrottle::default();
+        let s = 1_000_000_000;
+        assert_eq!(
+            t.admit(5, 60 * s),
+            Some(0),
+            "the first occurrence is written"
+        );
+        for i in 0..99 {
+            assert_eq!(t.admit(5 + i * s / 2, 60 * s), None);
+        }
+        // One interval later: one line saying how many were not written.
+        assert_eq!(t.admit(61 * s, 60 * s), Some(99));
+        assert_eq!(t.admit(62 * s, 60 * s), None);
+        assert_eq!(t.admit(200 * s, 60 * s), Some(1));
+        // A lone occurrence after a quiet interval is written as a fresh one.
+        assert_eq!(t.admit(400 * s, 60 * s), Some(0));
+        assert_eq!(suppressed_note(0), "");
+        assert_eq!(
+            suppressed_note(99),
+            " (99 more like it in the last 60 s, not logged)"
+        );
+    }
+
+    #[test]
+    fn a_throttle_after_a_logged_transition_writes_its_first_line_an_interval_later() {
+        let t = LogThrottle::default();
+        let s = 1_000_000_000;
+        assert_eq!(t.admit_after_first(0, 60 * s), None);
+        for i in 1..50 {
+            assert_eq!(t.admit_after_first(i * s, 60 * s), None);
+        }
+        assert_eq!(t.admit_after_first(60 * s, 60 * s), Some(50));
+        assert_eq!(t.admit_after_first(61 * s, 60 * s), None);
+    }
+
+    #[test]
+    fn a_plugin_writes_at_most_its_budget_per_window_and_hears_what_was_dropped() {
+        let mut b = PluginLogBudget::default();
+        let s = 1_000_000_000;
+        assert_eq!(
+            b.admit(5, 10 * s, 3),
+            PluginLogVerdict::Write { dropped_before: 0 }
+        );
+        assert_eq!(
+            b.admit(6, 10 * s, 3),
+            PluginLogVerdict::Write { dropped_before: 0 }
+        );
+        assert_eq!(b.admit(7, 10 * s, 3), PluginLogVerdict::WriteLast);
+        for i in 0..50 {
+            assert_eq!(b.admit(8 + i, 10 * s, 3), PluginLogVerdict::Drop);
+        }
+        // The next window: written again, with the count of the previous one.
+        assert_eq!(
+            b.admit(11 * s, 10 * s, 3),
+            PluginLogVerdict::Write { dropped_before: 50 }
+        );
+        assert_eq!(
+            b.admit(12 * s, 10 * s, 3),
+            PluginLogVerdict::Write { dropped_before: 0 }
+        );
     }
 
     #[test]

@@ -7,7 +7,10 @@
 //! from that policy: the request gets the instance's fallback (`on_error: fallback`, the built-in
 //! default over the same rows) or an error (`on_error: fail`). `explain`, asked for only after a
 //! successful pick, cannot undo it: a failing or panicking `explain` is counted (a panic poisons
-//! the instance) and the request keeps its row without an explanation.
+//! the instance) and the request keeps its row without an explanation. The decision's time,
+//! `pick` plus `explain` when one was asked for (`serve` asks on every request), is held to the
+//! instance's `pick_budget`: `quarantine_after` decisions over it in a row quarantine the
+//! instance.
 //!
 //! Every call into a policy (`create`, `pick`, `explain`, the hooks) is marked in the calling
 //! thread's [`crate::watchdog`] slot while it runs. A call that runs past its instance's
@@ -35,7 +38,7 @@ use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
 use crate::eligibility::eligible_rows;
 use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
 use crate::model::{Cluster, RequestRole, RowId, Signals};
-use crate::policies::{Catalog, HostSettings, PolicyError, PolicyInstance};
+use crate::policies::{suppressed_note, Catalog, HostSettings, PolicyError, PolicyInstance};
 use crate::watchdog::Call;
 pub use crate::watchdog::{Hang, OnHang};
 
@@ -73,6 +76,8 @@ pub struct Router {
     settings: HostSettings,
     /// How dispatch books prompt tokens (`booking.prefill`).
     prefill_booking: PrefillBooking,
+    /// `plugin_images_max` of the configuration it was built from.
+    plugin_images_max: usize,
 }
 
 impl Router {
@@ -90,7 +95,7 @@ impl Router {
         search: &SearchPath,
         options: RouterOptions,
     ) -> Result<Router, StartupError> {
-        let mut loader = Loader::new();
+        let mut loader = Loader::with_image_cap(config.plugin_images_max);
         for (index, spec) in config.plugins.iter().enumerate() {
             let plugin_error = |source| StartupError::Plugin {
                 index,
@@ -153,7 +158,14 @@ impl Router {
             default_instance: 0,
             settings,
             prefill_booking: config.booking.prefill,
+            plugin_images_max: config.plugin_images_max,
         })
+    }
+
+    /// The most plugin images the process may map (`plugin_images_max`); how many it has is
+    /// [`crate::loader::images_mapped`].
+    pub fn plugin_images_max(&self) -> usize {
+        self.plugin_images_max
     }
 
     pub fn catalog(&self) -> &Catalog {
@@ -252,19 +264,9 @@ impl Router {
             origin: instance.origin.clone(),
             failure: failure.clone(),
         };
-        // The transition into poison, quarantine or hung was logged when it happened.
-        let repeated = match &failure {
-            PolicyFailure::Poisoned | PolicyFailure::Quarantined => true,
-            // Every call after the hang gets the same failure; the hang itself was logged.
-            PolicyFailure::Hung { .. } => true,
-            _ => false,
-        };
-        if repeated {
-            tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
-        } else {
-            tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
-        }
-        if instance.on_error == OnError::Fail || configured == self.default_instance {
+        let fails = instance.on_error == OnError::Fail || configured == self.default_instance;
+        log_failure(instance, &failure, &error, fails);
+        if fails {
             return Err(error);
         }
         instance.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
@@ -333,7 +335,6 @@ impl Router {
             instance.policy.pick(&ctx, &view)
         };
         let pick_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        instance.record_pick_time(pick_ns);
         let outcome = match picked {
             RResult::ROk(index) if index < narrowed.len() => Ok(narrowed[index]),
             RResult::ROk(index) => Err(instance.failed(PolicyFailure::OutOfRange {
@@ -342,12 +343,15 @@ impl Router {
             })),
             RResult::RErr(failure) => Err(instance.failed_in_plugin("pick", failure)),
         };
-        let explanation = match (&outcome, selection.explain) {
+        let (explanation, explain_ns) = match (&outcome, selection.explain) {
             // A pick that came back after the watchdog gave up on it keeps its row, but the
             // instance is not called again.
             (Ok(_), true) if !instance.is_hung() => explain(instance, &ctx, &view, request.id),
-            _ => None,
+            _ => (None, 0),
         };
+        // `serve` explains every decision (its headers and metric labels), so `explain` is on
+        // the request path and held to the same budget as `pick`.
+        instance.record_decision_time(pick_ns, explain_ns);
         let candidates = narrowed.len();
         scratch.narrowed = narrowed;
         outcome.map(|row| Pick {
@@ -356,6 +360,62 @@ impl Router {
             candidates,
             pick_ns,
         })
+    }
+}
+
+/// Log a failed call of `instance` (`fails`: the request fails instead of falling back). Only
+/// what happens once per instance is logged every time (a panic, the transition into poison);
+/// what can repeat on every request is rate-limited per instance (see
+/// [`crate::policies::LOG_REPEAT_INTERVAL`]): a returned error or an out-of-range index at error
+/// level, and, for an instance out of service (its transition was logged when it happened), a
+/// warning saying how many requests went to the fallback.
+#[cold]
+#[inline(never)]
+fn log_failure(
+    instance: &PolicyInstance,
+    failure: &PolicyFailure,
+    error: &SelectError,
+    fails: bool,
+) {
+    match failure {
+        PolicyFailure::Poisoned | PolicyFailure::Quarantined | PolicyFailure::Hung { .. } => {
+            tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
+            if let Some(suppressed) = instance.logs.out_of_service.admit_after_first_now() {
+                let state = instance.state();
+                let reason = instance.state_reason().unwrap_or_default();
+                let then = if fails {
+                    "its requests fail (on_error: fail)"
+                } else {
+                    "its requests go to its fallback"
+                };
+                tracing::warn!(
+                    instance = %instance.name,
+                    policy = %instance.type_name,
+                    origin = %instance.origin,
+                    state = state.as_str(),
+                    requests = suppressed + 1,
+                    "policy instance out of service ({state}: {reason}); {then}: {} request(s) in \
+                     the last {} s",
+                    suppressed + 1,
+                    crate::policies::LOG_REPEAT_INTERVAL.as_secs()
+                );
+            }
+        }
+        PolicyFailure::Panicked(_) => {
+            tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
+        }
+        _ => {
+            if let Some(suppressed) = instance.logs.pick_failed.admit_now() {
+                tracing::error!(
+                    instance = %instance.name,
+                    policy = %instance.type_name,
+                    origin = %instance.origin,
+                    suppressed,
+                    "{error}{}",
+                    suppressed_note(suppressed)
+                );
+            }
+        }
     }
 }
 
@@ -383,37 +443,57 @@ impl Router {
     }
 }
 
-/// Ask `instance` to explain the pick it just made. A failure is counted like a failed pick (a
-/// panic poisons the instance) but does not undo the pick: the request keeps its row, without an
-/// explanation. Out of line: most requests do not ask.
+/// Ask `instance` to explain the pick it just made, and how long that took (nanoseconds). A
+/// failure is counted like a failed pick (a panic poisons the instance) but does not undo the
+/// pick: the request keeps its row, without an explanation. Out of line: most callers other
+/// than `serve` do not ask.
 #[inline(never)]
 fn explain(
     instance: &PolicyInstance,
     ctx: &RawRequestContext<'_>,
     view: &plugin_api::abi::RawCandidateView<'_>,
     request: Option<u64>,
-) -> Option<Box<Explanation>> {
+) -> (Option<Box<Explanation>>, u64) {
+    let started = Instant::now();
     let explained = {
-        let _call = instance.watch_call(Call::Explain, Some(Instant::now()), request);
+        let _call = instance.watch_call(Call::Explain, Some(started), request);
         instance.policy.explain(ctx, view)
     };
+    let explain_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
     let failure = match explained {
-        RResult::ROk(ROption::RSome(raw)) => return Some(Box::new(explanation_from_abi(raw))),
-        RResult::ROk(ROption::RNone) => return None,
+        RResult::ROk(ROption::RSome(raw)) => {
+            return (Some(Box::new(explanation_from_abi(raw))), explain_ns)
+        }
+        RResult::ROk(ROption::RNone) => return (None, explain_ns),
         RResult::RErr(failure) => instance.failed_in_plugin("explain", failure),
     };
-    if matches!(failure, PolicyFailure::Poisoned) {
+    match &failure {
         // Poisoned by a concurrent call, which logged the transition.
-        tracing::debug!(instance = %instance.name, origin = %instance.origin, "explain: {failure}");
-    } else {
-        tracing::error!(
+        PolicyFailure::Poisoned => {
+            tracing::debug!(instance = %instance.name, origin = %instance.origin, "explain: {failure}");
+        }
+        // The transition into poison: logged once, as it happens once.
+        PolicyFailure::Panicked(_) => tracing::error!(
             instance = %instance.name,
             policy = %instance.type_name,
             origin = %instance.origin,
             "explain failed: {failure}; the request keeps the row its pick chose, without an explanation"
-        );
+        ),
+        // Can repeat on every request: rate-limited.
+        _ => {
+            if let Some(suppressed) = instance.logs.explain_failed.admit_now() {
+                tracing::error!(
+                    instance = %instance.name,
+                    policy = %instance.type_name,
+                    origin = %instance.origin,
+                    suppressed,
+                    "explain failed: {failure}; the request keeps the row its pick chose, without an explanation{}",
+                    suppressed_note(suppressed)
+                );
+            }
+        }
     }
-    None
+    (None, explain_ns)
 }
 
 fn explanation_from_abi(raw: RawExplanation) -> Explanation {

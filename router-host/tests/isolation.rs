@@ -200,6 +200,129 @@ fn repeatedly_slow_picks_quarantine_the_instance_to_its_fallback() {
     assert_eq!((stats.picks, stats.slow_picks, stats.fallbacks), (2, 2, 1));
 }
 
+/// `serve` asks for an explanation on every request, so `explain` is held to the instance's
+/// budget with `pick`: a slow one is counted, quarantines the instance after the streak (logged
+/// once), and later decisions go to the fallback without calling the slow code.
+#[test]
+fn repeatedly_slow_explains_quarantine_the_instance_to_its_fallback() {
+    // 50 ms per explain against a 1 ms budget: far apart on any machine.
+    let router = faulty(
+        "    - {name: x, type: slow-explain, parameters: {sleep_us: 50000}, pick_budget_us: 1000, quarantine_after: 3}\n",
+    )
+    .unwrap();
+    let x = position(&router, "x");
+    let explained = |router: &Router| {
+        router
+            .select(
+                &cluster(),
+                Selection::of(&Request {
+                    isl_tokens: 64,
+                    ..Default::default()
+                })
+                .explained(),
+                &NoSignals,
+                &mut Scratch::default(),
+            )
+            .unwrap()
+    };
+    // Without an explanation asked for, the same instance is fast: no breach.
+    let d = pick(&router).unwrap();
+    assert_eq!(d.fallback, None);
+    assert_eq!(router.instance(x).stats.snapshot().slow_explains, 0);
+    let (_, logs) = plugin_api::testing::capture_logs(|| {
+        for _ in 0..3 {
+            let d = explained(&router);
+            // A slow explanation is still used.
+            assert_eq!(d.fallback, None);
+            assert_eq!(
+                d.explanation.as_ref().map(|e| e.reason.as_str()),
+                Some("slow")
+            );
+        }
+    });
+    assert!(router.instance(x).is_quarantined());
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.slow_picks, stats.slow_explains), (0, 3), "{stats:?}");
+    let quarantined: Vec<_> = errors_naming_x(&logs)
+        .into_iter()
+        .filter(|l| l.contains("quarantined after 3 consecutive decisions (pick + explain)"))
+        .collect();
+    assert_eq!(quarantined.len(), 1, "{logs:#?}");
+    assert!(
+        quarantined[0].contains("last_explain_us="),
+        "{}",
+        quarantined[0]
+    );
+    let reason = router.instance(x).state_reason().unwrap();
+    assert!(
+        reason.contains("3 consecutive decisions over pick_budget_us 1000"),
+        "{reason}"
+    );
+    // From now on: the fallback, without entering the slow explain.
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let d = explained(&router);
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(25),
+            "a quarantined instance's explain is not called: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(d.fallback, Some(PolicyFailure::Quarantined));
+        assert_eq!(d.row, LOWEST);
+    }
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.slow_explains, stats.fallbacks), (3, 5), "{stats:?}");
+}
+
+/// Failures that can repeat on every request are logged once, then at most once per interval
+/// with the count not logged (unit-tested with a clock in policies.rs); the counters count them
+/// all.
+#[test]
+fn repeated_pick_errors_and_fallbacks_of_an_instance_out_of_service_do_not_flood_the_log() {
+    let router = faulty("    - {name: x, type: errors-in-pick}\n").unwrap();
+    let x = position(&router, "x");
+    let (_, logs) = plugin_api::testing::capture_logs(|| {
+        for _ in 0..200 {
+            assert!(pick(&router).unwrap().fallback.is_some());
+        }
+    });
+    let lines: Vec<_> = errors_naming_x(&logs)
+        .into_iter()
+        .filter(|l| l.contains("no good row today"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{logs:#?}");
+    let stats = router.instance(x).stats.snapshot();
+    assert_eq!((stats.errors, stats.fallbacks), (200, 200), "{stats:?}");
+
+    // A poisoned instance: the panic once at error level, then nothing per request.
+    let router = faulty("    - {name: x, type: panics-in-pick}\n").unwrap();
+    let x = position(&router, "x");
+    let (_, logs) = plugin_api::testing::capture_logs(|| {
+        for _ in 0..200 {
+            assert!(pick(&router).unwrap().fallback.is_some());
+        }
+    });
+    assert_eq!(
+        errors_naming_x(&logs)
+            .iter()
+            .filter(|l| l.contains("exploded") || l.contains("out of service"))
+            .count(),
+        1,
+        "{logs:#?}"
+    );
+    assert_eq!(router.instance(x).stats.snapshot().fallbacks, 200);
+    assert_eq!(
+        (
+            router.instance(x).state().as_str(),
+            router.instance(x).state_reason()
+        ),
+        (
+            "poisoned",
+            Some("panicked: pick exploded on purpose".to_owned())
+        )
+    );
+}
+
 #[test]
 fn two_libraries_exporting_one_type_name_fail_startup_naming_both_files() {
     let err = start(
@@ -308,6 +431,55 @@ fn load_one(path: &Path, extra: &str) -> Result<Router, String> {
     let yaml = format!("plugins:\n  - path: {}\n{extra}", path.display());
     let config = RouterConfig::from_yaml_str(&yaml, None).map_err(|e| e.to_string())?;
     Router::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
+}
+
+/// A plugin that logs on every pick cannot flood the host's log: past its budget per window its
+/// lines are counted, not written, and the host says so once.
+#[test]
+fn a_plugin_logging_on_every_pick_is_cut_at_its_budget() {
+    let dir = common::temp_dir("log_budget");
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: x\n  instances:\n    - {{name: x, type: chatty}}\n",
+            common::plugin("fixture_faulty").display()
+        ),
+    );
+    // 500 picks, two plugin lines each: ten times the budget, in far less than its window.
+    let requests = vec![r#"{"isl_tokens": 10}"#; 500].join(",");
+    let scenario = common::write(
+        &dir,
+        "s.json",
+        &format!(r#"{{"workers": [{{"worker_id": 1}}], "requests": [{requests}]}}"#),
+    );
+    let (code, out, err) = common::run_cli(&[
+        "select",
+        "--config",
+        config.to_str().unwrap(),
+        "--scenario",
+        scenario.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 500, "every request is still decided");
+    let plugin_lines = err
+        .lines()
+        .filter(|l| l.contains("chatty pick") || l.contains("chatty tail"))
+        .count();
+    assert!(
+        (90..=100).contains(&plugin_lines),
+        "{plugin_lines} plugin lines:\n{err}"
+    );
+    let said: Vec<_> = err
+        .lines()
+        .filter(|l| {
+            l.contains(
+                "log lines in 10 s; its further lines in this window are counted, not logged",
+            )
+        })
+        .collect();
+    assert_eq!(said.len(), 1, "{err}");
+    assert!(said[0].contains("plugin=\"fixture-faulty\""), "{}", said[0]);
 }
 
 #[test]

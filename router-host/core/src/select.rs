@@ -110,7 +110,9 @@ pub enum PolicyFailure {
     Panicked(String),
     #[error("policy is poisoned after an earlier panic")]
     Poisoned,
-    #[error("policy is quarantined after repeated picks over its time budget")]
+    #[error(
+        "policy is quarantined after repeated decisions (pick + explain) over its time budget"
+    )]
     Quarantined,
     #[error("policy hung in {call}: it ran for {ran_ms} ms, past the instance's hang_after_ms of {hang_after_ms}; the instance is out of service")]
     Hung {

@@ -78,7 +78,7 @@ use error::{line_column, yaml_error};
 use instances::RawWorkerSelection;
 use limits::{nesting_too_deep, read_capped, TooDeep};
 use locate::{key, locate, render_path, Seg};
-use numbers::{de_block_size, de_weight};
+use numbers::{de_block_size, de_images_max, de_weight};
 use plugins::RawPlugin;
 use serve::RawServe;
 use sessions::RawSessionAffinity;
@@ -148,6 +148,9 @@ pub struct RouterConfig {
     pub booking: BookingConfig,
     /// Plugins to load, in file order.
     pub plugins: Vec<PluginSpec>,
+    /// The most plugin images the process may have mapped: a (re)load that would map one more
+    /// (a changed or replaced plugin file) fails; images are never unmapped.
+    pub plugin_images_max: usize,
     /// Which policy instance serves which role, and the instances.
     pub worker_selection: WorkerSelectionConfig,
     /// Session affinity; `None` = off.
@@ -175,6 +178,7 @@ impl Default for RouterConfig {
             default_selector: DefaultSelectorConfig::default(),
             booking: BookingConfig::default(),
             plugins: Vec::new(),
+            plugin_images_max: crate::loader::DEFAULT_PLUGIN_IMAGES_MAX,
             worker_selection: WorkerSelectionConfig::default(),
             session_affinity: None,
             session_store: SessionStoreConfig::Memory,
@@ -312,6 +316,8 @@ struct RawConfig {
     booking: Option<RawBooking>,
     #[serde(default)]
     plugins: Option<Vec<RawPlugin>>,
+    #[serde(default, deserialize_with = "de_images_max")]
+    plugin_images_max: Option<u64>,
     #[serde(default)]
     worker_selection: Option<RawWorkerSelection>,
     #[serde(default)]
@@ -430,6 +436,10 @@ impl Builder<'_> {
             default_selector,
             booking,
             plugins,
+            plugin_images_max: raw
+                .plugin_images_max
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or(crate::loader::DEFAULT_PLUGIN_IMAGES_MAX),
             worker_selection,
             session_affinity,
             session_store,

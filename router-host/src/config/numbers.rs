@@ -128,6 +128,11 @@ pub(super) fn de_block_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u3
         .transpose()
 }
 
+/// `plugin_images_max`: at least 1 (a configuration with a plugin maps one), at most 65,536.
+pub(super) fn de_images_max<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, 65_536)
+}
+
 pub(super) fn de_pick_budget<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 1, u64::MAX)
 }

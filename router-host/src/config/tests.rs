@@ -686,3 +686,19 @@ fn hang_after_must_be_a_positive_integer_longer_than_the_pick_budget() {
         parse_err("worker_selection: {instances: [{name: a, type: t, hang_after_ms: 1}]}");
     assert!(message.contains("(pick_budget_us 1000)"), "{message}");
 }
+
+#[test]
+fn plugin_images_max_has_a_default_and_a_range() {
+    assert_eq!(
+        parse("").plugin_images_max,
+        crate::loader::DEFAULT_PLUGIN_IMAGES_MAX
+    );
+    assert_eq!(parse("plugin_images_max: 3\n").plugin_images_max, 3);
+    for bad in ["0", "65537", "-1", "many"] {
+        let message = parse_err(&format!("plugin_images_max: {bad}\n"));
+        assert!(
+            message.contains("line 1") && message.contains("plugin_images_max"),
+            "{bad}: {message}"
+        );
+    }
+}

@@ -14,8 +14,14 @@
 //!    root module's layout;
 //! 6. refuse `panic = "abort"` builds, whose panics could not be contained.
 //!
-//! Libraries are never unloaded: a file replaced on disk (renamed over) after startup has no
-//! effect, and one loaded from a sealed copy is immune to in-place rewrites too.
+//! Libraries are never unloaded: code of an old image may still run on a thread stuck in it
+//! (see `watchdog.rs`), and abi_stable keeps references into every image it loaded, so
+//! unmapping one is unsound. A file replaced on disk (renamed over) has no effect on the
+//! configuration that loaded it; a later load of the configuration (a reload) maps the new file
+//! as a new image, next to the old one. Every image mapped is remembered process-wide by its
+//! identity ((device, inode) of the file mapped, or the SHA-256 of a sealed copy), so loading an
+//! unchanged file again maps nothing new; the number of images is a gauge and capped
+//! ([`Loader::with_image_cap`], `plugin_images_max`).
 //!
 //! Files: `resolve.rs` (step 1: `path:` and `name:` entries to a file), `permissions.rs` and
 //! `sealed.rs` (step 3: who can change the file, and the sealed copy a `sha256` is checked on),
@@ -32,6 +38,7 @@ mod text;
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use abi_stable::library::lib_header_from_path;
 use abi_stable::std_types::RVec;
@@ -111,6 +118,13 @@ pub enum LoadError {
 
     #[error("plugin file {}: plugin `{}` was built with panic = \"abort\"; its panics could not be contained, so it is refused (build it with the default panic = \"unwind\")", .path.display(), printable(.plugin))]
     PanicAbort { path: PathBuf, plugin: String },
+
+    #[error("plugin file {}: it is a new plugin image (a changed or replaced file), and this process already has {mapped} plugin images mapped, the most plugin_images_max ({cap}) allows; images of replaced plugins stay mapped until the process ends, so restart router-host to load it (or raise plugin_images_max)", .path.display())]
+    ImageCap {
+        path: PathBuf,
+        mapped: usize,
+        cap: usize,
+    },
 }
 
 /// How the user skips the ownership and permission checks, which depends on the command that
@@ -184,6 +198,7 @@ impl<'a> Verify<'a> {
 }
 
 /// A loaded, validated policy library.
+#[derive(Clone)]
 pub struct PolicyLibrary {
     /// Canonical path of the file.
     pub path: PathBuf,
@@ -220,18 +235,64 @@ fn file_id(path: &Path) -> Result<(PathBuf, FileId), LoadError> {
     Ok((canonical, (meta.dev(), meta.ino())))
 }
 
+/// What identifies a mapped image: the file it was mapped from (whose descriptor is kept open,
+/// so the inode is never reused), or the contents of a sealed copy.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum ImageKey {
+    File(FileId),
+    Sealed(String),
+}
+
+/// Every plugin image this process has mapped (never unmapped), by identity.
+fn images() -> &'static Mutex<HashMap<ImageKey, PolicyLibrary>> {
+    static IMAGES: OnceLock<Mutex<HashMap<ImageKey, PolicyLibrary>>> = OnceLock::new();
+    IMAGES.get_or_init(Mutex::default)
+}
+
+/// How many plugin images this process has mapped through a [`Loader`]: one per distinct file
+/// (or sealed contents) ever loaded, old images of replaced files included (`serve`'s
+/// `router_plugin_images_mapped`).
+pub fn images_mapped() -> usize {
+    images()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .len()
+}
+
+/// The default of `plugin_images_max`.
+pub const DEFAULT_PLUGIN_IMAGES_MAX: usize = 64;
+
 /// Loads each distinct file once.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Loader {
     libraries: Vec<PolicyLibrary>,
     by_file: HashMap<FileId, usize>,
     /// Per library: the SHA-256 of the sealed copy it was mapped from, if it was.
     mapped_sha256: Vec<Option<String>>,
+    /// The most images the process may have mapped once this loader mapped a new one.
+    image_cap: usize,
+}
+
+impl Default for Loader {
+    fn default() -> Self {
+        Loader::with_image_cap(DEFAULT_PLUGIN_IMAGES_MAX)
+    }
 }
 
 impl Loader {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A loader that refuses to map a new image once the process has `cap` of them
+    /// ([`LoadError::ImageCap`]); an image already mapped is reused whatever the count.
+    pub fn with_image_cap(cap: usize) -> Self {
+        Loader {
+            libraries: Vec::new(),
+            by_file: HashMap::new(),
+            mapped_sha256: Vec::new(),
+            image_cap: cap,
+        }
     }
 
     /// Load `path` (or return the library already loaded from the same file).
@@ -259,25 +320,68 @@ impl Loader {
             tracing::debug!(path = %path.display(), "plugin file already loaded; reusing it");
             return Ok(index);
         }
-        let (library, mapped_sha256) = map_checked(prepare_as(
-            &canonical,
-            path,
-            verify,
-            PermissionBypass::ConfigKey,
-        )?)?;
+        let prepared = prepare_as(&canonical, path, verify, PermissionBypass::ConfigKey)?;
+        let (library, mapped_sha256) = self.map_once(prepared)?;
+        self.libraries.push(library);
+        self.mapped_sha256.push(mapped_sha256);
+        let index = self.libraries.len() - 1;
+        self.by_file.insert(id, index);
+        Ok(index)
+    }
+
+    /// Map `prepared`, or reuse the image already mapped from the same file or sealed contents.
+    /// The registry's lock is held while mapping, so one image is never mapped twice.
+    fn map_once(&self, prepared: Prepared) -> Result<(PolicyLibrary, Option<String>), LoadError> {
+        let key = match &prepared.sealed_sha256 {
+            Some(sha256) => ImageKey::Sealed(sha256.clone()),
+            None => {
+                let meta = prepared
+                    .file
+                    .metadata()
+                    .map_err(|e| LoadError::Unreadable {
+                        path: prepared.path.clone(),
+                        message: e.to_string(),
+                    })?;
+                ImageKey::File((meta.dev(), meta.ino()))
+            }
+        };
+        let mut images = images().lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(mapped) = images.get(&key) {
+            // Same image: the descriptor just opened (or the sealed copy) is closed again.
+            let library = PolicyLibrary {
+                path: prepared.path.clone(),
+                ..mapped.clone()
+            };
+            tracing::debug!(
+                path = %library.path.display(),
+                plugin = %library.plugin_name,
+                version = %library.plugin_version,
+                "plugin image already mapped in this process; reusing it"
+            );
+            return Ok((library, prepared.sealed_sha256));
+        }
+        if images.len() >= self.image_cap {
+            return Err(LoadError::ImageCap {
+                path: prepared.path,
+                mapped: images.len(),
+                cap: self.image_cap,
+            });
+        }
+        let (library, mapped_sha256) = map_checked(prepared)?;
+        images.insert(key, library.clone());
+        let mapped = images.len();
+        drop(images);
         tracing::info!(
             path = %library.path.display(),
             plugin = %library.plugin_name,
             version = %library.plugin_version,
             api = %library.api_version,
             types = ?library.types.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+            images_mapped = mapped,
+            plugin_images_max = self.image_cap,
             "loaded policy library"
         );
-        self.libraries.push(library);
-        self.mapped_sha256.push(mapped_sha256);
-        let index = self.libraries.len() - 1;
-        self.by_file.insert(id, index);
-        Ok(index)
+        Ok((library, mapped_sha256))
     }
 
     pub fn libraries(&self) -> &[PolicyLibrary] {

@@ -649,7 +649,7 @@ impl Collector for StateCollector {
             .iter()
             .map(|i| (instance_labels(i), i.stats.snapshot(), i))
             .collect();
-        let counters: [CounterSpec; 6] = [
+        let counters: [CounterSpec; 7] = [
             (
                 "router_policy_picks",
                 "Picks asked of each policy instance",
@@ -672,8 +672,14 @@ impl Collector for StateCollector {
             ),
             (
                 "router_policy_slow_picks",
-                "Picks over the instance's pick_budget_us",
+                "Decisions over the instance's pick_budget_us because the pick alone was",
                 |c| c.slow_picks,
+            ),
+            (
+                "router_policy_slow_explains",
+                "Decisions over the instance's pick_budget_us because explain pushed pick + \
+                 explain past it (serve explains every decision)",
+                |c| c.slow_explains,
             ),
             (
                 "router_policy_hangs",
@@ -720,6 +726,46 @@ impl Collector for StateCollector {
                     .map(|(l, _, i)| (l.clone(), ConstGauge::new(i64::from(get(i))))),
             )?;
         }
+        family(
+            &mut encoder,
+            "router_plugin_images_mapped",
+            "Plugin images (shared objects) mapped in this process: one per distinct plugin file \
+             ever loaded; a reload of a changed plugin adds one, and none is ever unmapped",
+            MetricType::Gauge,
+            std::iter::once((
+                Labels::new(),
+                ConstGauge::new(crate::loader::images_mapped() as i64),
+            )),
+        )?;
+        family(
+            &mut encoder,
+            "router_plugin_images_max",
+            "plugin_images_max of the configuration serving now: a reload that would map more \
+             plugin images fails (restart to go back to one image per plugin)",
+            MetricType::Gauge,
+            std::iter::once((
+                Labels::new(),
+                ConstGauge::new(router.plugin_images_max() as i64),
+            )),
+        )?;
+        // One series per instance and state, 1 for the state it is in: an alert can match
+        // `state!="in_service"` without knowing the states.
+        family(
+            &mut encoder,
+            "router_policy_instance_state",
+            "1 for the state each policy instance is in (in_service, poisoned, quarantined, \
+             hung), 0 for the others; out of service, its requests go to its fallback (or fail \
+             with on_error: fail)",
+            MetricType::Gauge,
+            instances.iter().flat_map(|(l, _, i)| {
+                let now = i.state();
+                crate::policies::InstanceState::ALL.map(|state| {
+                    let mut labels = l.clone();
+                    labels.push(("state", state.as_str().to_owned()));
+                    (labels, ConstGauge::new(i64::from(state == now)))
+                })
+            }),
+        )?;
         let health = self.health.snapshot();
         family(
             &mut encoder,
