@@ -382,3 +382,40 @@ fn a_directory_as_a_scenario_gives_the_os_reason_once() {
         run.stderr
     );
 }
+
+#[test]
+fn a_misspelled_plugin_stops_serve_with_each_context_said_once() {
+    let dir = temp_dir("misspelled-plugin");
+    let config = write(
+        &dir,
+        "router.yaml",
+        "block_size: 16\nplugins:\n  - name: two_tier_cost_fm\nworkers:\n  - {id: 1, url: \"http://127.0.0.1:9\"}\n",
+    );
+    let expected = format!(
+        "error: config {}: plugins[0] (line 3): plugin `two_tier_cost_fm` not found; tried: {}, {}\n",
+        config.display(),
+        dir.join("libtwo_tier_cost_fm.so").display(),
+        router_host_bin()
+            .parent()
+            .unwrap()
+            .join("libtwo_tier_cost_fm.so")
+            .display()
+    );
+    let config = config.to_str().unwrap();
+    let serve = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &["serve", "--config", config, "--listen", "127.0.0.1:0"],
+        None,
+    );
+    assert_eq!(serve.code, Some(1), "{}", serve.stderr);
+    assert_eq!(serve.stderr, expected);
+    let check = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &["check", "--config", config],
+        None,
+    );
+    assert_eq!(check.code, Some(1), "{}", check.stderr);
+    assert_eq!(check.stderr, expected);
+}
