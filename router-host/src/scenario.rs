@@ -74,6 +74,8 @@ pub enum ScenarioError {
         column: usize,
         message: String,
     },
+    #[error("scenario {file}: not a regular file ({kind}); give the JSON file itself")]
+    NotAFile { file: String, kind: &'static str },
     #[error("scenario {file}: workers: {reason}")]
     Workers { file: String, reason: ClusterError },
     #[error("scenario {file}: larger than {max} bytes")]
@@ -254,23 +256,30 @@ struct RawRow {
 }
 
 impl Scenario {
+    /// Reads and parses the scenario file at `path`: a regular file of at most
+    /// [`MAX_SCENARIO_BYTES`] (a FIFO would block, a device never end).
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
-        use std::io::Read;
+        use crate::input::InputError;
         let file = path.display().to_string();
-        let read_error = |reason| ScenarioError::Read {
+        let bytes =
+            crate::input::read_capped(path, MAX_SCENARIO_BYTES).map_err(|err| match err {
+                InputError::Io(reason) => ScenarioError::Read {
+                    file: file.clone(),
+                    reason,
+                },
+                InputError::NotAFile { kind } => ScenarioError::NotAFile {
+                    file: file.clone(),
+                    kind,
+                },
+                InputError::TooLarge { limit } => ScenarioError::TooLarge {
+                    file: file.clone(),
+                    max: limit,
+                },
+            })?;
+        let text = String::from_utf8(bytes).map_err(|err| ScenarioError::Read {
             file: file.clone(),
-            reason,
-        };
-        let mut text = String::new();
-        std::fs::File::open(path)
-            .and_then(|f| f.take(MAX_SCENARIO_BYTES + 1).read_to_string(&mut text))
-            .map_err(read_error)?;
-        if text.len() as u64 > MAX_SCENARIO_BYTES {
-            return Err(ScenarioError::TooLarge {
-                file,
-                max: MAX_SCENARIO_BYTES,
-            });
-        }
+            reason: std::io::Error::new(std::io::ErrorKind::InvalidData, err.utf8_error()),
+        })?;
         Self::from_json_str(&text, &file)
     }
 

@@ -752,20 +752,40 @@ fn a_hundred_thousand_id_allow_list_over_a_hundred_thousand_workers_is_decided()
 }
 
 #[test]
-fn an_endless_scenario_file_is_refused_at_its_size_limit() {
+fn an_endless_scenario_file_is_refused_unread_and_a_regular_one_at_its_size_limit() {
     let dir = temp_dir("endless-scenario");
     let config = write(&dir, "router.yaml", "{}");
-    let (code, out, err) = run_cli(&[
-        "select",
-        "--config",
-        config.to_str().unwrap(),
-        "--scenario",
-        "/dev/zero",
-    ]);
+    let select = |scenario: &str| {
+        run_cli(&[
+            "select",
+            "--config",
+            config.to_str().unwrap(),
+            "--scenario",
+            scenario,
+        ])
+    };
+    let (code, out, err) = select("/dev/zero");
     assert_eq!(code, 2, "{err}");
     assert!(out.is_empty());
-    assert!(
-        err.contains("scenario /dev/zero: larger than 268435456 bytes"),
-        "{err}"
+    assert_eq!(
+        err,
+        "error: scenario /dev/zero: not a regular file (a character device); give the JSON file \
+         itself\n"
+    );
+    // Sparse: refused by its size, nothing read.
+    let big = dir.join("big.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(router_host::scenario::MAX_SCENARIO_BYTES + 1)
+        .unwrap();
+    let (code, out, err) = select(big.to_str().unwrap());
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: larger than 268435456 bytes\n",
+            big.display()
+        )
     );
 }

@@ -345,6 +345,50 @@ async fn a_failed_reload_logs_the_whole_cause_as_check_prints_it() {
     );
 }
 
+/// A reload whose file was replaced by a FIFO nobody writes is refused at once, naming it, and
+/// the running configuration keeps serving: the reload used to block in `open` forever, holding
+/// `router_config_reloads_loading` at 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_of_a_fifo_is_refused_at_once_and_keeps_serving() {
+    let engine = Engine::start(1).await;
+    let router = Router::start(
+        "serve_reload_fifo",
+        &policy_yaml("one", "round-robin", &[&engine]),
+    )
+    .await;
+    std::fs::remove_file(&router.config).unwrap();
+    let c_path = std::ffi::CString::new(router.config.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let reload = tokio::time::timeout(WAIT, router.handle.reload()).await;
+    let Ok(result) = reload else {
+        // Let the stuck open return (a writer appears), so that the test ends and fails.
+        let _unblock = std::fs::OpenOptions::new().write(true).open(&router.config);
+        panic!("the reload of a FIFO was still loading after {WAIT:?}");
+    };
+    assert_eq!(
+        result.unwrap_err().to_string(),
+        format!(
+            "config {}: not a regular file (a FIFO); give the YAML file itself",
+            router.config.display()
+        )
+    );
+    assert_eq!(router.metric("router_config_reloads_loading"), 0.0);
+    assert_eq!(
+        router.metric("router_config_reloads_total{outcome=\"error\"}"),
+        1.0
+    );
+    let response = post(
+        &client(),
+        &router.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": "hello"}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-router-config"), "1");
+    router.stop().await;
+}
+
 /// A reload keeps the session bindings when the session settings are unchanged (the new
 /// configuration shares the table, with the in-flight counts of requests still running on the
 /// old one); new settings start a new table. (The KV index's carry-over is the subscribers',

@@ -1,30 +1,25 @@
 //! Limits enforced before the YAML parser runs: the file size, and the nesting depth of flow and
 //! block collections.
 
-use std::io::Read;
 use std::path::Path;
 
 use super::error::{ConfigError, ConfigErrorKind};
+use crate::input::{self, InputError};
 
 /// Largest configuration file [`RouterConfig::from_file`](super::RouterConfig::from_file) reads.
 pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 
+/// The configuration file's bytes: a regular file only (a FIFO would block, a device never end),
+/// at most [`MAX_CONFIG_BYTES`].
 pub(super) fn read_capped(path: &Path) -> Result<Vec<u8>, ConfigError> {
-    let read_error = |err| ConfigError::new(Some(path), ConfigErrorKind::Read(err));
-    let file = std::fs::File::open(path).map_err(read_error)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_CONFIG_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read_error)?;
-    if u64::try_from(bytes.len()).map_or(true, |len| len > MAX_CONFIG_BYTES) {
-        return Err(ConfigError::new(
-            Some(path),
-            ConfigErrorKind::TooLarge {
-                limit: MAX_CONFIG_BYTES,
-            },
-        ));
-    }
-    Ok(bytes)
+    input::read_capped(path, MAX_CONFIG_BYTES).map_err(|err| {
+        let kind = match err {
+            InputError::Io(err) => ConfigErrorKind::Read(err),
+            InputError::NotAFile { kind } => ConfigErrorKind::NotAFile { kind },
+            InputError::TooLarge { limit } => ConfigErrorKind::TooLarge { limit },
+        };
+        ConfigError::new(Some(path), kind)
+    })
 }
 
 /// Deepest nesting of flow collections (`[`, `{`)

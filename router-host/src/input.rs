@@ -1,0 +1,141 @@
+//! Opening the files the CLI and `serve` are told to read (configs, scenarios, traces, tokenizer
+//! files): regular files only, and never more than a limit of them.
+//!
+//! A FIFO nobody writes blocks `open` forever, a device or `/proc` file may never end, and a
+//! directory fails only at the first read with an OS message that says nothing about the input.
+//! So a path is refused, naming what it is, unless it is a regular file (after symlinks), and it
+//! is opened with `O_NONBLOCK`: a file swapped for a FIFO between the check and the `open` cannot
+//! block it, and the open file is checked again. Each caller names the file and its limit in its
+//! own error type.
+
+use std::fs::{File, FileType};
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Why a file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    /// It could not be opened or read (missing, no permission, an I/O error).
+    #[error("{0}")]
+    Io(std::io::Error),
+    /// It is not a regular file.
+    #[error("not a regular file ({kind})")]
+    NotAFile {
+        /// What it is: `a FIFO`, `a directory`, `a character device`, ...
+        kind: &'static str,
+    },
+    /// It holds more than the caller's limit.
+    #[error("larger than {limit} bytes")]
+    TooLarge {
+        /// The limit in bytes.
+        limit: u64,
+    },
+}
+
+/// What a file that is not a regular file is, in words (`None` for a regular file).
+pub fn kind_of(file_type: FileType) -> Option<&'static str> {
+    if file_type.is_file() {
+        None
+    } else if file_type.is_dir() {
+        Some("a directory")
+    } else if file_type.is_fifo() {
+        Some("a FIFO")
+    } else if file_type.is_char_device() {
+        Some("a character device")
+    } else if file_type.is_block_device() {
+        Some("a block device")
+    } else if file_type.is_socket() {
+        Some("a socket")
+    } else {
+        Some("not a file")
+    }
+}
+
+/// Opens `path` for reading if it is a regular file; never blocks on what it finds there.
+pub fn open_regular(path: &Path) -> Result<File, InputError> {
+    // Looked at before opening, so that a device is never opened at all.
+    let meta = std::fs::metadata(path).map_err(InputError::Io)?;
+    if let Some(kind) = kind_of(meta.file_type()) {
+        return Err(InputError::NotAFile { kind });
+    }
+    // O_NONBLOCK: if the path became a FIFO since, `open` returns at once (reads of a regular
+    // file ignore the flag).
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(InputError::Io)?;
+    let meta = file.metadata().map_err(InputError::Io)?;
+    if let Some(kind) = kind_of(meta.file_type()) {
+        return Err(InputError::NotAFile { kind });
+    }
+    Ok(file)
+}
+
+/// The whole of the regular file at `path`, refused past `limit` bytes: at once when its size
+/// says so, and without reading further when it grows (or, like `/proc` files, says 0) past it.
+pub fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, InputError> {
+    let file = open_regular(path)?;
+    if file.metadata().map_err(InputError::Io)?.len() > limit {
+        return Err(InputError::TooLarge { limit });
+    }
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(InputError::Io)?;
+    if u64::try_from(bytes.len()).map_or(true, |len| len > limit) {
+        return Err(InputError::TooLarge { limit });
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(name: &str) -> std::path::PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("router-host-input-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_fifo_a_directory_and_a_device_are_named_not_opened() {
+        let dir = temp("kinds");
+        let fifo = dir.join("fifo");
+        let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        for (path, kind) in [
+            (fifo.as_path(), "a FIFO"),
+            (dir.as_path(), "a directory"),
+            (Path::new("/dev/zero"), "a character device"),
+        ] {
+            match read_capped(path, 16) {
+                Err(InputError::NotAFile { kind: found }) => assert_eq!(found, kind),
+                other => panic!("{}: {other:?}", path.display()),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_regular_file_is_read_up_to_its_limit_and_refused_past_it() {
+        let dir = temp("limit");
+        let path = dir.join("f");
+        std::fs::write(&path, b"0123456789").unwrap();
+        assert_eq!(read_capped(&path, 10).unwrap(), b"0123456789");
+        assert!(matches!(
+            read_capped(&path, 9),
+            Err(InputError::TooLarge { limit: 9 })
+        ));
+        assert!(matches!(
+            read_capped(&dir.join("missing"), 9),
+            Err(InputError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
