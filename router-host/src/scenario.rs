@@ -20,8 +20,14 @@ use crate::model::{
 /// exhaust memory).
 pub const MAX_SCENARIO_BYTES: u64 = 256 << 20;
 
-/// Most rows a scenario may declare: the cluster's own cap.
-pub const MAX_SCENARIO_ROWS: usize = crate::model::MAX_ROWS;
+/// Most rows a scenario may declare: the same cap as a configuration's `workers:`.
+pub const MAX_SCENARIO_ROWS: usize = crate::config::MAX_ROWS;
+
+/// Most row decisions a scenario may ask for: its requests times its rows. Every request looks at
+/// every row (eligibility, the policy's columns), so this bounds the run's time whatever the
+/// file's size: 16 workers of 65,536 ranks are within the row caps, but 1,500 requests over them
+/// (a 34 KB file) are 1.5e9 row decisions, minutes of work.
+pub const MAX_SCENARIO_ROW_DECISIONS: u64 = 1 << 27;
 
 /// A parsed scenario.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,6 +86,17 @@ pub enum ScenarioError {
     Workers { file: String, reason: ClusterError },
     #[error("scenario {file}: larger than {max} bytes")]
     TooLarge { file: String, max: u64 },
+    #[error(
+        "scenario {file}: {requests} requests over {rows} rows is {decisions} row decisions, over \
+         the limit of {max} (requests times rows); use fewer rows or split the scenario"
+    )]
+    TooMuchWork {
+        file: String,
+        requests: usize,
+        rows: usize,
+        decisions: u64,
+        max: u64,
+    },
     #[error("scenario {file}: requests[{request}]: {message}")]
     Request {
         file: String,
@@ -134,9 +151,6 @@ impl<'de> Deserialize<'de> for ScenarioObject {
     }
 }
 
-fn one() -> u32 {
-    1
-}
 fn yes() -> bool {
     true
 }
@@ -147,8 +161,9 @@ struct RawWorker {
     worker_id: u64,
     #[serde(default)]
     dp_start: u32,
-    #[serde(default = "one")]
-    dp_size: u32,
+    /// 1 to `MAX_DP_SIZE`, as in a configuration.
+    #[serde(default, deserialize_with = "crate::config::de_dp_size")]
+    dp_size: Option<u32>,
     #[serde(default = "yes")]
     available: bool,
     #[serde(default)]
@@ -305,7 +320,7 @@ impl Scenario {
             .map(|w| Worker {
                 worker_id: w.worker_id,
                 dp_start: w.dp_start,
-                dp_size: w.dp_size,
+                dp_size: w.dp_size.unwrap_or(1),
                 available: w.available,
                 overloaded: w.overloaded,
                 draining: false,
@@ -317,6 +332,16 @@ impl Scenario {
             file: file.to_string(),
             reason,
         })?;
+        let decisions = (raw.requests.len() as u64).saturating_mul(cluster.row_count() as u64);
+        if decisions > MAX_SCENARIO_ROW_DECISIONS {
+            return Err(ScenarioError::TooMuchWork {
+                file: file.to_string(),
+                requests: raw.requests.len(),
+                rows: cluster.row_count(),
+                decisions,
+                max: MAX_SCENARIO_ROW_DECISIONS,
+            });
+        }
         let mut requests = Vec::with_capacity(raw.requests.len());
         for (index, r) in raw.requests.into_iter().enumerate() {
             let bad = |message: String| ScenarioError::Request {
@@ -615,6 +640,7 @@ pub(crate) fn strip_position(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::MAX_DP_SIZE;
 
     #[test]
     fn minimal_scenario_takes_the_documented_defaults() {
@@ -739,17 +765,54 @@ mod tests {
         .to_string();
         assert_eq!(
             err,
-            "scenario s.json: workers: 8000000000 rows in total (the sum of every dp_size), \
+            "scenario s.json: line 1 column 51: invalid value: integer `4000000000` is out of \
+             range, expected an integer from 1 to 65536"
+        );
+        // Within the dp_size cap, over the total.
+        let workers = |n: u64| {
+            (0..n)
+                .map(|id| format!(r#"{{"worker_id": {id}, "dp_size": {MAX_DP_SIZE}}}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let err = Scenario::from_json_str(
+            &format!(r#"{{"workers": [{}], "requests": []}}"#, workers(17)),
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "scenario s.json: workers: 1114112 rows in total (the sum of every dp_size), \
              over the limit of 1048576"
         );
         // Exactly at the cap is fine.
         let s = Scenario::from_json_str(
-            &format!(
-                r#"{{"workers": [{{"worker_id": 1, "dp_size": {MAX_SCENARIO_ROWS}}}], "requests": []}}"#
-            ),
+            &format!(r#"{{"workers": [{}], "requests": []}}"#, workers(16)),
             "s.json",
         )
         .unwrap();
         assert_eq!(s.cluster.row_count(), MAX_SCENARIO_ROWS);
+    }
+
+    #[test]
+    fn requests_times_rows_beyond_the_budget_are_refused_before_any_is_decided() {
+        let scenario = |requests: u64| {
+            let requests = vec![r#"{"isl_tokens": 1}"#; requests as usize].join(",");
+            format!(
+                r#"{{"workers": [{{"worker_id": 1, "dp_size": {MAX_DP_SIZE}}}], "requests": [{requests}]}}"#
+            )
+        };
+        let at_budget = MAX_SCENARIO_ROW_DECISIONS / MAX_DP_SIZE;
+        let s = Scenario::from_json_str(&scenario(at_budget), "s.json").unwrap();
+        assert_eq!(s.requests.len() as u64, at_budget);
+        let err = Scenario::from_json_str(&scenario(at_budget + 1), "s.json")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "scenario s.json: 2049 requests over 65536 rows is 134283264 row decisions, over the \
+             limit of 134217728 (requests times rows); use fewer rows or split the scenario"
+        );
     }
 }

@@ -10,8 +10,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use router_host::config::RouterConfig;
-use router_host::scenario::{Scenario, MAX_SCENARIO_ROWS};
+use std::time::{Duration, Instant};
+
+use router_host::config::{RouterConfig, MAX_DP_SIZE, MAX_ROWS};
+use router_host::scenario::{Scenario, MAX_SCENARIO_ROWS, MAX_SCENARIO_ROW_DECISIONS};
 use serde_json::Value;
 
 use common::{plugin, run_cli, temp_dir, write};
@@ -341,10 +343,119 @@ fn a_worker_declaring_billions_of_ranks_is_refused_before_anything_is_allocated(
     assert_contains(
         &err,
         &[
-            "scenario.json: workers: 4000000000 rows in total (the sum of every dp_size), over the limit of 1048576",
+            "scenario.json: line 1 column 51: invalid value: integer `4000000000` is out of range, expected an integer from 1 to 65536",
         ],
     );
     assert_eq!(MAX_SCENARIO_ROWS, 1_048_576);
+}
+
+/// `router-host select` on files in `dir`, killed (and the test failed) past `deadline`;
+/// returns (exit code, stdout, stderr).
+fn select_within(
+    dir: &Path,
+    config: &str,
+    scenario: &str,
+    deadline: Duration,
+) -> (i32, String, String) {
+    let config = write(dir, "router.yaml", config);
+    let scenario = write(dir, "scenario.json", scenario);
+    let mut child = std::process::Command::new(common::router_host_bin())
+        .args([
+            "select",
+            "--config",
+            path_str(&config),
+            "--scenario",
+            path_str(&scenario),
+        ])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::from(
+            std::fs::File::create(dir.join("out")).unwrap(),
+        ))
+        .stderr(std::process::Stdio::from(
+            std::fs::File::create(dir.join("err")).unwrap(),
+        ))
+        .spawn()
+        .expect("run router-host select");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("select still running after {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (
+        status.code().unwrap_or(-1),
+        std::fs::read_to_string(dir.join("out")).unwrap(),
+        std::fs::read_to_string(dir.join("err")).unwrap(),
+    )
+}
+
+#[test]
+fn a_small_scenario_asking_for_minutes_of_work_is_refused_at_once() {
+    // Regression: 34 KB declaring one worker with 2^20 ranks, then 1,500 requests, ran for 30 s
+    // and more (every request looks at every row). A refusal reads nothing but the file, so the
+    // deadline is only there to fail instead of hanging.
+    const PROMPT: Duration = Duration::from_secs(30);
+    let requests = vec![r#"{"isl_tokens": 1}"#; 1500].join(",");
+    let dir = temp_dir("hostile-dp-work");
+    let scenario = format!(
+        r#"{{"workers": [{{"worker_id": 1, "dp_size": 1048576}}], "requests": [{requests}]}}"#
+    );
+    assert!(scenario.len() < 34 << 10);
+    let (code, out, err) = select_within(&dir, "{}", &scenario, PROMPT);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: line 1 column 48: invalid value: integer `1048576` is out of \
+             range, expected an integer from 1 to 65536\n",
+            dir.join("scenario.json").display()
+        )
+    );
+    // The same rows within the dp_size cap (16 workers of 65,536 ranks): the work is refused.
+    let workers: Vec<String> = (0..16)
+        .map(|id| format!(r#"{{"worker_id": {id}, "dp_size": 65536}}"#))
+        .collect();
+    let scenario = format!(
+        r#"{{"workers": [{}], "requests": [{requests}]}}"#,
+        workers.join(",")
+    );
+    let (code, out, err) = select_within(&dir, "{}", &scenario, PROMPT);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: 1500 requests over 1048576 rows is 1572864000 row decisions, \
+             over the limit of {MAX_SCENARIO_ROW_DECISIONS} (requests times rows); use fewer rows \
+             or split the scenario\n",
+            dir.join("scenario.json").display()
+        )
+    );
+}
+
+#[test]
+fn a_config_over_the_row_cap_is_refused_by_check_as_serve_would() {
+    let dir = temp_dir("hostile-config-rows");
+    let workers: String = (0..17)
+        .map(|id| format!("  - {{id: {id}, url: \"http://127.0.0.1:9\", dp_size: 65536}}\n"))
+        .collect();
+    let (code, out, err) = check(&dir, &format!("workers:\n{workers}"));
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: config {}: line 2 column 3: workers: 1114112 rows in total (the sum of every \
+             dp_size), over the limit of {MAX_ROWS}\n",
+            dir.join("router.yaml").display()
+        )
+    );
+    assert_eq!(MAX_ROWS, MAX_SCENARIO_ROWS);
+    assert_eq!(MAX_DP_SIZE, 65_536);
 }
 
 #[test]

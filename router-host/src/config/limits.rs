@@ -1,10 +1,30 @@
-//! Limits enforced before the YAML parser runs: the file size, and the nesting depth of flow and
-//! block collections.
+//! Limits enforced before the YAML parser runs (the file size, and the nesting depth of flow and
+//! block collections), and the limits on the worker rows a configuration or a `select` scenario
+//! declares, written once for both.
 
 use std::path::Path;
 
+use serde::Deserializer;
+
 use super::error::{ConfigError, ConfigErrorKind};
+use super::numbers::de_uint;
 use crate::input::{self, InputError};
+
+/// Most data-parallel ranks one worker may declare (`workers[].dp_size` in a configuration,
+/// `workers[].dp_size` in a `select` scenario).
+pub const MAX_DP_SIZE: u64 = 65_536;
+
+/// Most rows (the sum of every worker's `dp_size`) a configuration's `workers:` or a scenario may
+/// declare: the routing core's own cap on a cluster, which materialises every eligible row per
+/// request.
+pub const MAX_ROWS: usize = crate::model::MAX_ROWS;
+
+/// A `dp_size`: an integer from 1 to [`MAX_DP_SIZE`]; null means absent.
+pub(crate) fn de_dp_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    let value = de_uint(d, 1, MAX_DP_SIZE)?;
+    // MAX_DP_SIZE fits in u32.
+    Ok(value.map(|v| u32::try_from(v).unwrap_or(u32::MAX)))
+}
 
 /// Largest configuration file [`RouterConfig::from_file`](super::RouterConfig::from_file) reads.
 pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
