@@ -1,5 +1,5 @@
-//! Opening the files the CLI and `serve` are told to read (configs, scenarios, traces, tokenizer
-//! files): regular files only, and never more than a limit of them.
+//! Reading the files the CLI and `serve` are told to read (configs, scenarios, traces, tokenizer
+//! files): regular files only, never more than a limit of them, and their structs as objects only.
 //!
 //! A FIFO nobody writes blocks `open` forever, a device or `/proc` file may never end, and a
 //! directory fails only at the first read with an OS message that says nothing about the input.
@@ -12,6 +12,9 @@ use std::fs::{File, FileType};
 use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
+
+use serde::de::Visitor;
+use serde::Deserializer;
 
 /// Why a file could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +92,55 @@ pub fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, InputError> {
     }
     Ok(bytes)
 }
+
+/// A deserializer that reads a struct from a mapping only.
+///
+/// serde's derived `Deserialize` for a struct also takes a sequence of its fields in order, and
+/// serde_json hands it one: `{"workers": [[1, 0, 2]]}` was read as a worker, positionally, and a
+/// reordered or shortened array silently meant something else. Every struct read from a JSON file
+/// is derived with `#[serde(remote = "Self")]` and gets its `Deserialize` from [`objects_only!`],
+/// which runs the derived code through this adapter: a sequence is then an `invalid type` error
+/// in the struct's own `expecting` words, at its line and column.
+pub struct StructAsMap<D>(pub D);
+
+impl<'de, D: Deserializer<'de>> Deserializer<'de> for StructAsMap<D> {
+    type Error = D::Error;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, D::Error> {
+        self.0.deserialize_any(visitor)
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        self.0.deserialize_map(visitor)
+    }
+
+    // The derived code asks for a struct only.
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+        ignored_any
+    }
+}
+
+/// `Deserialize` for each listed struct, which must derive it with `#[serde(remote = "Self")]`
+/// (serde then writes the derived code as an inherent `deserialize`): that code run through
+/// [`StructAsMap`], so the struct is read from a mapping only. A struct without the `remote`
+/// attribute does not compile (two impls, or an endless instantiation).
+macro_rules! objects_only {
+    ($($ty:ty),+ $(,)?) => {$(
+        impl<'de> ::serde::Deserialize<'de> for $ty {
+            fn deserialize<D: ::serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                <$ty>::deserialize($crate::input::StructAsMap(d))
+            }
+        }
+    )+};
+}
+pub(crate) use objects_only;
 
 #[cfg(test)]
 mod tests {

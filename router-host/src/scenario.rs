@@ -53,6 +53,7 @@ pub struct ScenarioRequest {
 /// A change to one worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "a worker update object with `worker_id`"
 )]
@@ -106,8 +107,11 @@ pub enum ScenarioError {
 }
 
 // `expecting` keeps the internal type names out of messages ("expected struct RawWorker").
+// `remote = "Self"`: each struct is read from an object only (`objects_only!` below); a derived
+// `Deserialize` would also take an array of its fields in order.
 #[derive(Deserialize)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "a scenario object with `workers` and `requests`"
 )]
@@ -118,45 +122,26 @@ struct RawScenario {
     requests: Vec<RawRequest>,
 }
 
-/// The top level of a scenario: an object only. A derived `Deserialize` also takes a JSON array
-/// of the fields in order (`[[workers...], [requests...]]`), which the contract does not allow.
-struct ScenarioObject(RawScenario);
-
-impl<'de> Deserialize<'de> for ScenarioObject {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ObjectOnly;
-        impl<'de> serde::de::Visitor<'de> for ObjectOnly {
-            type Value = ScenarioObject;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a scenario object with `workers` and `requests`")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<ScenarioObject, A::Error> {
-                RawScenario::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(ScenarioObject)
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                _: A,
-            ) -> Result<ScenarioObject, A::Error> {
-                Err(serde::de::Error::custom(
-                    "the scenario is a JSON array; expected a scenario object with `workers` and \
-                     `requests`",
-                ))
-            }
-        }
-        d.deserialize_any(ObjectOnly)
-    }
-}
+crate::input::objects_only!(
+    WorkerUpdate,
+    RawScenario,
+    RawWorker,
+    RawTarget,
+    RawPin,
+    RawRequest,
+    RawRow
+);
 
 fn yes() -> bool {
     true
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a worker object with `worker_id`")]
+#[serde(
+    remote = "Self",
+    deny_unknown_fields,
+    expecting = "a worker object with `worker_id`"
+)]
 struct RawWorker {
     worker_id: u64,
     #[serde(default)]
@@ -176,6 +161,7 @@ struct RawWorker {
 
 #[derive(Deserialize, Clone, Copy)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "an affinity target object with `worker_id`"
 )]
@@ -187,6 +173,7 @@ struct RawTarget {
 
 #[derive(Deserialize, Clone, Copy)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "a pinned worker object with `worker_id`"
 )]
@@ -221,7 +208,11 @@ impl<'de> Deserialize<'de> for RawRole {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a request object with `isl_tokens`")]
+#[serde(
+    remote = "Self",
+    deny_unknown_fields,
+    expecting = "a request object with `isl_tokens`"
+)]
 struct RawRequest {
     isl_tokens: u64,
     #[serde(default)]
@@ -249,7 +240,11 @@ struct RawRequest {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a row object with `worker_id`")]
+#[serde(
+    remote = "Self",
+    deny_unknown_fields,
+    expecting = "a row object with `worker_id`"
+)]
 struct RawRow {
     worker_id: u64,
     #[serde(default)]
@@ -300,12 +295,26 @@ impl Scenario {
 
     /// Parse scenario text; `file` names it in errors.
     pub fn from_json_str(text: &str, file: &str) -> Result<Scenario, ScenarioError> {
-        let ScenarioObject(raw) = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
-            file: file.to_string(),
-            line: e.line(),
-            column: e.column(),
-            message: strip_position(&e.to_string()),
+        let parse_error = |path: Option<String>, e: &serde_json::Error| {
+            let message = strip_position(&e.to_string());
+            ScenarioError::Parse {
+                file: file.to_string(),
+                line: e.line(),
+                column: e.column(),
+                message: match path {
+                    Some(path) => format!("{path}: {message}"),
+                    None => message,
+                },
+            }
+        };
+        let mut de = serde_json::Deserializer::from_str(text);
+        let raw: RawScenario = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            // `.` is the top level and `?` no place (the end of the text): the line and column
+            // say it all.
+            let path = e.path().to_string();
+            parse_error((path != "." && path != "?").then_some(path), e.inner())
         })?;
+        de.end().map_err(|e| parse_error(None, &e))?;
         if raw.block_size == Some(0) {
             return Err(ScenarioError::Parse {
                 file: file.to_string(),
@@ -729,8 +738,8 @@ mod tests {
             .to_string();
         assert_eq!(
             err,
-            "scenario s.json: line 1 column 1: the scenario is a JSON array; expected a scenario \
-             object with `workers` and `requests`"
+            "scenario s.json: line 1 column 0: invalid type: sequence, expected a scenario object \
+             with `workers` and `requests`"
         );
         // The object form, with whitespace before it, is unchanged.
         let s = Scenario::from_json_str(
@@ -753,6 +762,61 @@ mod tests {
     }
 
     #[test]
+    fn every_object_of_a_scenario_written_as_an_array_is_refused_naming_its_place() {
+        // The derived parser took an array of a struct's fields in order, at every level below
+        // the top: `{"workers": [[1, 0, 2]]}` was worker 1 with two ranks.
+        let request = |extra: &str| {
+            format!(
+                r#"{{"workers": [{{"worker_id": 1}}], "requests": [{{"isl_tokens": 1}}, {{"isl_tokens": 1{extra}}}]}}"#
+            )
+        };
+        for (text, place, what) in [
+            (
+                r#"{"workers": [[1, 0, 2]], "requests": []}"#.to_owned(),
+                "workers[0]",
+                "a worker object with `worker_id`",
+            ),
+            (
+                r#"{"workers": [{"worker_id": 1}], "requests": [{"isl_tokens": 1}, [16]]}"#
+                    .to_owned(),
+                "requests[1]",
+                "a request object with `isl_tokens`",
+            ),
+            (
+                request(r#", "rows": [[1, 0, 5.0]]"#),
+                "requests[1].rows[0]",
+                "a row object with `worker_id`",
+            ),
+            (
+                request(r#", "affinity_target": [1, 0]"#),
+                "requests[1].affinity_target",
+                "an affinity target object with `worker_id`",
+            ),
+            (
+                request(r#", "pinned_worker": [1, 0]"#),
+                "requests[1].pinned_worker",
+                "a pinned worker object with `worker_id`",
+            ),
+            (
+                request(r#", "worker_updates": [[1, false]]"#),
+                "requests[1].worker_updates[0]",
+                "a worker update object with `worker_id`",
+            ),
+        ] {
+            let err = Scenario::from_json_str(&text, "s.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("scenario s.json: line 1 column ")
+                    && err.ends_with(&format!(
+                        ": {place}: invalid type: sequence, expected {what}"
+                    )),
+                "{text}: {err}"
+            );
+        }
+    }
+
+    #[test]
     fn rows_beyond_the_cap_are_refused_before_anything_is_allocated() {
         // Found while writing the `select_scenario` fuzz target: 80 bytes asking for 4e9 rows made the first
         // request try to allocate 64 GB for its eligible rows.
@@ -765,8 +829,8 @@ mod tests {
         .to_string();
         assert_eq!(
             err,
-            "scenario s.json: line 1 column 51: invalid value: integer `4000000000` is out of \
-             range, expected an integer from 1 to 65536"
+            "scenario s.json: line 1 column 51: workers[0].dp_size: invalid value: integer \
+             `4000000000` is out of range, expected an integer from 1 to 65536"
         );
         // Within the dp_size cap, over the total.
         let workers = |n: u64| {

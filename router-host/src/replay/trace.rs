@@ -335,8 +335,10 @@ impl fmt::Display for TraceError {
 
 impl std::error::Error for TraceError {}
 
-/// The fast path: the well-formed line.
+/// The fast path: the well-formed line (an object only: an array of the fields in order goes to
+/// the slow path, which refuses it).
 #[derive(Deserialize)]
+#[serde(remote = "Self")]
 struct Line {
     timestamp: f64,
     input_length: u64,
@@ -345,6 +347,8 @@ struct Line {
     #[serde(default)]
     session_id: Option<serde_json::Value>,
 }
+
+crate::input::objects_only!(Line);
 
 type LineError = (Option<&'static str>, String);
 
