@@ -51,7 +51,7 @@ pub fn kind_of(file_type: FileType) -> Option<&'static str> {
     } else if file_type.is_socket() {
         Some("a socket")
     } else {
-        Some("not a file")
+        Some("an unknown kind of file")
     }
 }
 
