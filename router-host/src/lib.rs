@@ -15,6 +15,7 @@ pub use router_core::{eligibility, fast_hash, kv_index, model, rng, sessions};
 pub mod builtin;
 pub mod config;
 pub mod host;
+pub mod input;
 pub mod loader;
 pub mod policies;
 pub mod replay;

@@ -20,8 +20,14 @@ use crate::model::{
 /// exhaust memory).
 pub const MAX_SCENARIO_BYTES: u64 = 256 << 20;
 
-/// Most rows a scenario may declare: the cluster's own cap.
-pub const MAX_SCENARIO_ROWS: usize = crate::model::MAX_ROWS;
+/// Most rows a scenario may declare: the same cap as a configuration's `workers:`.
+pub const MAX_SCENARIO_ROWS: usize = crate::config::MAX_ROWS;
+
+/// Most row decisions a scenario may ask for: its requests times its rows. Every request looks at
+/// every row (eligibility, the policy's columns), so this bounds the run's time whatever the
+/// file's size: 16 workers of 65,536 ranks are within the row caps, but 1,500 requests over them
+/// (a 34 KB file) are 1.5e9 row decisions, minutes of work.
+pub const MAX_SCENARIO_ROW_DECISIONS: u64 = 1 << 27;
 
 /// A parsed scenario.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,6 +53,7 @@ pub struct ScenarioRequest {
 /// A change to one worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "a worker update object with `worker_id`"
 )]
@@ -74,10 +81,23 @@ pub enum ScenarioError {
         column: usize,
         message: String,
     },
+    #[error("scenario {file}: not a regular file ({kind}); give the JSON file itself")]
+    NotAFile { file: String, kind: &'static str },
     #[error("scenario {file}: workers: {reason}")]
     Workers { file: String, reason: ClusterError },
     #[error("scenario {file}: larger than {max} bytes")]
     TooLarge { file: String, max: u64 },
+    #[error(
+        "scenario {file}: {requests} requests over {rows} rows is {decisions} row decisions, over \
+         the limit of {max} (requests times rows); use fewer rows or split the scenario"
+    )]
+    TooMuchWork {
+        file: String,
+        requests: usize,
+        rows: usize,
+        decisions: u64,
+        max: u64,
+    },
     #[error("scenario {file}: requests[{request}]: {message}")]
     Request {
         file: String,
@@ -87,8 +107,11 @@ pub enum ScenarioError {
 }
 
 // `expecting` keeps the internal type names out of messages ("expected struct RawWorker").
+// `remote = "Self"`: each struct is read from an object only (`objects_only!` below); a derived
+// `Deserialize` would also take an array of its fields in order.
 #[derive(Deserialize)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "a scenario object with `workers` and `requests`"
 )]
@@ -99,54 +122,33 @@ struct RawScenario {
     requests: Vec<RawRequest>,
 }
 
-/// The top level of a scenario: an object only. A derived `Deserialize` also takes a JSON array
-/// of the fields in order (`[[workers...], [requests...]]`), which the contract does not allow.
-struct ScenarioObject(RawScenario);
+crate::input::objects_only!(
+    WorkerUpdate,
+    RawScenario,
+    RawWorker,
+    RawTarget,
+    RawPin,
+    RawRequest,
+    RawRow
+);
 
-impl<'de> Deserialize<'de> for ScenarioObject {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ObjectOnly;
-        impl<'de> serde::de::Visitor<'de> for ObjectOnly {
-            type Value = ScenarioObject;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a scenario object with `workers` and `requests`")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<ScenarioObject, A::Error> {
-                RawScenario::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(ScenarioObject)
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                _: A,
-            ) -> Result<ScenarioObject, A::Error> {
-                Err(serde::de::Error::custom(
-                    "the scenario is a JSON array; expected a scenario object with `workers` and \
-                     `requests`",
-                ))
-            }
-        }
-        d.deserialize_any(ObjectOnly)
-    }
-}
-
-fn one() -> u32 {
-    1
-}
 fn yes() -> bool {
     true
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a worker object with `worker_id`")]
+#[serde(
+    remote = "Self",
+    deny_unknown_fields,
+    expecting = "a worker object with `worker_id`"
+)]
 struct RawWorker {
     worker_id: u64,
     #[serde(default)]
     dp_start: u32,
-    #[serde(default = "one")]
-    dp_size: u32,
+    /// 1 to `MAX_DP_SIZE`, as in a configuration.
+    #[serde(default, deserialize_with = "crate::config::de_dp_size")]
+    dp_size: Option<u32>,
     #[serde(default = "yes")]
     available: bool,
     #[serde(default)]
@@ -159,6 +161,7 @@ struct RawWorker {
 
 #[derive(Deserialize, Clone, Copy)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "an affinity target object with `worker_id`"
 )]
@@ -170,6 +173,7 @@ struct RawTarget {
 
 #[derive(Deserialize, Clone, Copy)]
 #[serde(
+    remote = "Self",
     deny_unknown_fields,
     expecting = "a pinned worker object with `worker_id`"
 )]
@@ -204,7 +208,11 @@ impl<'de> Deserialize<'de> for RawRole {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a request object with `isl_tokens`")]
+#[serde(
+    remote = "Self",
+    deny_unknown_fields,
+    expecting = "a request object with `isl_tokens`"
+)]
 struct RawRequest {
     isl_tokens: u64,
     #[serde(default)]
@@ -232,7 +240,11 @@ struct RawRequest {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a row object with `worker_id`")]
+#[serde(
+    remote = "Self",
+    deny_unknown_fields,
+    expecting = "a row object with `worker_id`"
+)]
 struct RawRow {
     worker_id: u64,
     #[serde(default)]
@@ -254,34 +266,55 @@ struct RawRow {
 }
 
 impl Scenario {
+    /// Reads and parses the scenario file at `path`: a regular file of at most
+    /// [`MAX_SCENARIO_BYTES`] (a FIFO would block, a device never end).
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
-        use std::io::Read;
+        use crate::input::InputError;
         let file = path.display().to_string();
-        let read_error = |reason| ScenarioError::Read {
+        let bytes =
+            crate::input::read_capped(path, MAX_SCENARIO_BYTES).map_err(|err| match err {
+                InputError::Io(reason) => ScenarioError::Read {
+                    file: file.clone(),
+                    reason,
+                },
+                InputError::NotAFile { kind } => ScenarioError::NotAFile {
+                    file: file.clone(),
+                    kind,
+                },
+                InputError::TooLarge { limit } => ScenarioError::TooLarge {
+                    file: file.clone(),
+                    max: limit,
+                },
+            })?;
+        let text = String::from_utf8(bytes).map_err(|err| ScenarioError::Read {
             file: file.clone(),
-            reason,
-        };
-        let mut text = String::new();
-        std::fs::File::open(path)
-            .and_then(|f| f.take(MAX_SCENARIO_BYTES + 1).read_to_string(&mut text))
-            .map_err(read_error)?;
-        if text.len() as u64 > MAX_SCENARIO_BYTES {
-            return Err(ScenarioError::TooLarge {
-                file,
-                max: MAX_SCENARIO_BYTES,
-            });
-        }
+            reason: std::io::Error::new(std::io::ErrorKind::InvalidData, err.utf8_error()),
+        })?;
         Self::from_json_str(&text, &file)
     }
 
     /// Parse scenario text; `file` names it in errors.
     pub fn from_json_str(text: &str, file: &str) -> Result<Scenario, ScenarioError> {
-        let ScenarioObject(raw) = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
-            file: file.to_string(),
-            line: e.line(),
-            column: e.column(),
-            message: strip_position(&e.to_string()),
+        let parse_error = |path: Option<String>, e: &serde_json::Error| {
+            let message = strip_position(&e.to_string());
+            ScenarioError::Parse {
+                file: file.to_string(),
+                line: e.line(),
+                column: e.column(),
+                message: match path {
+                    Some(path) => format!("{path}: {message}"),
+                    None => message,
+                },
+            }
+        };
+        let mut de = serde_json::Deserializer::from_str(text);
+        let raw: RawScenario = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            // `.` is the top level and `?` no place (the end of the text): the line and column
+            // say it all.
+            let path = e.path().to_string();
+            parse_error((path != "." && path != "?").then_some(path), e.inner())
         })?;
+        de.end().map_err(|e| parse_error(None, &e))?;
         if raw.block_size == Some(0) {
             return Err(ScenarioError::Parse {
                 file: file.to_string(),
@@ -296,7 +329,7 @@ impl Scenario {
             .map(|w| Worker {
                 worker_id: w.worker_id,
                 dp_start: w.dp_start,
-                dp_size: w.dp_size,
+                dp_size: w.dp_size.unwrap_or(1),
                 available: w.available,
                 overloaded: w.overloaded,
                 draining: false,
@@ -308,6 +341,16 @@ impl Scenario {
             file: file.to_string(),
             reason,
         })?;
+        let decisions = (raw.requests.len() as u64).saturating_mul(cluster.row_count() as u64);
+        if decisions > MAX_SCENARIO_ROW_DECISIONS {
+            return Err(ScenarioError::TooMuchWork {
+                file: file.to_string(),
+                requests: raw.requests.len(),
+                rows: cluster.row_count(),
+                decisions,
+                max: MAX_SCENARIO_ROW_DECISIONS,
+            });
+        }
         let mut requests = Vec::with_capacity(raw.requests.len());
         for (index, r) in raw.requests.into_iter().enumerate() {
             let bad = |message: String| ScenarioError::Request {
@@ -606,6 +649,7 @@ pub(crate) fn strip_position(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::MAX_DP_SIZE;
 
     #[test]
     fn minimal_scenario_takes_the_documented_defaults() {
@@ -694,8 +738,8 @@ mod tests {
             .to_string();
         assert_eq!(
             err,
-            "scenario s.json: line 1 column 1: the scenario is a JSON array; expected a scenario \
-             object with `workers` and `requests`"
+            "scenario s.json: line 1 column 0: invalid type: sequence, expected a scenario object \
+             with `workers` and `requests`"
         );
         // The object form, with whitespace before it, is unchanged.
         let s = Scenario::from_json_str(
@@ -718,6 +762,61 @@ mod tests {
     }
 
     #[test]
+    fn every_object_of_a_scenario_written_as_an_array_is_refused_naming_its_place() {
+        // The derived parser took an array of a struct's fields in order, at every level below
+        // the top: `{"workers": [[1, 0, 2]]}` was worker 1 with two ranks.
+        let request = |extra: &str| {
+            format!(
+                r#"{{"workers": [{{"worker_id": 1}}], "requests": [{{"isl_tokens": 1}}, {{"isl_tokens": 1{extra}}}]}}"#
+            )
+        };
+        for (text, place, what) in [
+            (
+                r#"{"workers": [[1, 0, 2]], "requests": []}"#.to_owned(),
+                "workers[0]",
+                "a worker object with `worker_id`",
+            ),
+            (
+                r#"{"workers": [{"worker_id": 1}], "requests": [{"isl_tokens": 1}, [16]]}"#
+                    .to_owned(),
+                "requests[1]",
+                "a request object with `isl_tokens`",
+            ),
+            (
+                request(r#", "rows": [[1, 0, 5.0]]"#),
+                "requests[1].rows[0]",
+                "a row object with `worker_id`",
+            ),
+            (
+                request(r#", "affinity_target": [1, 0]"#),
+                "requests[1].affinity_target",
+                "an affinity target object with `worker_id`",
+            ),
+            (
+                request(r#", "pinned_worker": [1, 0]"#),
+                "requests[1].pinned_worker",
+                "a pinned worker object with `worker_id`",
+            ),
+            (
+                request(r#", "worker_updates": [[1, false]]"#),
+                "requests[1].worker_updates[0]",
+                "a worker update object with `worker_id`",
+            ),
+        ] {
+            let err = Scenario::from_json_str(&text, "s.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("scenario s.json: line 1 column ")
+                    && err.ends_with(&format!(
+                        ": {place}: invalid type: sequence, expected {what}"
+                    )),
+                "{text}: {err}"
+            );
+        }
+    }
+
+    #[test]
     fn rows_beyond_the_cap_are_refused_before_anything_is_allocated() {
         // Found while writing the `select_scenario` fuzz target: 80 bytes asking for 4e9 rows made the first
         // request try to allocate 64 GB for its eligible rows.
@@ -730,17 +829,54 @@ mod tests {
         .to_string();
         assert_eq!(
             err,
-            "scenario s.json: workers: 8000000000 rows in total (the sum of every dp_size), \
+            "scenario s.json: line 1 column 51: workers[0].dp_size: invalid value: integer \
+             `4000000000` is out of range, expected an integer from 1 to 65536"
+        );
+        // Within the dp_size cap, over the total.
+        let workers = |n: u64| {
+            (0..n)
+                .map(|id| format!(r#"{{"worker_id": {id}, "dp_size": {MAX_DP_SIZE}}}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let err = Scenario::from_json_str(
+            &format!(r#"{{"workers": [{}], "requests": []}}"#, workers(17)),
+            "s.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "scenario s.json: workers: 1114112 rows in total (the sum of every dp_size), \
              over the limit of 1048576"
         );
         // Exactly at the cap is fine.
         let s = Scenario::from_json_str(
-            &format!(
-                r#"{{"workers": [{{"worker_id": 1, "dp_size": {MAX_SCENARIO_ROWS}}}], "requests": []}}"#
-            ),
+            &format!(r#"{{"workers": [{}], "requests": []}}"#, workers(16)),
             "s.json",
         )
         .unwrap();
         assert_eq!(s.cluster.row_count(), MAX_SCENARIO_ROWS);
+    }
+
+    #[test]
+    fn requests_times_rows_beyond_the_budget_are_refused_before_any_is_decided() {
+        let scenario = |requests: u64| {
+            let requests = vec![r#"{"isl_tokens": 1}"#; requests as usize].join(",");
+            format!(
+                r#"{{"workers": [{{"worker_id": 1, "dp_size": {MAX_DP_SIZE}}}], "requests": [{requests}]}}"#
+            )
+        };
+        let at_budget = MAX_SCENARIO_ROW_DECISIONS / MAX_DP_SIZE;
+        let s = Scenario::from_json_str(&scenario(at_budget), "s.json").unwrap();
+        assert_eq!(s.requests.len() as u64, at_budget);
+        let err = Scenario::from_json_str(&scenario(at_budget + 1), "s.json")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "scenario s.json: 2049 requests over 65536 rows is 134283264 row decisions, over the \
+             limit of 134217728 (requests times rows); use fewer rows or split the scenario"
+        );
     }
 }

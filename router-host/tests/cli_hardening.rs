@@ -23,6 +23,17 @@ struct Run {
 /// Run `program args` with stdout and stderr sent to files in `dir` (and stdout replaced by
 /// `stdout` when given); kill it and fail the test if it outlives [`DEADLINE`].
 fn run_bounded(dir: &Path, program: &Path, args: &[&str], stdout: Option<Stdio>) -> Run {
+    run_within(dir, program, args, stdout, DEADLINE)
+}
+
+/// [`run_bounded`] with its own deadline.
+fn run_within(
+    dir: &Path,
+    program: &Path,
+    args: &[&str],
+    stdout: Option<Stdio>,
+    deadline: Duration,
+) -> Run {
     let out_path = dir.join("child.stdout");
     let err_path = dir.join("child.stderr");
     let stdout = match stdout {
@@ -42,11 +53,11 @@ fn run_bounded(dir: &Path, program: &Path, args: &[&str], stdout: Option<Stdio>)
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        if started.elapsed() > DEADLINE {
+        if started.elapsed() > deadline {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
-                "{} {args:?} still running after {DEADLINE:?}",
+                "{} {args:?} still running after {deadline:?}",
                 program.display()
             );
         }
@@ -130,15 +141,12 @@ fn dev_zero_as_a_trace_fails_fast_instead_of_filling_memory() {
         None,
     );
     assert_eq!(run.code, Some(1), "{}", run.stderr);
-    assert!(
-        run.stderr.contains("trace /dev/zero: line 1: "),
-        "{}",
-        run.stderr
-    );
-    assert!(
-        run.stderr.contains(&MAX_TRACE_LINE_BYTES.to_string()),
-        "{}",
-        run.stderr
+    // A device is not read at all (the line cap keeps a regular file without newlines bounded:
+    // a_trace_line_longer_than_the_cap_is_refused_naming_file_line_and_limit).
+    assert_eq!(
+        run.stderr,
+        "error: trace /dev/zero: not a regular file (a character device); give the JSONL file \
+         itself\n"
     );
 }
 
@@ -353,7 +361,7 @@ fn output_files_are_replaced_whole_and_leave_no_temporary_file() {
 }
 
 #[test]
-fn a_directory_as_a_scenario_gives_the_os_reason_once() {
+fn a_directory_as_a_scenario_is_named_as_one_once() {
     let dir = temp_dir("scenario-dir");
     let config = round_robin(&dir);
     let run = run_bounded(
@@ -370,15 +378,191 @@ fn a_directory_as_a_scenario_gives_the_os_reason_once() {
     );
     assert_eq!(run.code, Some(2), "unusable input: {}", run.stderr);
     assert_eq!(
-        run.stderr.matches("Is a directory").count(),
-        1,
-        "stderr: {}",
-        run.stderr
+        run.stderr,
+        format!(
+            "error: scenario {}: not a regular file (a directory); give the JSON file itself\n",
+            dir.display()
+        )
     );
-    assert!(
-        run.stderr
-            .contains(&format!("scenario {}: cannot read:", dir.display())),
-        "stderr: {}",
-        run.stderr
+}
+
+#[test]
+fn a_misspelled_plugin_stops_serve_with_each_context_said_once() {
+    let dir = temp_dir("misspelled-plugin");
+    let config = write(
+        &dir,
+        "router.yaml",
+        "block_size: 16\nplugins:\n  - name: two_tier_cost_fm\nworkers:\n  - {id: 1, url: \"http://127.0.0.1:9\"}\n",
+    );
+    let expected = format!(
+        "error: config {}: plugins[0] (line 3): plugin `two_tier_cost_fm` not found; tried: {}, {}\n",
+        config.display(),
+        dir.join("libtwo_tier_cost_fm.so").display(),
+        router_host_bin()
+            .parent()
+            .unwrap()
+            .join("libtwo_tier_cost_fm.so")
+            .display()
+    );
+    let config = config.to_str().unwrap();
+    let serve = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &["serve", "--config", config, "--listen", "127.0.0.1:0"],
+        None,
+    );
+    assert_eq!(serve.code, Some(1), "{}", serve.stderr);
+    assert_eq!(serve.stderr, expected);
+    let check = run_bounded(
+        &dir,
+        &router_host_bin(),
+        &["check", "--config", config],
+        None,
+    );
+    assert_eq!(check.code, Some(1), "{}", check.stderr);
+    assert_eq!(check.stderr, expected);
+}
+
+/// A FIFO at `dir/name` (nobody writes it: opening it for reading would block forever).
+fn fifo(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    path
+}
+
+/// How long a refusal may take, start-up included, on a busy machine: it reads nothing.
+const PROMPT: Duration = Duration::from_secs(20);
+
+#[test]
+fn a_fifo_nobody_writes_is_refused_at_once_by_every_command_that_reads_a_file() {
+    let dir = temp_dir("fifo-inputs");
+    let pipe = fifo(&dir, "input");
+    let rr = round_robin(&dir);
+    let (pipe, rr) = (pipe.to_str().unwrap(), rr.to_str().unwrap());
+    let config =
+        format!("error: config {pipe}: not a regular file (a FIFO); give the YAML file itself\n");
+    let cases: [(&[&str], i32, String); 6] = [
+        (&["check", "--config", pipe], 1, config.clone()),
+        (
+            &["select", "--config", pipe, "--scenario", pipe],
+            2,
+            config.clone(),
+        ),
+        (
+            &["select", "--config", rr, "--scenario", pipe],
+            2,
+            format!(
+                "error: scenario {pipe}: not a regular file (a FIFO); give the JSON file itself\n"
+            ),
+        ),
+        (
+            &["replay", "--trace", pipe],
+            1,
+            format!(
+                "error: trace {pipe}: not a regular file (a FIFO); give the JSONL file itself\n"
+            ),
+        ),
+        (&["replay", "--config", pipe], 1, config.clone()),
+        (
+            &["serve", "--config", pipe, "--listen", "127.0.0.1:0"],
+            1,
+            config.clone(),
+        ),
+    ];
+    for (args, code, stderr) in cases {
+        let run = run_within(&dir, &router_host_bin(), args, None, PROMPT);
+        assert_eq!(run.code, Some(code), "{args:?}: {}", run.stderr);
+        assert_eq!(run.stderr, stderr, "{args:?}");
+    }
+}
+
+#[test]
+fn serve_refuses_tokenizer_files_that_are_fifos_or_over_their_limit_without_reading_them() {
+    use router_host::serve::tokenize::MAX_TOKENIZER_FILE_BYTES;
+    let dir = temp_dir("tokenizer-inputs");
+    let tokenizer = dir.join("tok");
+    std::fs::create_dir(&tokenizer).unwrap();
+    let config = write(
+        &dir,
+        "router.yaml",
+        &format!(
+            "serve:\n  tokenizer: {{path: {}}}\nworkers:\n  - {{id: 1, url: \"http://127.0.0.1:9\"}}\n",
+            tokenizer.display()
+        ),
+    );
+    let serve = |dir: &Path| {
+        run_within(
+            dir,
+            &router_host_bin(),
+            &[
+                "serve",
+                "--config",
+                config.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+            ],
+            None,
+            PROMPT,
+        )
+    };
+    let file = fifo(&tokenizer, "tokenizer.json");
+    let run = serve(&dir);
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert_eq!(
+        run.stderr,
+        format!(
+            "error: config {}: serve.tokenizer.path: cannot load {}: not a regular file (a FIFO)\n",
+            config.display(),
+            file.display()
+        )
+    );
+    // Sparse: its size is over the limit, and nothing of it is read.
+    std::fs::remove_file(&file).unwrap();
+    std::fs::File::create(&file)
+        .unwrap()
+        .set_len(MAX_TOKENIZER_FILE_BYTES + 1)
+        .unwrap();
+    let run = serve(&dir);
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert_eq!(
+        run.stderr,
+        format!(
+            "error: config {}: serve.tokenizer.path: cannot load {}: larger than {} bytes\n",
+            config.display(),
+            file.display(),
+            MAX_TOKENIZER_FILE_BYTES
+        )
+    );
+}
+
+#[test]
+fn a_trace_over_the_file_limit_is_refused_by_its_size_before_any_line_is_read() {
+    use router_host::replay::trace::MAX_TRACE_BYTES;
+    let dir = temp_dir("trace-limit");
+    // Sparse, and its first line is a good one: only the size is wrong.
+    let trace = write(&dir, "big.jsonl", GOOD_LINE);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&trace)
+        .unwrap()
+        .set_len(MAX_TRACE_BYTES + 1)
+        .unwrap();
+    let run = run_within(
+        &dir,
+        &router_host_bin(),
+        &["replay", "--trace", trace.to_str().unwrap()],
+        None,
+        PROMPT,
+    );
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert_eq!(
+        run.stderr,
+        format!(
+            "error: trace {}: larger than {MAX_TRACE_BYTES} bytes (1 GiB), the limit on a trace \
+             file\n",
+            trace.display()
+        )
     );
 }

@@ -102,13 +102,45 @@ fn missing_file_names_the_file_and_the_os_error() {
 }
 
 #[test]
-fn directory_is_a_read_error() {
-    let message = match RouterConfig::from_file(&fixture("")) {
-        Ok(config) => panic!("parsed {config:?}"),
-        Err(err) => err.to_string(),
-    };
-    assert!(message.contains("tests/data/config"), "{message}");
-    assert!(message.contains("Is a directory"), "{message}");
+fn a_directory_or_a_device_is_named_and_not_read() {
+    for (path, kind) in [
+        (fixture(""), "a directory"),
+        (PathBuf::from("/dev/zero"), "a character device"),
+    ] {
+        let err = match RouterConfig::from_file(&path) {
+            Ok(config) => panic!("parsed {config:?}"),
+            Err(err) => err,
+        };
+        assert!(matches!(err.kind(), ConfigErrorKind::NotAFile { .. }));
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "config {}: not a regular file ({kind}); give the YAML file itself",
+                path.display()
+            )
+        );
+    }
+}
+
+#[test]
+fn a_file_over_the_size_limit_is_refused_by_its_size() {
+    let dir = std::env::temp_dir().join(format!("config-errors-size-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("big.yaml");
+    // Sparse: nothing of it is read.
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(router_host::config::MAX_CONFIG_BYTES + 1)
+        .unwrap();
+    let err = RouterConfig::from_file(&path).unwrap_err();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "config {}: the file is larger than 16777216 bytes",
+            path.display()
+        )
+    );
 }
 
 #[test]

@@ -10,8 +10,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use router_host::config::RouterConfig;
-use router_host::scenario::{Scenario, MAX_SCENARIO_ROWS};
+use std::time::{Duration, Instant};
+
+use router_host::config::{RouterConfig, MAX_DP_SIZE, MAX_ROWS};
+use router_host::scenario::{Scenario, MAX_SCENARIO_ROWS, MAX_SCENARIO_ROW_DECISIONS};
 use serde_json::Value;
 
 use common::{plugin, run_cli, temp_dir, write};
@@ -290,7 +292,7 @@ fn huge_numbers_in_a_scenario_are_parse_errors_with_the_line() {
         (
             "{\"workers\": [{\"worker_id\": 1}],\n \"requests\": [\n  {\"isl_tokens\": 18446744073709551616}]}",
             // serde_json reads an integer beyond u64 as a float; the line and column point at it.
-            "scenario s.json: line 3 column 37: invalid type: floating point `1.8446744073709552e+19`, expected u64",
+            "scenario s.json: line 3 column 37: requests[0].isl_tokens: invalid type: floating point `1.8446744073709552e+19`, expected u64",
         ),
         (
             "{\"workers\": [{\"worker_id\": 1}],\n \"requests\": [{\"isl_tokens\": 99999999999999999999999999999}]}",
@@ -298,11 +300,11 @@ fn huge_numbers_in_a_scenario_are_parse_errors_with_the_line() {
         ),
         (
             "{\"workers\": [{\"worker_id\": 1}], \"requests\": [{\"isl_tokens\": -1}]}",
-            "scenario s.json: line 1 column 62: invalid value: integer `-1`, expected u64",
+            "scenario s.json: line 1 column 62: requests[0].isl_tokens: invalid value: integer `-1`, expected u64",
         ),
         (
             "{\"workers\": [{\"worker_id\": 1e30}], \"requests\": []}",
-            "scenario s.json: line 1 column 31: invalid type: floating point `1e+30`, expected u64",
+            "scenario s.json: line 1 column 31: workers[0].worker_id: invalid type: floating point `1e+30`, expected u64",
         ),
         (
             "{\"block_size\": 1e30, \"workers\": [], \"requests\": []}",
@@ -341,10 +343,119 @@ fn a_worker_declaring_billions_of_ranks_is_refused_before_anything_is_allocated(
     assert_contains(
         &err,
         &[
-            "scenario.json: workers: 4000000000 rows in total (the sum of every dp_size), over the limit of 1048576",
+            "scenario.json: line 1 column 51: workers[0].dp_size: invalid value: integer `4000000000` is out of range, expected an integer from 1 to 65536",
         ],
     );
     assert_eq!(MAX_SCENARIO_ROWS, 1_048_576);
+}
+
+/// `router-host select` on files in `dir`, killed (and the test failed) past `deadline`;
+/// returns (exit code, stdout, stderr).
+fn select_within(
+    dir: &Path,
+    config: &str,
+    scenario: &str,
+    deadline: Duration,
+) -> (i32, String, String) {
+    let config = write(dir, "router.yaml", config);
+    let scenario = write(dir, "scenario.json", scenario);
+    let mut child = std::process::Command::new(common::router_host_bin())
+        .args([
+            "select",
+            "--config",
+            path_str(&config),
+            "--scenario",
+            path_str(&scenario),
+        ])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::from(
+            std::fs::File::create(dir.join("out")).unwrap(),
+        ))
+        .stderr(std::process::Stdio::from(
+            std::fs::File::create(dir.join("err")).unwrap(),
+        ))
+        .spawn()
+        .expect("run router-host select");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("select still running after {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (
+        status.code().unwrap_or(-1),
+        std::fs::read_to_string(dir.join("out")).unwrap(),
+        std::fs::read_to_string(dir.join("err")).unwrap(),
+    )
+}
+
+#[test]
+fn a_small_scenario_asking_for_minutes_of_work_is_refused_at_once() {
+    // Regression: 34 KB declaring one worker with 2^20 ranks, then 1,500 requests, ran for 30 s
+    // and more (every request looks at every row). A refusal reads nothing but the file, so the
+    // deadline is only there to fail instead of hanging.
+    const PROMPT: Duration = Duration::from_secs(30);
+    let requests = vec![r#"{"isl_tokens": 1}"#; 1500].join(",");
+    let dir = temp_dir("hostile-dp-work");
+    let scenario = format!(
+        r#"{{"workers": [{{"worker_id": 1, "dp_size": 1048576}}], "requests": [{requests}]}}"#
+    );
+    assert!(scenario.len() < 34 << 10);
+    let (code, out, err) = select_within(&dir, "{}", &scenario, PROMPT);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: line 1 column 48: workers[0].dp_size: invalid value: integer `1048576` is \
+             out of range, expected an integer from 1 to 65536\n",
+            dir.join("scenario.json").display()
+        )
+    );
+    // The same rows within the dp_size cap (16 workers of 65,536 ranks): the work is refused.
+    let workers: Vec<String> = (0..16)
+        .map(|id| format!(r#"{{"worker_id": {id}, "dp_size": 65536}}"#))
+        .collect();
+    let scenario = format!(
+        r#"{{"workers": [{}], "requests": [{requests}]}}"#,
+        workers.join(",")
+    );
+    let (code, out, err) = select_within(&dir, "{}", &scenario, PROMPT);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: 1500 requests over 1048576 rows is 1572864000 row decisions, \
+             over the limit of {MAX_SCENARIO_ROW_DECISIONS} (requests times rows); use fewer rows \
+             or split the scenario\n",
+            dir.join("scenario.json").display()
+        )
+    );
+}
+
+#[test]
+fn a_config_over_the_row_cap_is_refused_by_check_as_serve_would() {
+    let dir = temp_dir("hostile-config-rows");
+    let workers: String = (0..17)
+        .map(|id| format!("  - {{id: {id}, url: \"http://127.0.0.1:9\", dp_size: 65536}}\n"))
+        .collect();
+    let (code, out, err) = check(&dir, &format!("workers:\n{workers}"));
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: config {}: line 2 column 3: workers: 1114112 rows in total (the sum of every \
+             dp_size), over the limit of {MAX_ROWS}\n",
+            dir.join("router.yaml").display()
+        )
+    );
+    assert_eq!(MAX_ROWS, MAX_SCENARIO_ROWS);
+    assert_eq!(MAX_DP_SIZE, 65_536);
 }
 
 #[test]
@@ -395,16 +506,16 @@ fn negative_overlap_in_a_scenario_row_names_the_request_row_and_field() {
 fn wrong_types_in_a_scenario_name_the_line() {
     for (text, expected) in [
         ("\"text\"", "line 1 column 6: invalid type: string \"text\", expected a scenario object with `workers` and `requests`"),
-        ("{\"workers\": [1], \"requests\": []}", "line 1 column 14: invalid type: integer `1`, expected a worker object with `worker_id`"),
+        ("{\"workers\": [1], \"requests\": []}", "line 1 column 14: workers[0]: invalid type: integer `1`, expected a worker object with `worker_id`"),
         ("{\"workers\": [], \"requests\": [16]}", "invalid type: integer `16`, expected a request object with `isl_tokens`"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"rows\": [1]}]}", "invalid type: integer `1`, expected a row object with `worker_id`"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"pinned_worker\": 1}]}", "invalid type: integer `1`, expected a pinned worker object with `worker_id`"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"affinity_target\": 1}]}", "invalid type: integer `1`, expected an affinity target object with `worker_id`"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"worker_updates\": [1]}]}", "invalid type: integer `1`, expected a worker update object with `worker_id`"),
-        ("{\"workers\": {}, \"requests\": []}", "line 1 column 12: invalid type: map, expected a sequence"),
+        ("{\"workers\": {}, \"requests\": []}", "line 1 column 12: workers: invalid type: map, expected a sequence"),
         ("{\"workers\": [{\"worker_id\": \"1\"}], \"requests\": []}", "invalid type: string \"1\", expected u64"),
         ("{\"workers\": [{\"worker_id\": 1, \"available\": 1}], \"requests\": []}", "invalid type: integer `1`, expected a boolean"),
-        ("{\"workers\": [],\n \"requests\": [{\"isl_tokens\": 1, \"role\": \"both\"}]}", "line 2 column 46: unknown variant `both`, expected one of `aggregated`, `prefill`, `decode`"),
+        ("{\"workers\": [],\n \"requests\": [{\"isl_tokens\": 1, \"role\": \"both\"}]}", "line 2 column 46: requests[0].role: unknown variant `both`, expected one of `aggregated`, `prefill`, `decode`"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"session_id\": 7}]}", "invalid type: integer `7`, expected a string"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"allowed_worker_ids\": 7}]}", "invalid type: integer `7`, expected a sequence"),
         ("{\"workers\": [], \"requests\": [{\"isl_tokens\": 1, \"complete\": [-1]}]}", "invalid value: integer `-1`, expected usize"),
@@ -463,21 +574,21 @@ fn deeply_nested_json_is_a_clear_error_not_a_stack_overflow() {
     for (text, expected) in [
         (
             format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)),
-            "line 1 column 1: the scenario is a JSON array; expected a scenario object",
+            "line 1 column 0: invalid type: sequence, expected a scenario object with `workers` and `requests`",
         ),
         (
             format!(
                 r#"{{"workers": [], "requests": [{{"isl_tokens": 1, "rows": {}}}]}}"#,
                 "[".repeat(100_000)
             ),
-            "line 1 column 57: invalid type: sequence, expected u64",
+            "line 1 column 56: requests[0].rows[0]: invalid type: sequence, expected a row object with `worker_id`",
         ),
         (
             format!(
                 r#"{{"workers": [], "requests": [], "extra": {}}}"#,
                 "{\"a\": ".repeat(100_000)
             ),
-            "line 1 column 39: unknown field `extra`",
+            "line 1 column 39: extra: unknown field `extra`",
         ),
     ] {
         let message = scenario_err(&text);
@@ -501,7 +612,7 @@ fn deeply_nested_json_is_a_clear_error_not_a_stack_overflow() {
     assert!(lines.is_empty());
     assert_contains(
         &err,
-        &["scenario.json: line 1 column 86: invalid type: sequence, expected u64"],
+        &["scenario.json: line 1 column 86: requests[0].allowed_worker_ids[0]: invalid type: sequence, expected u64"],
     );
 }
 
@@ -752,20 +863,98 @@ fn a_hundred_thousand_id_allow_list_over_a_hundred_thousand_workers_is_decided()
 }
 
 #[test]
-fn an_endless_scenario_file_is_refused_at_its_size_limit() {
+fn an_endless_scenario_file_is_refused_unread_and_a_regular_one_at_its_size_limit() {
     let dir = temp_dir("endless-scenario");
     let config = write(&dir, "router.yaml", "{}");
-    let (code, out, err) = run_cli(&[
-        "select",
-        "--config",
-        config.to_str().unwrap(),
-        "--scenario",
-        "/dev/zero",
-    ]);
+    let select = |scenario: &str| {
+        run_cli(&[
+            "select",
+            "--config",
+            config.to_str().unwrap(),
+            "--scenario",
+            scenario,
+        ])
+    };
+    let (code, out, err) = select("/dev/zero");
     assert_eq!(code, 2, "{err}");
     assert!(out.is_empty());
-    assert!(
-        err.contains("scenario /dev/zero: larger than 268435456 bytes"),
-        "{err}"
+    assert_eq!(
+        err,
+        "error: scenario /dev/zero: not a regular file (a character device); give the JSON file \
+         itself\n"
     );
+    // Sparse: refused by its size, nothing read.
+    let big = dir.join("big.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(router_host::scenario::MAX_SCENARIO_BYTES + 1)
+        .unwrap();
+    let (code, out, err) = select(big.to_str().unwrap());
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: larger than 268435456 bytes\n",
+            big.display()
+        )
+    );
+}
+
+// --- objects written as arrays ---------------------------------------------------------------
+
+#[test]
+fn a_scenario_or_a_trace_line_written_as_positional_arrays_is_refused_naming_the_place() {
+    // serde's derived structs also take an array of their fields in order: this scenario was
+    // worker 1 with dp_start 0 and two ranks, and the trace line a request of 512 tokens.
+    let dir = temp_dir("hostile-positional");
+    let (code, lines, err) = select(
+        &dir,
+        "{}",
+        r#"{"workers": [[1, 0, 2]], "requests": [{"isl_tokens": 1}]}"#,
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(lines.is_empty());
+    assert_eq!(
+        err,
+        format!(
+            "error: scenario {}: line 1 column 13: workers[0]: invalid type: sequence, expected a \
+             worker object with `worker_id`\n",
+            dir.join("scenario.json").display()
+        )
+    );
+    let trace = write(&dir, "trace.jsonl", "[0, 512, 1, [1]]\n");
+    let (code, out, err) = run_cli(&["replay", "--trace", path_str(&trace)]);
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: trace {}: line 1: expected a JSON object, got an array [0,512,1,[1]]\n",
+            trace.display()
+        )
+    );
+}
+
+#[test]
+fn every_mapping_of_the_config_refuses_a_sequence() {
+    // serde_yaml reads a struct from a mapping only; this keeps it so, section by section.
+    for (text, expected) in [
+        ("[16]", "line 1 column 1: invalid type: sequence, expected a mapping of router settings"),
+        ("default_selector: [1]", "line 1 column 19: default_selector: invalid type: sequence, expected a `default_selector` mapping"),
+        ("booking: [prompt]", "line 1 column 10: booking: invalid type: sequence, expected a `booking` mapping"),
+        ("plugins: [[x]]", "line 1 column 11: plugins[0]: invalid type: sequence, expected a plugin entry mapping with `path` or `name`"),
+        ("worker_selection: [a]", "line 1 column 19: worker_selection: invalid type: sequence, expected a `worker_selection` mapping"),
+        ("worker_selection: {instances: [[a, round-robin]]}", "line 1 column 32: worker_selection.instances[0]: invalid type: sequence, expected an instance mapping with `name` and `type`"),
+        ("policy_classes: [[a, 1]]", "line 1 column 18: policy_classes[0]: invalid type: sequence, expected a policy class mapping with `name`"),
+        ("session_affinity: [soft]", "line 1 column 19: session_affinity: invalid type: sequence, expected a `session_affinity` mapping with `mode`"),
+        ("session_affinity: {mode: soft, store: [memory]}", "line 1 column 39: session_affinity.store: invalid type: sequence, expected a `store` mapping with `kind` (`memory` or `redis`)"),
+        ("workers: [[1, \"http://a:1\"]]", "line 1 column 11: workers[0]: invalid type: sequence, expected a worker mapping with `id` and `url`"),
+        ("workers: [{id: 1, url: \"http://a:1\", kv_events: [\"tcp://a:1\"]}]", "line 1 column 49: workers[0].kv_events: invalid type: sequence, expected a `kv_events` mapping with `endpoint`"),
+        ("serve: [a]", "line 1 column 8: serve: invalid type: sequence, expected a `serve` mapping"),
+        ("serve: {timeouts: [1]}", "line 1 column 19: serve.timeouts: invalid type: sequence, expected a `serve.timeouts` mapping"),
+        ("serve: {health: [1]}", "line 1 column 17: serve.health: invalid type: sequence, expected a `serve.health` mapping"),
+        ("serve: {tokenizer: [a]}", "line 1 column 20: serve.tokenizer: invalid type: sequence, expected `remote` or a mapping `{path: DIR}`"),
+    ] {
+        assert_eq!(config_err(text), format!("config <string>: {expected}"), "{text}");
+    }
 }

@@ -108,7 +108,7 @@ fn an_os_error_is_said_once_and_names_the_path() {
     assert_eq!(
         err,
         format!(
-            "error: config {}: cannot read the file: Is a directory (os error 21)\n",
+            "error: config {}: not a regular file (a directory); give the YAML file itself\n",
             dir.display()
         )
     );

@@ -290,6 +290,105 @@ async fn sighup_reloads_and_sigterm_drains_then_exits_0() {
     );
 }
 
+/// A reload refused for a misspelled plugin logs the whole cause, each context once, in the very
+/// words `check` prints for the same file: the log line used to stop at `plugins[0] (line 3)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_reload_logs_the_whole_cause_as_check_prints_it() {
+    let engine = Engine::start(1).await;
+    let dir = common::temp_dir("serve_reload_cause");
+    let config = common::write(
+        &dir,
+        "router.yaml",
+        &policy_yaml("one", "round-robin", &[&engine]),
+    );
+    let started = config.clone();
+    let process = tokio::task::spawn_blocking(move || Process::start(&started))
+        .await
+        .unwrap();
+    let broken = format!(
+        "block_size: 4\nplugins:\n  - name: two_tier_cost_fm\n{}",
+        workers_yaml(&[&engine])
+    );
+    common::write(&dir, "router.yaml", &broken);
+    let (code, _, check) = common::run_cli(&["check", "--config", config.to_str().unwrap()]);
+    assert_eq!(code, 1, "{check}");
+    let cause = check
+        .trim_end()
+        .strip_prefix("error: ")
+        .unwrap_or_else(|| panic!("check prints one error line: {check}"))
+        .to_owned();
+    assert_eq!(
+        cause,
+        format!(
+            "config {}: plugins[0] (line 3): plugin `two_tier_cost_fm` not found; tried: {}, {}",
+            config.display(),
+            dir.join("libtwo_tier_cost_fm.so").display(),
+            common::router_host_bin()
+                .parent()
+                .unwrap()
+                .join("libtwo_tier_cost_fm.so")
+                .display()
+        )
+    );
+    process.signal(libc::SIGHUP);
+    let line = tokio::task::spawn_blocking(move || {
+        process.wait_line("reload failed", Duration::from_secs(10))
+    })
+    .await
+    .unwrap()
+    .expect("the failed reload is logged");
+    assert!(
+        line.contains(&format!(
+            "reload failed; still serving the running configuration error={cause} serving=1"
+        )),
+        "{line}"
+    );
+}
+
+/// A reload whose file was replaced by a FIFO nobody writes is refused at once, naming it, and
+/// the running configuration keeps serving: the reload used to block in `open` forever, holding
+/// `router_config_reloads_loading` at 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_of_a_fifo_is_refused_at_once_and_keeps_serving() {
+    let engine = Engine::start(1).await;
+    let router = Router::start(
+        "serve_reload_fifo",
+        &policy_yaml("one", "round-robin", &[&engine]),
+    )
+    .await;
+    std::fs::remove_file(&router.config).unwrap();
+    let c_path = std::ffi::CString::new(router.config.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let reload = tokio::time::timeout(WAIT, router.handle.reload()).await;
+    let Ok(result) = reload else {
+        // Let the stuck open return (a writer appears), so that the test ends and fails.
+        let _unblock = std::fs::OpenOptions::new().write(true).open(&router.config);
+        panic!("the reload of a FIFO was still loading after {WAIT:?}");
+    };
+    assert_eq!(
+        result.unwrap_err().to_string(),
+        format!(
+            "config {}: not a regular file (a FIFO); give the YAML file itself",
+            router.config.display()
+        )
+    );
+    assert_eq!(router.metric("router_config_reloads_loading"), 0.0);
+    assert_eq!(
+        router.metric("router_config_reloads_total{outcome=\"error\"}"),
+        1.0
+    );
+    let response = post(
+        &client(),
+        &router.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": "hello"}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-router-config"), "1");
+    router.stop().await;
+}
+
 /// A reload keeps the session bindings when the session settings are unchanged (the new
 /// configuration shares the table, with the in-flight counts of requests still running on the
 /// old one); new settings start a new table. (The KV index's carry-over is the subscribers',

@@ -104,6 +104,12 @@ pub enum ConfigErrorKind {
     /// The file could not be opened or read.
     #[error("cannot read the file: {0}")]
     Read(std::io::Error),
+    /// The path is not a regular file (a FIFO, a directory, a device); it is not opened or read.
+    #[error("not a regular file ({kind}); give the YAML file itself")]
+    NotAFile {
+        /// What it is, e.g. `a FIFO`.
+        kind: &'static str,
+    },
     /// The file is larger than [`MAX_CONFIG_BYTES`](super::MAX_CONFIG_BYTES).
     #[error("the file is larger than {limit} bytes")]
     TooLarge {

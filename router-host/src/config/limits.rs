@@ -1,30 +1,45 @@
-//! Limits enforced before the YAML parser runs: the file size, and the nesting depth of flow and
-//! block collections.
+//! Limits enforced before the YAML parser runs (the file size, and the nesting depth of flow and
+//! block collections), and the limits on the worker rows a configuration or a `select` scenario
+//! declares, written once for both.
 
-use std::io::Read;
 use std::path::Path;
 
+use serde::Deserializer;
+
 use super::error::{ConfigError, ConfigErrorKind};
+use super::numbers::de_uint;
+use crate::input::{self, InputError};
+
+/// Most data-parallel ranks one worker may declare (`workers[].dp_size` in a configuration,
+/// `workers[].dp_size` in a `select` scenario).
+pub const MAX_DP_SIZE: u64 = 65_536;
+
+/// Most rows (the sum of every worker's `dp_size`) a configuration's `workers:` or a scenario may
+/// declare: the routing core's own cap on a cluster, which materialises every eligible row per
+/// request.
+pub const MAX_ROWS: usize = crate::model::MAX_ROWS;
+
+/// A `dp_size`: an integer from 1 to [`MAX_DP_SIZE`]; null means absent.
+pub(crate) fn de_dp_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    let value = de_uint(d, 1, MAX_DP_SIZE)?;
+    // MAX_DP_SIZE fits in u32.
+    Ok(value.map(|v| u32::try_from(v).unwrap_or(u32::MAX)))
+}
 
 /// Largest configuration file [`RouterConfig::from_file`](super::RouterConfig::from_file) reads.
 pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 
+/// The configuration file's bytes: a regular file only (a FIFO would block, a device never end),
+/// at most [`MAX_CONFIG_BYTES`].
 pub(super) fn read_capped(path: &Path) -> Result<Vec<u8>, ConfigError> {
-    let read_error = |err| ConfigError::new(Some(path), ConfigErrorKind::Read(err));
-    let file = std::fs::File::open(path).map_err(read_error)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_CONFIG_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read_error)?;
-    if u64::try_from(bytes.len()).map_or(true, |len| len > MAX_CONFIG_BYTES) {
-        return Err(ConfigError::new(
-            Some(path),
-            ConfigErrorKind::TooLarge {
-                limit: MAX_CONFIG_BYTES,
-            },
-        ));
-    }
-    Ok(bytes)
+    input::read_capped(path, MAX_CONFIG_BYTES).map_err(|err| {
+        let kind = match err {
+            InputError::Io(err) => ConfigErrorKind::Read(err),
+            InputError::NotAFile { kind } => ConfigErrorKind::NotAFile { kind },
+            InputError::TooLarge { limit } => ConfigErrorKind::TooLarge { limit },
+        };
+        ConfigError::new(Some(path), kind)
+    })
 }
 
 /// Deepest nesting of flow collections (`[`, `{`)

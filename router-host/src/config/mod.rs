@@ -51,7 +51,8 @@ mod workers;
 pub use admission::PolicyClassConfig;
 pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
 pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
-pub use limits::{MAX_BLOCK_DEPTH, MAX_CONFIG_BYTES, MAX_FLOW_DEPTH};
+pub(crate) use limits::de_dp_size;
+pub use limits::{MAX_BLOCK_DEPTH, MAX_CONFIG_BYTES, MAX_DP_SIZE, MAX_FLOW_DEPTH, MAX_ROWS};
 pub use plugins::{PluginSource, PluginSpec};
 pub use serve::{
     HealthConfig, ServeConfig, ServeTimeouts, TokenizerConfig, DEFAULT_MAX_BODY_BYTES,
@@ -66,7 +67,7 @@ pub use sessions::{
     check_redis_url, redact_url, OnStoreUnavailable, RedisStoreConfig, SessionAffinityConfig,
     SessionStoreConfig,
 };
-pub use workers::{KvEventsConfig, WorkerConfig, MAX_DP_SIZE};
+pub use workers::{KvEventsConfig, WorkerConfig};
 // `booking.prefill` and `booking.decode` are the core's own modes; `default_selector.tie_break`
 // the built-in's.
 pub use crate::builtin::TieBreak;

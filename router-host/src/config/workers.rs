@@ -7,12 +7,10 @@ use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
 
 use super::error::{excerpt, ConfigError, ConfigErrorKind};
+use super::limits::MAX_ROWS;
 use super::locate::{key, Seg};
 use super::numbers::de_uint;
 use super::Builder;
-
-/// Most data-parallel ranks one worker may declare.
-pub const MAX_DP_SIZE: u64 = 65_536;
 
 /// One entry of `workers:`: an engine process with an OpenAI-compatible HTTP server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,8 +149,8 @@ pub(super) struct RawWorker {
     id: u64,
     #[serde(deserialize_with = "de_url")]
     url: String,
-    #[serde(default, deserialize_with = "de_dp_size")]
-    dp_size: Option<u64>,
+    #[serde(default, deserialize_with = "super::limits::de_dp_size")]
+    dp_size: Option<u32>,
     #[serde(default, deserialize_with = "de_positive")]
     max_num_batched_tokens: Option<u64>,
     #[serde(default, deserialize_with = "de_positive")]
@@ -167,10 +165,6 @@ fn de_worker_id<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     de_uint(d, 0, u64::MAX)?.ok_or_else(|| {
         de::Error::invalid_type(de::Unexpected::Unit, &"a worker id (an integer >= 0)")
     })
-}
-
-fn de_dp_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    de_uint(d, 1, MAX_DP_SIZE)
 }
 
 fn de_positive<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -233,6 +227,19 @@ impl Builder<'_> {
         raw: Vec<RawWorker>,
         router_block_size: u32,
     ) -> Result<Vec<WorkerConfig>, ConfigError> {
+        // The same cap `serve` meets when it builds the cluster, found by `check` as well.
+        let rows: u64 = raw.iter().map(|w| u64::from(w.dp_size.unwrap_or(1))).sum();
+        if rows > MAX_ROWS as u64 {
+            return Err(self.error(
+                &[key("workers")],
+                ConfigErrorKind::Yaml {
+                    message: format!(
+                        "{rows} rows in total (the sum of every dp_size), over the limit of \
+                         {MAX_ROWS}"
+                    ),
+                },
+            ));
+        }
         let mut first: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
         let mut workers = Vec::with_capacity(raw.len());
         for (index, worker) in raw.into_iter().enumerate() {
@@ -250,10 +257,7 @@ impl Builder<'_> {
                 ));
             }
             first.insert(worker.id, index);
-            let dp_size = worker
-                .dp_size
-                .and_then(|n| u32::try_from(n).ok())
-                .unwrap_or(1);
+            let dp_size = worker.dp_size.unwrap_or(1);
             let block_size = worker.block_size.unwrap_or(router_block_size);
             if block_size != router_block_size {
                 let message = format!(

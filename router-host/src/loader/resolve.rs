@@ -26,9 +26,8 @@ pub(super) fn not_found_hint(tried: &[PathBuf]) -> String {
 /// `path` is not a regular file: what it is instead, or why it cannot be looked at (a symlink
 /// loop, a file where a directory should be, no permission); `None` when nothing is there.
 pub(super) fn not_a_file(path: &Path) -> Option<LoadError> {
-    use std::os::unix::fs::FileTypeExt;
     let kind = match std::fs::metadata(path) {
-        Ok(meta) => meta.file_type(),
+        Ok(meta) => crate::input::kind_of(meta.file_type())?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => {
             return Some(LoadError::Unreadable {
@@ -36,19 +35,6 @@ pub(super) fn not_a_file(path: &Path) -> Option<LoadError> {
                 message: e.to_string(),
             })
         }
-    };
-    let kind = if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_char_device() {
-        "a character device"
-    } else if kind.is_block_device() {
-        "a block device"
-    } else if kind.is_socket() {
-        "a socket"
-    } else {
-        return None;
     };
     Some(LoadError::NotAFile {
         path: path.to_path_buf(),

@@ -24,6 +24,8 @@ pub const MAX_TIMESTAMP_MS: f64 = 1e12;
 /// Longest trace line read, in bytes (without its newline). A longer line is an error naming the
 /// file and line; the reader never holds more than this much of one line.
 pub const MAX_TRACE_LINE_BYTES: usize = 1 << 20;
+/// Largest trace file read, in bytes: the workload is held in memory, about as large as the file.
+pub const MAX_TRACE_BYTES: u64 = 1 << 30;
 /// Largest accepted `output_length`.
 pub const MAX_OUTPUT_LENGTH: u64 = 1_000_000_000;
 
@@ -140,17 +142,36 @@ impl Workload {
         Ok(())
     }
 
-    /// Read a Mooncake-format JSONL file.
+    /// Read a Mooncake-format JSONL file: a regular file (a FIFO would block, a device never
+    /// end) of at most [`MAX_TRACE_BYTES`].
     pub fn from_jsonl_file(path: &Path, block_size: u32) -> Result<Workload, TraceError> {
+        use crate::input::InputError;
         let name = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|e| TraceError {
+        let refused = |message: String| TraceError {
             file: name.clone(),
             line: None,
             field: None,
-            message: format!("cannot read: {e}"),
+            message,
+        };
+        let file = crate::input::open_regular(path).map_err(|err| match err {
+            InputError::Io(e) => refused(format!("cannot read: {e}")),
+            other => refused(format!("{other}; give the JSONL file itself")),
         })?;
+        let too_large = || {
+            refused(format!(
+                "larger than {MAX_TRACE_BYTES} bytes (1 GiB), the limit on a trace file"
+            ))
+        };
+        if file.metadata().map_or(0, |m| m.len()) > MAX_TRACE_BYTES {
+            return Err(too_large());
+        }
+        // A file that grows while it is read is still read no further than the limit.
+        let mut limited = file.take(MAX_TRACE_BYTES + 1);
         let mut workload =
-            Self::from_jsonl_reader(std::io::BufReader::new(file), &name, block_size)?;
+            Self::from_jsonl_reader(std::io::BufReader::new(&mut limited), &name, block_size)?;
+        if limited.limit() == 0 {
+            return Err(too_large());
+        }
         workload.source = format!("trace {name}");
         Ok(workload)
     }
@@ -314,8 +335,10 @@ impl fmt::Display for TraceError {
 
 impl std::error::Error for TraceError {}
 
-/// The fast path: the well-formed line.
+/// The fast path: the well-formed line (an object only: an array of the fields in order goes to
+/// the slow path, which refuses it).
 #[derive(Deserialize)]
+#[serde(remote = "Self")]
 struct Line {
     timestamp: f64,
     input_length: u64,
@@ -324,6 +347,8 @@ struct Line {
     #[serde(default)]
     session_id: Option<serde_json::Value>,
 }
+
+crate::input::objects_only!(Line);
 
 type LineError = (Option<&'static str>, String);
 

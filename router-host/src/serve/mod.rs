@@ -317,7 +317,7 @@ impl Server {
         let addr = options.listen.unwrap_or(generation.serve.listen);
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .map_err(|source| ServeError::Bind { addr, source })?;
+            .map_err(|cause| ServeError::Bind { addr, cause })?;
         let addr = listener.local_addr()?;
         let health = Arc::new(HealthTable::default());
         health.sync(&generation.upstreams);

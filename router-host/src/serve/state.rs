@@ -177,7 +177,7 @@ impl Generation {
         let search = SearchPath::new(options.plugin_dirs.clone(), Some(&file));
         let router = Router::from_config(&config, &search).map_err(|err| ServeError::Startup {
             file: file.clone(),
-            source: Box::new(err),
+            cause: Box::new(err),
         })?;
         // The session store is connected here (off the request path): bounded by its timeout.
         let host = match previous {
@@ -186,7 +186,7 @@ impl Generation {
         }
         .map_err(|err| ServeError::SessionStore {
             file: file.clone(),
-            source: err,
+            cause: err,
         })?;
         Ok(Generation {
             number,

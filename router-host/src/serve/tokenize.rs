@@ -242,6 +242,10 @@ impl std::fmt::Debug for LocalTokenizer {
 
 const TEMPLATE: &str = "chat";
 
+/// Largest `tokenizer.json` or `tokenizer_config.json` read (the largest published ones are
+/// tens of MB).
+pub const MAX_TOKENIZER_FILE_BYTES: u64 = 128 << 20;
+
 /// The bytes of a tokenizer directory's files.
 struct TokenizerFiles {
     tokenizer_path: PathBuf,
@@ -252,14 +256,17 @@ struct TokenizerFiles {
 }
 
 impl TokenizerFiles {
+    /// Both files, each a regular file (a FIFO would block startup or a reload, a device never
+    /// end) of at most [`MAX_TOKENIZER_FILE_BYTES`].
     fn read(dir: &Path) -> Result<TokenizerFiles, String> {
+        use crate::input::{read_capped, InputError};
         let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = std::fs::read(&tokenizer_path)
+        let tokenizer = read_capped(&tokenizer_path, MAX_TOKENIZER_FILE_BYTES)
             .map_err(|err| format!("cannot load {}: {err}", tokenizer_path.display()))?;
         let config_path = dir.join("tokenizer_config.json");
-        let config = match std::fs::read(&config_path) {
+        let config = match read_capped(&config_path, MAX_TOKENIZER_FILE_BYTES) {
             Ok(bytes) => Some(bytes),
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
+            Err(InputError::Io(err)) if err.kind() == std::io::ErrorKind::NotFound => None,
             Err(err) => return Err(format!("cannot read {}: {err}", config_path.display())),
         };
         Ok(TokenizerFiles {

@@ -76,8 +76,10 @@ const ID_TAG_SHIFT: u32 = 63 - ID_TAG_BITS;
 pub enum RouteError {
     #[error(transparent)]
     Select(#[from] SelectError),
+    // The cause is in the message and not a `source()` (no `#[from]`): printed with its chain
+    // it would otherwise say it twice.
     #[error("session: {0}")]
-    Session(#[from] SessionError),
+    Session(SessionError),
     #[error("unknown policy class `{name}`; defined classes: {}", if .defined.is_empty() { "none".to_string() } else { .defined.join(", ") })]
     UnknownClass { name: String, defined: Vec<String> },
     #[error("request id {0} is already in flight")]
@@ -98,6 +100,12 @@ pub enum RouteError {
     Cancelled,
     #[error("the queued request was still being re-evaluated {stall_ms} ms after its wait ended (a policy call hung); it was given up, and whatever it gets is released")]
     EvaluationStalled { stall_ms: u64 },
+}
+
+impl From<SessionError> for RouteError {
+    fn from(err: SessionError) -> Self {
+        RouteError::Session(err)
+    }
 }
 
 impl From<EligibilityError> for RouteError {
