@@ -62,6 +62,8 @@ async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bod
     }
 }
 
+static BODY_TIMEOUT_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
+
 /// Read the body, refusing one over `limit` bytes with 413. A body a little over the limit is
 /// read to its end first (so the client, still sending, gets the answer rather than a reset);
 /// one far over it is cut off.
@@ -429,7 +431,9 @@ async fn send(
             status: StatusCode::GATEWAY_TIMEOUT,
         }),
         Ok(Err(err)) => Err(UpstreamFailure {
-            kind: if err.is_connect() {
+            kind: if err.is_local() {
+                LOCAL_FAILURE
+            } else if err.is_connect() {
                 "connect"
             } else {
                 "request"
@@ -440,6 +444,11 @@ async fn send(
         Ok(Ok(response)) => Ok(response),
     }
 }
+
+/// The kind of an [`UpstreamFailure`] that is the router's own (descriptors, ports, memory).
+const LOCAL_FAILURE: &str = "local";
+
+static LOCAL_RESOURCE_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
 
 /// Statuses that mean "this engine cannot take it now": retried on another row.
 fn retryable_status(status: StatusCode) -> bool {
@@ -504,7 +513,24 @@ async fn proxy(
     received: Instant,
 ) -> Result<Response, ApiError> {
     let serve = &generation.serve;
-    let bytes = read_body(headers, body, serve.max_body_bytes).await?;
+    let body_read = serve.timeouts.body_read;
+    let bytes =
+        match tokio::time::timeout(body_read, read_body(headers, body, serve.max_body_bytes)).await
+        {
+            Ok(read) => read?,
+            Err(_elapsed) => {
+                app.metrics.client_timeout("body");
+                if let Some(left_out) = BODY_TIMEOUT_LOG.check() {
+                    tracing::warn!(
+                        body_read_ms = body_read.as_millis() as u64,
+                        similar_lines_left_out = left_out,
+                        "client request body too slow; answered 408 and closed \
+                     (serve.timeouts.body_read_ms)"
+                    );
+                }
+                return Err(ApiError::body_timeout(body_read));
+            }
+        };
     let parsed = request::parse(endpoint, &bytes)?;
     let session = request::session_id(headers, &parsed.body, serve)?;
 
@@ -651,6 +677,27 @@ async fn proxy(
                 excluded.push(row.worker_id);
             }
             Ok(response) => return Ok(respond(generation, response, flight)),
+            // The router's own descriptors or ports ran out: the engine is not at fault, and
+            // another row would fail the same way.
+            Err(failure) if failure.kind == LOCAL_FAILURE => {
+                app.metrics.local_resource_error("upstream_connect");
+                if let Some(left_out) = LOCAL_RESOURCE_LOG.check() {
+                    tracing::error!(
+                        worker = row.worker_id,
+                        error = %failure.message,
+                        similar_lines_left_out = left_out,
+                        "cannot connect to the engine: the router ran out of file descriptors, \
+                         local ports or memory; the engine is not marked unhealthy \
+                         (router_local_resource_errors_total)"
+                    );
+                }
+                flight.finish(CompletionCode::CANCELLED, "unavailable");
+                return Err(ApiError::local_resources(format!(
+                    "the router is out of local resources (file descriptors, ports or memory) \
+                     and cannot reach an engine now; retry later: {}",
+                    failure.message
+                )));
+            }
             Err(failure) => {
                 app.metrics.upstream_error(row.worker_id, failure.kind);
                 if failure.kind == "connect" {
