@@ -153,9 +153,17 @@ async fn tokens_for(
         return Ok(None);
     };
     let timeout = generation.serve.timeouts.tokenize;
-    match tokenize::remote_all(&generation.client, &upstream.base, parsed, timeout).await {
+    let target = tokenize::TokenizeTarget {
+        client: &generation.client,
+        base: &upstream.base,
+        worker: upstream.id,
+        metrics: Some(&app.metrics),
+        answer_limit: super::state::tokenize_answer_limit(generation.serve.max_body_bytes),
+        turns: Some(&upstream.tokenize_turns),
+    };
+    match tokenize::remote_all(&target, parsed, timeout).await {
         Ok(tokens) => Ok(Some(tokens)),
-        Err(TokenizeError::Invalid(message)) => Err(TokenizeError::Invalid(message).into_api()),
+        Err(err @ (TokenizeError::Invalid(_) | TokenizeError::TooLarge(_))) => Err(err.into_api()),
         Err(TokenizeError::Unavailable(message)) => {
             app.metrics.tokenize_fallbacks.inc();
             tracing::warn!(
@@ -772,26 +780,33 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
         }
         let url = format!("{}/v1/models", upstream.base);
         let timeout = generation.serve.timeouts.tokenize;
-        let answer = async {
-            let response = generation.client.get(&url).timeout(timeout).send().await?;
-            let status = response.status();
-            let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
-            let body = response.bytes().await?;
-            Ok::<_, reqwest::Error>((status, content_type, body))
-        };
-        match answer.await {
-            Ok((status, content_type, body)) if status.is_success() => {
+        let request = generation.client.get(&url).timeout(timeout);
+        let answer = super::state::call_engine(
+            Some(&app.metrics),
+            upstream.id,
+            "models",
+            request,
+            super::state::MODELS_ANSWER_LIMIT,
+        )
+        .await;
+        match answer {
+            Ok(answer) if answer.status.is_success() => {
                 app.metrics.request(label, "completed");
-                let mut response = Response::new(Body::from(body));
-                if let Some(content_type) = content_type {
+                let mut response = Response::new(Body::from(answer.body));
+                if let Some(content_type) = answer.content_type {
                     response
                         .headers_mut()
                         .insert(header::CONTENT_TYPE, content_type);
                 }
                 return response;
             }
-            Ok((status, _, _)) => last_error = format!("GET {url}: {status}"),
-            Err(err) => last_error = format!("GET {url}: {}", error_chain(&err)),
+            Ok(answer) => last_error = format!("GET {url}: {}", answer.status),
+            Err(err) => {
+                if err.is_local() {
+                    app.metrics.local_resource_error("models");
+                }
+                last_error = format!("GET {url}: {err}");
+            }
         }
     }
     let err = ApiError::unavailable(
