@@ -391,6 +391,54 @@ async fn a_413_from_tokenize_is_a_clean_413() {
     router.stop().await;
 }
 
+/// An engine that dies mid-stream: the client gets the events that came, then an OpenAI-style
+/// error event and `[DONE]`, and the stream ends cleanly; counted and logged.
+#[tokio::test]
+async fn a_stream_cut_by_the_engine_ends_with_an_error_event() {
+    let engine = start(Behaviour {
+        cut_streams: true,
+        ..Behaviour::default()
+    })
+    .await;
+    let router = Router::start("hostile_cut_stream", &workers(&[engine])).await;
+    let http = client();
+    let response = post_json(
+        &http,
+        &router.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": [1, 2, 3], "stream": true}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let text = String::from_utf8(
+        response
+            .bytes()
+            .await
+            .expect("the stream ends cleanly")
+            .to_vec(),
+    )
+    .expect("utf-8");
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 4, "{text}");
+    assert!(events[1].contains(" two"), "{text}");
+    let error: serde_json::Value =
+        serde_json::from_str(events[2].strip_prefix("data: ").expect("data")).expect("json");
+    assert_eq!(error["error"]["type"], "upstream_error", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("upstream body"),
+        "{error}"
+    );
+    assert_eq!(events[3], "data: [DONE]");
+    assert_eq!(
+        router.metric("router_stream_error_events_total{reason=\"body\"}"),
+        1.0
+    );
+    assert_eq!(router.in_flight(), (0, 0));
+    router.stop().await;
+}
+
 /// An engine whose `/v1/models` never ends: the relay stops at the limit and says why.
 #[tokio::test]
 async fn an_endless_models_answer_is_cut_at_the_limit() {

@@ -746,11 +746,17 @@ fn respond(generation: &Generation, response: UpstreamResponse, flight: Flight) 
         decision_headers(&mut headers, &flight.info, generation.number);
     }
     let ok = status.is_success();
+    let sse = response
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let relay = Relay::new(
         response.body,
         flight,
         generation.serve.timeouts.stream_idle,
         ok,
+        sse,
     );
     let mut out = Response::new(Body::from_stream(relay));
     *out.status_mut() = status;
