@@ -13,7 +13,9 @@
 //! error bodies), `state.rs` (generations), `upstream.rs` (the client that sends completions to
 //! engines, on connections the request's own task drives), `coalesce.rs` (the relayed body's
 //! ready chunks joined into one write), `offload.rs` (which calls run on the async worker and which under
-//! `block_in_place`), and this file (the server, reload, shutdown).
+//! `block_in_place`), `accept.rs` (client connections: the cap, shedding, header timeouts),
+//! `log_limit.rs` (log lines that can repeat, at most one per interval), and this file (the
+//! server, reload, shutdown).
 
 pub mod accept;
 pub mod coalesce;
