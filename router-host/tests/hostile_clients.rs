@@ -104,11 +104,18 @@ async fn running_out_of_descriptors_is_never_blamed_on_the_engine() {
     const LIMIT: usize = 200;
     let e1 = Engine::start(1).await;
     let yaml = format!(
-        "block_size: 16\n{}serve:\n  max_connections: 100000\n  retries: 0\n  timeouts: {{header_read_ms: 20000}}\n  health: {{interval_ms: 60000}}\n",
+        "block_size: 16\n{}serve:\n  max_connections: 100000\n  retries: 0\n  timeouts: {{header_read_ms: 20000}}\n  health: {{interval_ms: 60000, scrape_load: false}}\n",
         workers_yaml(&[&e1])
     );
+    let engine = e1.state.clone();
     let outcome = tokio::task::spawn_blocking(move || {
         let serve = ServeChild::start("hostile_fd_limit", &yaml, Some(LIMIT as u64));
+        // The probe rounds at start (bind, then run) are over: no probe opens a descriptor
+        // while the table is being filled (the next is a minute away).
+        child::poll(Duration::from_secs(10), || {
+            (engine.seen.health.load(std::sync::atomic::Ordering::SeqCst) >= 2).then_some(())
+        })
+        .expect("the first probes");
         // Fill the descriptor table up to one free slot, one connection at a time (descriptors
         // inherited above the limit, such as cargo's jobserver pipe, take no slot).
         let mut held = Vec::new();
