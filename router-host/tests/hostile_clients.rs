@@ -186,6 +186,14 @@ async fn running_out_of_descriptors_is_never_blamed_on_the_engine() {
         0.0,
         "{metrics}"
     );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "router_requests_total{endpoint=\"completions\",outcome=\"unavailable\"}"
+        ),
+        1.0,
+        "counted once\n{metrics}"
+    );
     assert!(
         metric_value(
             &metrics,

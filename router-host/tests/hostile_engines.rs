@@ -519,3 +519,34 @@ async fn a_tokenize_burst_leaves_at_most_the_idle_cap_open() {
     );
     router.stop().await;
 }
+
+/// An engine that sends no response head in time, with no retry left: the client's `504` is
+/// counted once in `router_requests_total` (the release of its booking and the refusal were
+/// both counted).
+#[tokio::test]
+async fn a_failed_request_is_counted_once() {
+    let engine = common::engine::Engine::start(1).await;
+    engine
+        .state
+        .controls
+        .head_delay_ms
+        .store(3_000, Ordering::SeqCst);
+    let yaml = format!(
+        "block_size: 16\n{}serve:\n  retries: 0\n  timeouts: {{response_ms: 200}}\n",
+        common::engine::workers_yaml(&[&engine])
+    );
+    let router = Router::start("hostile_counted_once", &yaml).await;
+    let response = post_json(
+        &client(),
+        &router.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": [1, 2, 3]}),
+    )
+    .await;
+    assert_eq!(response.status(), 504);
+    assert_eq!(
+        router.metric("router_requests_total{endpoint=\"completions\",outcome=\"failed\"}"),
+        1.0
+    );
+    assert_eq!(router.in_flight(), (0, 0));
+    router.stop().await;
+}

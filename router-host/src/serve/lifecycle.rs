@@ -109,6 +109,13 @@ impl Flight {
         self.end(CompletionCode::FAILED, "failed");
     }
 
+    /// Release the booking as `code` without counting or logging the request: the caller
+    /// answers it with an error, which the handler counts and logs.
+    pub fn release_uncounted(mut self, code: CompletionCode) {
+        self.final_attempt = false;
+        self.end(code, "");
+    }
+
     /// The request ended with `code`; `outcome` is its metrics label.
     pub fn finish(mut self, code: CompletionCode, outcome: &'static str) {
         self.end(code, outcome);

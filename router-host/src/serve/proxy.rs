@@ -661,7 +661,7 @@ async fn proxy(
             received,
         );
         let Some(upstream) = generation.upstream(row.worker_id) else {
-            flight.finish(CompletionCode::FAILED, "error");
+            flight.release_uncounted(CompletionCode::FAILED);
             return Err(ApiError::internal(format!(
                 "worker {} has no upstream URL",
                 row.worker_id
@@ -699,7 +699,8 @@ async fn proxy(
                          (router_local_resource_errors_total)"
                     );
                 }
-                flight.finish(CompletionCode::CANCELLED, "unavailable");
+                // Counted and logged once, by `handle`, as the 503 it answers.
+                flight.release_uncounted(CompletionCode::CANCELLED);
                 return Err(ApiError::local_resources(format!(
                     "the router is out of local resources (file descriptors, ports or memory) \
                      and cannot reach an engine now; retry later: {}",
@@ -719,7 +720,7 @@ async fn proxy(
                 }
                 if last {
                     tracing::warn!(worker = row.worker_id, error = %failure.message, "upstream failed");
-                    flight.finish(CompletionCode::FAILED, "failed");
+                    flight.release_uncounted(CompletionCode::FAILED);
                     return Err(ApiError::upstream(failure.status, failure.message));
                 }
                 app.metrics.retries.inc();
