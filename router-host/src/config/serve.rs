@@ -29,6 +29,8 @@ pub const DEFAULT_RETRIES: u32 = 1;
 pub const MAX_RETRIES: u64 = 16;
 /// Longest accepted timeout or interval: one day.
 pub const MAX_TIMEOUT_MS: u64 = 86_400_000;
+/// Largest accepted `serve.max_connections`.
+pub const MAX_MAX_CONNECTIONS: u64 = 16 * 1024 * 1024;
 
 /// `serve:` settings, with their defaults filled in.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +60,9 @@ pub struct ServeConfig {
     pub max_prompt_tokens: Option<u64>,
     /// How many more rows a request that failed before its first upstream byte is tried on.
     pub retries: u32,
+    /// Client connections open at once; more are shed at accept. `None`: derived from the
+    /// process's open-files limit (`serve::accept::default_max_connections`).
+    pub max_connections: Option<u64>,
     pub timeouts: ServeTimeouts,
     pub health: HealthConfig,
 }
@@ -84,6 +89,7 @@ impl Default for ServeConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_prompt_tokens: None,
             retries: DEFAULT_RETRIES,
+            max_connections: None,
             timeouts: ServeTimeouts::default(),
             health: HealthConfig::default(),
         }
@@ -106,6 +112,12 @@ pub const DEFAULT_TOKENIZER_CACHE_MIB: u64 = 64;
 /// The largest `serve.tokenizer.cache_mib`.
 pub const MAX_TOKENIZER_CACHE_MIB: u64 = 64 * 1024;
 
+/// Default `serve.timeouts.header_read_ms`: hyper's own default, and longer than the idle
+/// time after which common HTTP clients stop reusing a pooled connection.
+pub const DEFAULT_HEADER_READ_MS: u64 = 30_000;
+/// Default `serve.timeouts.body_read_ms`: the default 8 MiB body at about 1 Mbit/s.
+pub const DEFAULT_BODY_READ_MS: u64 = 60_000;
+
 /// `serve.timeouts`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServeTimeouts {
@@ -121,6 +133,12 @@ pub struct ServeTimeouts {
     pub queue: Duration,
     /// Graceful shutdown: how long in-flight requests may take to finish.
     pub shutdown: Duration,
+    /// A client's request head (line and headers) must arrive within this, counted from its
+    /// first byte or, on a kept-alive connection, from the end of the previous response (so it
+    /// is also how long an idle client connection is kept).
+    pub header_read: Duration,
+    /// A client's whole request body must arrive within this, counted from its head.
+    pub body_read: Duration,
 }
 
 impl Default for ServeTimeouts {
@@ -132,6 +150,8 @@ impl Default for ServeTimeouts {
             tokenize: Duration::from_millis(10_000),
             queue: Duration::from_millis(30_000),
             shutdown: Duration::from_millis(30_000),
+            header_read: Duration::from_millis(DEFAULT_HEADER_READ_MS),
+            body_read: Duration::from_millis(DEFAULT_BODY_READ_MS),
         }
     }
 }
@@ -183,6 +203,8 @@ pub(super) struct RawServe {
     max_prompt_tokens: Option<u64>,
     #[serde(default, deserialize_with = "de_retries")]
     retries: Option<u64>,
+    #[serde(default, deserialize_with = "de_max_connections")]
+    max_connections: Option<u64>,
     #[serde(default)]
     timeouts: Option<RawTimeouts>,
     #[serde(default)]
@@ -204,6 +226,10 @@ struct RawTimeouts {
     queue_ms: Option<u64>,
     #[serde(default, deserialize_with = "de_ms")]
     shutdown_ms: Option<u64>,
+    #[serde(default, deserialize_with = "de_ms")]
+    header_read_ms: Option<u64>,
+    #[serde(default, deserialize_with = "de_ms")]
+    body_read_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -249,6 +275,10 @@ fn de_positive<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error>
 
 fn de_body_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 1, MAX_MAX_BODY_BYTES)
+}
+
+fn de_max_connections<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, MAX_MAX_CONNECTIONS)
 }
 
 fn de_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
@@ -445,6 +475,8 @@ impl Builder<'_> {
                     tokenize: ms(t.tokenize_ms, d.tokenize),
                     queue: ms(t.queue_ms, d.queue),
                     shutdown: ms(t.shutdown_ms, d.shutdown),
+                    header_read: ms(t.header_read_ms, d.header_read),
+                    body_read: ms(t.body_read_ms, d.body_read),
                 }
             }
         };
@@ -494,6 +526,7 @@ impl Builder<'_> {
                 .retries
                 .and_then(|n| u32::try_from(n).ok())
                 .unwrap_or(defaults.retries),
+            max_connections: raw.max_connections,
             timeouts,
             health,
         })
@@ -540,7 +573,8 @@ serve:
   max_body_bytes: 1024
   max_prompt_tokens: 100
   retries: 0
-  timeouts: {connect_ms: 1, response_ms: 2, stream_idle_ms: 3, tokenize_ms: 4, queue_ms: 5, shutdown_ms: 6}
+  max_connections: 500
+  timeouts: {connect_ms: 1, response_ms: 2, stream_idle_ms: 3, tokenize_ms: 4, queue_ms: 5, shutdown_ms: 6, header_read_ms: 9, body_read_ms: 10}
   health: {interval_ms: 7, timeout_ms: 8, scrape_load: false}
 ",
         );
@@ -579,6 +613,9 @@ serve:
         );
         assert_eq!(s.timeouts.connect, Duration::from_millis(1));
         assert_eq!(s.timeouts.shutdown, Duration::from_millis(6));
+        assert_eq!(s.timeouts.header_read, Duration::from_millis(9));
+        assert_eq!(s.timeouts.body_read, Duration::from_millis(10));
+        assert_eq!(s.max_connections, Some(500));
         assert_eq!(s.health.timeout, Duration::from_millis(8));
         assert!(!s.health.scrape_load);
     }
@@ -654,6 +691,10 @@ serve:
             (
                 "serve:\n  health: {interval: 5}\n",
                 "serve.health: unknown field `interval`, expected one of `interval_ms`, `timeout_ms`, `scrape_load`",
+            ),
+            (
+                "serve:\n  max_connections: 0\n",
+                "serve.max_connections: invalid value: integer `0` is out of range",
             ),
             ("serve:\n  bogus: 1\n", "serve: unknown field `bogus`"),
         ] {

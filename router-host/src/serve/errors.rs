@@ -83,6 +83,37 @@ impl std::fmt::Display for Chain<'_> {
     }
 }
 
+/// OS errors that say the router itself ran out (descriptors, local ports, buffers, memory),
+/// not that the engine at the other end failed.
+const LOCAL_RESOURCE_ERRNOS: [i32; 5] = [
+    libc::EMFILE,
+    libc::ENFILE,
+    libc::ENOBUFS,
+    libc::ENOMEM,
+    libc::EADDRNOTAVAIL,
+];
+
+/// Whether `err` is one of the router's own resources running out.
+pub fn is_local_resource_io(err: &std::io::Error) -> bool {
+    err.raw_os_error()
+        .is_some_and(|code| LOCAL_RESOURCE_ERRNOS.contains(&code))
+}
+
+/// Whether `err`, or an error in its source chain, is one of the router's own resources
+/// running out (an engine must not be blamed for it).
+pub fn is_local_resource(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(is_local_resource_io)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
 /// The `type` of an OpenAI-style error body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -151,6 +182,25 @@ impl ApiError {
             code: "body_too_large",
             retry_after: None,
         }
+    }
+
+    /// The client did not send its whole body within `serve.timeouts.body_read_ms`.
+    pub fn body_timeout(limit: Duration) -> Self {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            ..ApiError::bad_request(
+                "body_read_timeout",
+                format!(
+                    "the request body did not arrive within {} ms (serve.timeouts.body_read_ms)",
+                    limit.as_millis()
+                ),
+            )
+        }
+    }
+
+    /// The router ran out of its own descriptors, ports or memory: not the engine's fault.
+    pub fn local_resources(message: impl Into<String>) -> Self {
+        ApiError::unavailable("local_resources_exhausted", message)
     }
 
     pub fn unsupported_media(message: impl Into<String>) -> Self {
@@ -322,5 +372,26 @@ mod tests {
         let route = RouteError::from(crate::sessions::SessionError::EmptySessionId);
         says_each_context_once(&route);
         assert_eq!(Chain(&route).to_string(), "session: session id is empty");
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("wrapped")]
+    struct Wrapped(#[source] std::io::Error);
+
+    #[test]
+    fn local_resource_errors_are_found_in_the_chain() {
+        for code in [
+            libc::EMFILE,
+            libc::ENFILE,
+            libc::ENOBUFS,
+            libc::EADDRNOTAVAIL,
+        ] {
+            let err = Wrapped(std::io::Error::from_raw_os_error(code));
+            assert!(is_local_resource(&err), "{code}");
+        }
+        for code in [libc::ECONNREFUSED, libc::ECONNRESET, libc::EHOSTUNREACH] {
+            let err = Wrapped(std::io::Error::from_raw_os_error(code));
+            assert!(!is_local_resource(&err), "{code}");
+        }
     }
 }

@@ -17,7 +17,9 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use super::state::{Generation, Upstream};
+use super::state::{
+    call_engine, AnswerError, Generation, Upstream, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT,
+};
 use super::App;
 use crate::model::RowId;
 
@@ -287,40 +289,97 @@ fn block_size_error(
     ))
 }
 
-async fn probe(client: &reqwest::Client, base: &str, timeout: Duration) -> Result<(), String> {
-    let url = format!("{base}/health");
-    match client.get(&url).timeout(timeout).send().await {
-        Ok(response) if response.status().is_success() => Ok(()),
-        Ok(response) => Err(format!("GET {url}: {}", response.status())),
-        Err(err) => Err(format!("GET {url}: {}", super::proxy::error_chain(&err))),
+/// How a probe of one engine ended.
+enum Probe {
+    Healthy,
+    Unhealthy(String),
+    /// The router's own descriptors, ports or memory ran out: says nothing of the engine.
+    Local(String),
+}
+
+async fn probe(app: &App, client: &reqwest::Client, u: &Upstream, timeout: Duration) -> Probe {
+    let url = format!("{}/health", u.base);
+    let request = client.get(&url).timeout(timeout);
+    match call_engine(
+        Some(&app.metrics),
+        u.id,
+        "health",
+        request,
+        HEALTH_ANSWER_LIMIT,
+    )
+    .await
+    {
+        Ok(answer) if answer.status.is_success() => Probe::Healthy,
+        Ok(answer) => Probe::Unhealthy(format!("GET {url}: {}", answer.status)),
+        Err(err) if err.is_local() => Probe::Local(format!("GET {url}: {err}")),
+        Err(AnswerError::Send { message, .. }) => Probe::Unhealthy(format!("GET {url}: {message}")),
+        Err(err) => Probe::Unhealthy(format!("GET {url}: {err}")),
     }
 }
 
-async fn scrape(client: &reqwest::Client, base: &str, timeout: Duration) -> Option<String> {
-    let response = client
-        .get(format!("{base}/metrics"))
-        .timeout(timeout)
-        .send()
-        .await
-        .ok()?;
-    if !response.status().is_success() {
+async fn scrape(
+    app: &App,
+    client: &reqwest::Client,
+    u: &Upstream,
+    timeout: Duration,
+) -> Option<String> {
+    let request = client.get(format!("{}/metrics", u.base)).timeout(timeout);
+    let answer = match call_engine(
+        Some(&app.metrics),
+        u.id,
+        "metrics",
+        request,
+        METRICS_ANSWER_LIMIT,
+    )
+    .await
+    {
+        Ok(answer) => answer,
+        Err(err) => {
+            if err.is_local() {
+                app.metrics.local_resource_error("probe");
+            }
+            return None;
+        }
+    };
+    if !answer.status.is_success() {
         return None;
     }
-    response.text().await.ok()
+    Some(String::from_utf8_lossy(&answer.body).into_owned())
 }
+
+static LOCAL_PROBE_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
 
 /// Probe every engine of `generation` once, concurrently.
 pub async fn probe_round(app: &App, generation: &Generation) {
     let health = generation.serve.health;
     let probes = generation.upstreams.iter().map(|u| async move {
-        let result = probe(&generation.client, &u.base, health.timeout).await;
+        let result = probe(app, &generation.client, u, health.timeout).await;
         let load = match (&result, health.scrape_load) {
-            (Ok(()), true) => scrape(&generation.client, &u.base, health.timeout).await,
+            (Probe::Healthy, true) => scrape(app, &generation.client, u, health.timeout).await,
             _ => None,
         };
         (u, result, load)
     });
-    for (u, mut result, load) in futures_util::future::join_all(probes).await {
+    for (u, result, load) in futures_util::future::join_all(probes).await {
+        let mut result = match result {
+            Probe::Healthy => Ok(()),
+            Probe::Unhealthy(err) => Err(err),
+            Probe::Local(err) => {
+                // The engine keeps the state it had; its load is unknown until the next probe.
+                app.metrics.local_resource_error("probe");
+                if let Some(left_out) = LOCAL_PROBE_LOG.check() {
+                    tracing::error!(
+                        worker = u.id,
+                        error = %err,
+                        similar_lines_left_out = left_out,
+                        "cannot probe the engine: the router ran out of file descriptors, \
+                         local ports or memory; its health is left as it was \
+                         (router_local_resource_errors_total)"
+                    );
+                }
+                continue;
+            }
+        };
         let core = generation.host.core();
         match load {
             Some(text) => {

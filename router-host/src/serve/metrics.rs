@@ -70,6 +70,26 @@ pub struct ConnectionLabels {
     pub connection: &'static str,
 }
 
+/// A metric with one `reason` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+/// `router_engine_answers_rejected_total`'s labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineAnswerLabels {
+    pub worker: String,
+    pub endpoint: &'static str,
+    pub reason: &'static str,
+}
+
+/// `router_local_resource_errors_total`'s label: what the router was doing.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabels {
+    pub op: &'static str,
+}
+
 /// A KV-event metric of one row, with a kind or reason.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KvKindLabels {
@@ -205,6 +225,18 @@ pub struct Metrics {
     /// Reloads loading their configuration now (one that stays up has hung: a plugin's `create`).
     pub reloads_loading: Gauge,
     pub kv: KvMetrics,
+    /// Client connections open now (`accept.rs`).
+    pub client_connections_open: Gauge,
+    /// Client connections closed at accept, by reason: `over_limit`, `fd_limit`.
+    pub client_connections_shed: Family<ReasonLabels, Counter>,
+    /// Client connections closed for being too slow, by reason: `header`, `body`.
+    pub client_timeouts: Family<ReasonLabels, Counter>,
+    /// Engine answers dropped, by worker, endpoint and reason: `too_large`, `redirect`.
+    pub engine_answers_rejected: Family<EngineAnswerLabels, Counter>,
+    /// The router's own descriptors, ports or memory ran out, by what it was doing.
+    pub local_resource_errors: Family<OpLabels, Counter>,
+    /// Streamed responses ended with an error event after the engine failed mid-stream.
+    pub stream_error_events: Family<ReasonLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -312,6 +344,53 @@ impl Metrics {
         );
         let kv = KvMetrics::default();
         kv.register(&mut registry);
+        let client_connections_open = Gauge::default();
+        registry.register(
+            "router_client_connections_open",
+            "Client connections open now (at most serve.max_connections)",
+            client_connections_open.clone(),
+        );
+        let client_connections_shed = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "router_client_connections_shed",
+            "Client connections closed at accept, by reason (over_limit: serve.max_connections \
+             reached; fd_limit: the process ran out of file descriptors)",
+            client_connections_shed.clone(),
+        );
+        let client_timeouts = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "router_client_timeouts",
+            "Client connections or requests ended for being too slow, by reason (header: \
+             serve.timeouts.header_read_ms; body: serve.timeouts.body_read_ms)",
+            client_timeouts.clone(),
+        );
+        for reason in ["over_limit", "fd_limit"] {
+            let _ = client_connections_shed.get_or_create(&ReasonLabels { reason });
+        }
+        for reason in ["header", "body"] {
+            let _ = client_timeouts.get_or_create(&ReasonLabels { reason });
+        }
+        let engine_answers_rejected = Family::<EngineAnswerLabels, Counter>::default();
+        registry.register(
+            "router_engine_answers_rejected",
+            "Engine answers to the router's own calls dropped unread, by worker, endpoint \
+             (health, metrics, tokenize, models) and reason (too_large, redirect)",
+            engine_answers_rejected.clone(),
+        );
+        let local_resource_errors = Family::<OpLabels, Counter>::default();
+        registry.register(
+            "router_local_resource_errors",
+            "The router's own file descriptors, ports or memory ran out, by what it was doing \
+             (upstream_connect, probe, tokenize, models); never counted against an engine",
+            local_resource_errors.clone(),
+        );
+        let stream_error_events = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "router_stream_error_events",
+            "Streamed responses ended with an SSE error event because the engine failed \
+             mid-stream, by reason (body: its body broke off; idle: stream_idle_ms passed)",
+            stream_error_events.clone(),
+        );
         registry.register_collector(Box::new(StateCollector { current, health }));
         Metrics {
             registry,
@@ -329,7 +408,46 @@ impl Metrics {
             reloads,
             reloads_loading,
             kv,
+            client_connections_open,
+            client_connections_shed,
+            client_timeouts,
+            engine_answers_rejected,
+            local_resource_errors,
+            stream_error_events,
         }
+    }
+
+    pub fn connection_shed(&self, reason: &'static str) {
+        self.client_connections_shed
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    pub fn client_timeout(&self, reason: &'static str) {
+        self.client_timeouts
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    pub fn engine_answer_rejected(
+        &self,
+        worker: u64,
+        endpoint: &'static str,
+        reason: &'static str,
+    ) {
+        self.engine_answers_rejected
+            .get_or_create(&EngineAnswerLabels {
+                worker: worker.to_string(),
+                endpoint,
+                reason,
+            })
+            .inc();
+    }
+
+    pub fn local_resource_error(&self, op: &'static str) {
+        self.local_resource_errors
+            .get_or_create(&OpLabels { op })
+            .inc();
     }
 
     pub fn request(&self, endpoint: &str, outcome: &str) {

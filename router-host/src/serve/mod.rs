@@ -13,13 +13,17 @@
 //! error bodies), `state.rs` (generations), `upstream.rs` (the client that sends completions to
 //! engines, on connections the request's own task drives), `coalesce.rs` (the relayed body's
 //! ready chunks joined into one write), `offload.rs` (which calls run on the async worker and which under
-//! `block_in_place`), and this file (the server, reload, shutdown).
+//! `block_in_place`), `accept.rs` (client connections: the cap, shedding, header timeouts),
+//! `log_limit.rs` (log lines that can repeat, at most one per interval), and this file (the
+//! server, reload, shutdown).
 
+pub mod accept;
 pub mod coalesce;
 pub mod errors;
 pub mod health;
 pub mod kv_events;
 pub mod lifecycle;
+pub mod log_limit;
 pub mod metrics;
 pub mod offload;
 pub mod proxy;
@@ -32,7 +36,6 @@ pub mod tokenize;
 pub mod upstream;
 pub mod words;
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -41,7 +44,6 @@ use std::time::Duration;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 
 pub use errors::{ApiError, ServeError};
 pub use state::{Generation, ServeOptions, Upstream};
@@ -244,6 +246,8 @@ pub struct Server {
     app: Arc<App>,
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
+    /// `serve.max_connections` when the configuration sets none.
+    max_connections: u64,
 }
 
 fn json_error(err: ApiError) -> Response {
@@ -309,6 +313,8 @@ impl Server {
     /// Load the configuration (plugins, instances, workers, tokenizer), probe the engines once
     /// and bind the listening socket.
     pub async fn bind(options: ServeOptions) -> Result<Server, ServeError> {
+        let open_files = accept::raise_open_files_limit();
+        let max_connections = accept::default_max_connections(open_files);
         let load_options = options.clone();
         let generation =
             tokio::task::spawn_blocking(move || Generation::load(&load_options, 1, None))
@@ -340,10 +346,17 @@ impl Server {
         });
         let generation = app.current.load();
         health::probe_round(&app, &generation).await;
+        tracing::info!(
+            open_files,
+            max_connections = generation.serve.max_connections.unwrap_or(max_connections),
+            configured = generation.serve.max_connections.is_some(),
+            "client connections capped (serve.max_connections)"
+        );
         Ok(Server {
             app,
             listener,
             addr,
+            max_connections,
         })
     }
 
@@ -366,16 +379,12 @@ impl Server {
         let ticker = tokio::spawn(queue_ticker(app.clone()));
         app.kv_subscribers
             .sync(&app.current.load(), &app.current, &app.metrics.kv);
-        let stop = app.stopping.clone();
-        // Streamed chunks are small separate writes: without TCP_NODELAY each waits for the
-        // client's delayed ACK (Nagle), about 40 ms per response (docs/performance.md §6).
-        let listener = self.listener.tap_io(|stream| {
-            if let Err(err) = stream.set_nodelay(true) {
-                tracing::debug!(error = %err, "cannot set TCP_NODELAY on a client connection");
-            }
-        });
-        let server = axum::serve(listener, routes(app.clone()))
-            .with_graceful_shutdown(async move { stop.cancelled().await });
+        let server = accept::serve(
+            app.clone(),
+            self.listener,
+            routes(app.clone()),
+            self.max_connections,
+        );
         let deadline = async {
             app.stopping.cancelled().await;
             let limit = app.current.load().serve.timeouts.shutdown;
@@ -387,7 +396,7 @@ impl Server {
             tokio::time::sleep(limit).await;
         };
         let result = tokio::select! {
-            result = server.into_future() => result.map_err(ServeError::from),
+            () = server => Ok(()),
             () = deadline => {
                 tracing::warn!(
                     in_flight = app.flights.load(Ordering::SeqCst),

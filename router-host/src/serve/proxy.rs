@@ -62,6 +62,8 @@ async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bod
     }
 }
 
+static BODY_TIMEOUT_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
+
 /// Read the body, refusing one over `limit` bytes with 413. A body a little over the limit is
 /// read to its end first (so the client, still sending, gets the answer rather than a reset);
 /// one far over it is cut off.
@@ -151,9 +153,17 @@ async fn tokens_for(
         return Ok(None);
     };
     let timeout = generation.serve.timeouts.tokenize;
-    match tokenize::remote_all(&generation.client, &upstream.base, parsed, timeout).await {
+    let target = tokenize::TokenizeTarget {
+        client: &generation.client,
+        base: &upstream.base,
+        worker: upstream.id,
+        metrics: Some(&app.metrics),
+        answer_limit: super::state::tokenize_answer_limit(generation.serve.max_body_bytes),
+        turns: Some(&upstream.tokenize_turns),
+    };
+    match tokenize::remote_all(&target, parsed, timeout).await {
         Ok(tokens) => Ok(Some(tokens)),
-        Err(TokenizeError::Invalid(message)) => Err(TokenizeError::Invalid(message).into_api()),
+        Err(err @ (TokenizeError::Invalid(_) | TokenizeError::TooLarge(_))) => Err(err.into_api()),
         Err(TokenizeError::Unavailable(message)) => {
             app.metrics.tokenize_fallbacks.inc();
             tracing::warn!(
@@ -429,7 +439,9 @@ async fn send(
             status: StatusCode::GATEWAY_TIMEOUT,
         }),
         Ok(Err(err)) => Err(UpstreamFailure {
-            kind: if err.is_connect() {
+            kind: if err.is_local() {
+                LOCAL_FAILURE
+            } else if err.is_connect() {
                 "connect"
             } else {
                 "request"
@@ -440,6 +452,11 @@ async fn send(
         Ok(Ok(response)) => Ok(response),
     }
 }
+
+/// The kind of an [`UpstreamFailure`] that is the router's own (descriptors, ports, memory).
+const LOCAL_FAILURE: &str = "local";
+
+static LOCAL_RESOURCE_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
 
 /// Statuses that mean "this engine cannot take it now": retried on another row.
 fn retryable_status(status: StatusCode) -> bool {
@@ -504,7 +521,24 @@ async fn proxy(
     received: Instant,
 ) -> Result<Response, ApiError> {
     let serve = &generation.serve;
-    let bytes = read_body(headers, body, serve.max_body_bytes).await?;
+    let body_read = serve.timeouts.body_read;
+    let bytes =
+        match tokio::time::timeout(body_read, read_body(headers, body, serve.max_body_bytes)).await
+        {
+            Ok(read) => read?,
+            Err(_elapsed) => {
+                app.metrics.client_timeout("body");
+                if let Some(left_out) = BODY_TIMEOUT_LOG.check() {
+                    tracing::warn!(
+                        body_read_ms = body_read.as_millis() as u64,
+                        similar_lines_left_out = left_out,
+                        "client request body too slow; answered 408 and closed \
+                     (serve.timeouts.body_read_ms)"
+                    );
+                }
+                return Err(ApiError::body_timeout(body_read));
+            }
+        };
     let parsed = request::parse(endpoint, &bytes)?;
     let session = request::session_id(headers, &parsed.body, serve)?;
 
@@ -627,7 +661,7 @@ async fn proxy(
             received,
         );
         let Some(upstream) = generation.upstream(row.worker_id) else {
-            flight.finish(CompletionCode::FAILED, "error");
+            flight.release_uncounted(CompletionCode::FAILED);
             return Err(ApiError::internal(format!(
                 "worker {} has no upstream URL",
                 row.worker_id
@@ -651,6 +685,28 @@ async fn proxy(
                 excluded.push(row.worker_id);
             }
             Ok(response) => return Ok(respond(generation, response, flight)),
+            // The router's own descriptors or ports ran out: the engine is not at fault, and
+            // another row would fail the same way.
+            Err(failure) if failure.kind == LOCAL_FAILURE => {
+                app.metrics.local_resource_error("upstream_connect");
+                if let Some(left_out) = LOCAL_RESOURCE_LOG.check() {
+                    tracing::error!(
+                        worker = row.worker_id,
+                        error = %failure.message,
+                        similar_lines_left_out = left_out,
+                        "cannot connect to the engine: the router ran out of file descriptors, \
+                         local ports or memory; the engine is not marked unhealthy \
+                         (router_local_resource_errors_total)"
+                    );
+                }
+                // Counted and logged once, by `handle`, as the 503 it answers.
+                flight.release_uncounted(CompletionCode::CANCELLED);
+                return Err(ApiError::local_resources(format!(
+                    "the router is out of local resources (file descriptors, ports or memory) \
+                     and cannot reach an engine now; retry later: {}",
+                    failure.message
+                )));
+            }
             Err(failure) => {
                 app.metrics.upstream_error(row.worker_id, failure.kind);
                 if failure.kind == "connect" {
@@ -664,7 +720,7 @@ async fn proxy(
                 }
                 if last {
                     tracing::warn!(worker = row.worker_id, error = %failure.message, "upstream failed");
-                    flight.finish(CompletionCode::FAILED, "failed");
+                    flight.release_uncounted(CompletionCode::FAILED);
                     return Err(ApiError::upstream(failure.status, failure.message));
                 }
                 app.metrics.retries.inc();
@@ -691,11 +747,17 @@ fn respond(generation: &Generation, response: UpstreamResponse, flight: Flight) 
         decision_headers(&mut headers, &flight.info, generation.number);
     }
     let ok = status.is_success();
+    let sse = response
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let relay = Relay::new(
         response.body,
         flight,
         generation.serve.timeouts.stream_idle,
         ok,
+        sse,
     );
     let mut out = Response::new(Body::from_stream(relay));
     *out.status_mut() = status;
@@ -725,26 +787,33 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
         }
         let url = format!("{}/v1/models", upstream.base);
         let timeout = generation.serve.timeouts.tokenize;
-        let answer = async {
-            let response = generation.client.get(&url).timeout(timeout).send().await?;
-            let status = response.status();
-            let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
-            let body = response.bytes().await?;
-            Ok::<_, reqwest::Error>((status, content_type, body))
-        };
-        match answer.await {
-            Ok((status, content_type, body)) if status.is_success() => {
+        let request = generation.client.get(&url).timeout(timeout);
+        let answer = super::state::call_engine(
+            Some(&app.metrics),
+            upstream.id,
+            "models",
+            request,
+            super::state::MODELS_ANSWER_LIMIT,
+        )
+        .await;
+        match answer {
+            Ok(answer) if answer.status.is_success() => {
                 app.metrics.request(label, "completed");
-                let mut response = Response::new(Body::from(body));
-                if let Some(content_type) = content_type {
+                let mut response = Response::new(Body::from(answer.body));
+                if let Some(content_type) = answer.content_type {
                     response
                         .headers_mut()
                         .insert(header::CONTENT_TYPE, content_type);
                 }
                 return response;
             }
-            Ok((status, _, _)) => last_error = format!("GET {url}: {status}"),
-            Err(err) => last_error = format!("GET {url}: {}", error_chain(&err)),
+            Ok(answer) => last_error = format!("GET {url}: {}", answer.status),
+            Err(err) => {
+                if err.is_local() {
+                    app.metrics.local_resource_error("models");
+                }
+                last_error = format!("GET {url}: {err}");
+            }
         }
     }
     let err = ApiError::unavailable(

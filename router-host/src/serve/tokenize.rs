@@ -17,6 +17,7 @@ use serde_json::{json, Map, Value};
 
 use super::errors::ApiError;
 use super::request::{content_text, Parsed, Prompt};
+use super::state::AnswerError;
 
 /// Token ids of a prompt, and what the engine says about its context length.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,11 +48,21 @@ pub enum TokenizeError {
     /// the request is routed without overlap.
     #[error("{0}")]
     Unavailable(String),
+    /// The engine refused the prompt as too large (its `413`): the client gets a `413`.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 impl TokenizeError {
     pub fn into_api(self) -> ApiError {
-        ApiError::bad_request("tokenization_failed", self.to_string())
+        match self {
+            TokenizeError::TooLarge(message) => ApiError {
+                status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                kind: super::errors::ErrorKind::TooLarge,
+                ..ApiError::bad_request("prompt_too_large", message)
+            },
+            other => ApiError::bad_request("tokenization_failed", other.to_string()),
+        }
     }
 
     /// The error of prompt `index` of `parsed`, named as such when the request has several.
@@ -63,6 +74,9 @@ impl TokenizeError {
             TokenizeError::Invalid(m) => TokenizeError::Invalid(format!("`prompt[{index}]`: {m}")),
             TokenizeError::Unavailable(m) => {
                 TokenizeError::Unavailable(format!("`prompt[{index}]`: {m}"))
+            }
+            TokenizeError::TooLarge(m) => {
+                TokenizeError::TooLarge(format!("`prompt[{index}]`: {m}"))
             }
         }
     }
@@ -108,61 +122,138 @@ pub fn prompt_tokenize_body(parsed: &Parsed, prompt: &Prompt) -> Option<Value> {
     }
 }
 
-/// Ask the engine at `base` to tokenize `body` (vLLM's `POST /tokenize`).
+/// Where remote tokenize calls go, and their bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenizeTarget<'a> {
+    pub client: &'a reqwest::Client,
+    /// The engine's base URL.
+    pub base: &'a str,
+    /// The engine's worker id (metrics and logs).
+    pub worker: u64,
+    /// Where refused answers are counted (`None`: not counted).
+    pub metrics: Option<&'a super::metrics::Metrics>,
+    /// The most bytes of an answer read (`state::tokenize_answer_limit`).
+    pub answer_limit: u64,
+    /// Turns for calls to this engine (`None`: unbounded).
+    pub turns: Option<&'a tokio::sync::Semaphore>,
+}
+
+/// vLLM's `/tokenize` answer, as far as the router reads it (other fields are skipped
+/// without being kept: `token_strs` can be as long as the prompt).
+#[derive(serde::Deserialize)]
+struct TokenizeAnswer {
+    tokens: Vec<u32>,
+    #[serde(default)]
+    max_model_len: Option<u64>,
+}
+
+/// Ask the engine at `base` to tokenize `body` (vLLM's `POST /tokenize`), reading at most
+/// the answer size for the default `serve.max_body_bytes`.
 pub async fn remote(
     client: &reqwest::Client,
     base: &str,
     body: &Value,
     timeout: Duration,
 ) -> Result<Tokens, TokenizeError> {
-    let url = format!("{base}/tokenize");
-    let send = client
+    let target = TokenizeTarget {
+        client,
+        base,
+        worker: 0,
+        metrics: None,
+        answer_limit: super::state::tokenize_answer_limit(crate::config::DEFAULT_MAX_BODY_BYTES),
+        turns: None,
+    };
+    remote_to(&target, body, timeout).await
+}
+
+/// Ask `target` to tokenize `body`; at most `target.answer_limit` bytes of the answer are read.
+pub async fn remote_to(
+    target: &TokenizeTarget<'_>,
+    body: &Value,
+    timeout: Duration,
+) -> Result<Tokens, TokenizeError> {
+    let url = format!("{}/tokenize", target.base);
+    let _turn = match target.turns {
+        Some(turns) => Some(
+            tokio::time::timeout(timeout, turns.acquire())
+                .await
+                .map_err(|_| {
+                    TokenizeError::Unavailable(format!(
+                        "POST {url}: no turn among the engine's {} /tokenize calls in flight \
+                         within {} ms",
+                        super::state::TOKENIZE_IN_FLIGHT_PER_ENGINE,
+                        timeout.as_millis()
+                    ))
+                })?
+                .map_err(|_| TokenizeError::Unavailable(format!("POST {url}: closed")))?,
+        ),
+        None => None,
+    };
+    let request = target
+        .client
         .post(&url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .body(body.to_string())
-        .timeout(timeout)
-        .send();
-    let response = send.await.map_err(|err| {
-        TokenizeError::Unavailable(format!("POST {url}: {}", super::proxy::error_chain(&err)))
+        .timeout(timeout);
+    let answer = super::state::call_engine(
+        target.metrics,
+        target.worker,
+        "tokenize",
+        request,
+        target.answer_limit,
+    )
+    .await
+    .map_err(|err| match err {
+        AnswerError::Send { message, local } => {
+            if local {
+                if let Some(metrics) = target.metrics {
+                    metrics.local_resource_error("tokenize");
+                }
+            }
+            TokenizeError::Unavailable(format!("POST {url}: {message}"))
+        }
+        other => TokenizeError::Unavailable(format!("POST {other}")),
     })?;
-    let status = response.status();
-    let bytes = response.bytes().await.map_err(|err| {
-        TokenizeError::Unavailable(format!("POST {url}: reading the answer: {err}"))
-    })?;
+    let status = answer.status;
+    let bytes = answer.body;
+    if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
+        return Err(TokenizeError::TooLarge(format!(
+            "the engine refused to tokenize the prompt as too large ({status}): {}",
+            error_message(&bytes)
+        )));
+    }
     if status.is_client_error() && status != reqwest::StatusCode::NOT_FOUND {
-        let message = serde_json::from_slice::<Value>(&bytes)
-            .ok()
-            .and_then(|v| {
-                v.pointer("/error/message")
-                    .or_else(|| v.get("message"))
-                    .or_else(|| v.get("detail"))
-                    .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_owned))
-            })
-            .unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(500).collect());
         return Err(TokenizeError::Invalid(format!(
-            "the engine refused to tokenize the prompt ({status}): {message}"
+            "the engine refused to tokenize the prompt ({status}): {}",
+            error_message(&bytes)
         )));
     }
     if !status.is_success() {
         return Err(TokenizeError::Unavailable(format!("POST {url}: {status}")));
     }
-    let value: Value = serde_json::from_slice(&bytes)
-        .map_err(|err| TokenizeError::Unavailable(format!("POST {url}: not JSON: {err}")))?;
-    let ids = value
-        .get("tokens")
-        .and_then(Value::as_array)
-        .and_then(|ids| {
-            ids.iter()
-                .map(|id| id.as_u64().and_then(|n| u32::try_from(n).ok()))
-                .collect::<Option<Vec<u32>>>()
-        })
-        .ok_or_else(|| {
-            TokenizeError::Unavailable(format!("POST {url}: the answer has no `tokens` list"))
-        })?;
+    let answer: TokenizeAnswer = serde_json::from_slice(&bytes).map_err(|err| {
+        TokenizeError::Unavailable(format!(
+            "POST {url}: not a tokenize answer (a JSON object with a `tokens` list of ids): {err}"
+        ))
+    })?;
     Ok(Tokens {
-        ids,
-        max_model_len: value.get("max_model_len").and_then(Value::as_u64),
+        ids: answer.tokens,
+        max_model_len: answer.max_model_len,
     })
+}
+
+/// The message of an engine's error body (vLLM's or FastAPI's shape), else its first 500
+/// characters.
+fn error_message(bytes: &[u8]) -> String {
+    serde_json::from_slice::<Value>(bytes)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("detail"))
+                .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_owned))
+        })
+        .unwrap_or_else(|| String::from_utf8_lossy(bytes).chars().take(500).collect())
 }
 
 /// Every prompt's tokens, in order, from the engine at `base`: one `/tokenize` call per text
@@ -171,8 +262,7 @@ pub async fn remote(
 /// tiny prompts must not hold the request for long). The first failure, in prompt order, is
 /// the answer (the calls still in flight are dropped); a batch's error names its prompt.
 pub async fn remote_all(
-    client: &reqwest::Client,
-    base: &str,
+    target: &TokenizeTarget<'_>,
     parsed: &Parsed,
     timeout: Duration,
 ) -> Result<Vec<Tokens>, TokenizeError> {
@@ -181,7 +271,7 @@ pub async fn remote_all(
     let calls: Vec<_> = parsed
         .prompts()
         .enumerate()
-        .map(|(index, prompt)| remote_prompt(client, base, parsed, index, prompt, timeout))
+        .map(|(index, prompt)| remote_prompt(target, parsed, index, prompt, timeout))
         .collect();
     let count = calls.len();
     let all = futures_util::stream::iter(calls)
@@ -199,8 +289,7 @@ pub async fn remote_all(
 
 /// Prompt `index` of `parsed` tokenized by the engine at `base` (token ids as given).
 async fn remote_prompt(
-    client: &reqwest::Client,
-    base: &str,
+    target: &TokenizeTarget<'_>,
     parsed: &Parsed,
     index: usize,
     prompt: &Prompt,
@@ -210,7 +299,7 @@ async fn remote_prompt(
         // Only a prompt of token ids has no `/tokenize` body.
         return Ok(Tokens::given(prompt.token_ids().unwrap_or_default()));
     };
-    remote(client, base, &body, timeout)
+    remote_to(target, &body, timeout)
         .await
         .map_err(|err| err.of_prompt(index, parsed))
 }

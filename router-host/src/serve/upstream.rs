@@ -89,11 +89,19 @@ pub enum SendError {
     /// Connected, but the exchange failed before a response head arrived.
     #[error("{0}")]
     Request(String),
+    /// The router itself ran out of descriptors, local ports or memory for the connection:
+    /// not the engine's failure.
+    #[error("{0}")]
+    LocalResources(String),
 }
 
 impl SendError {
     pub fn is_connect(&self) -> bool {
         matches!(self, SendError::Connect(_))
+    }
+
+    pub fn is_local(&self) -> bool {
+        matches!(self, SendError::LocalResources(_))
     }
 }
 
@@ -110,6 +118,8 @@ impl UpstreamClient {
             .no_proxy()
             .tcp_nodelay(true)
             .pool_idle_timeout(idle_timeout)
+            // A redirect is relayed to the client, never followed with its prompt.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|err| err.to_string())?;
         Ok(UpstreamClient {
@@ -137,7 +147,9 @@ impl UpstreamClient {
             .await
             .map_err(|err| {
                 let text = super::proxy::error_chain(&err);
-                if err.is_connect() {
+                if super::errors::is_local_resource(&err) {
+                    SendError::LocalResources(text)
+                } else if err.is_connect() {
                     SendError::Connect(text)
                 } else {
                     SendError::Request(text)
@@ -263,7 +275,14 @@ impl Http1Pool {
                     self.connect_timeout.as_millis()
                 ))
             })?
-            .map_err(|err| SendError::Connect(format!("connect to {host}:{port}: {err}")))?;
+            .map_err(|err| {
+                let text = format!("connect to {host}:{port}: {err}");
+                if super::errors::is_local_resource_io(&err) {
+                    SendError::LocalResources(text)
+                } else {
+                    SendError::Connect(text)
+                }
+            })?;
         // Small SSE events must leave at once, not wait for an ACK (Nagle).
         stream
             .set_nodelay(true)

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod child;
 pub mod engine;
 pub mod logs;
 pub mod mock;
