@@ -313,13 +313,14 @@ impl Server {
     /// Load the configuration (plugins, instances, workers, tokenizer), probe the engines once
     /// and bind the listening socket.
     pub async fn bind(options: ServeOptions) -> Result<Server, ServeError> {
-        let open_files = accept::raise_open_files_limit();
-        let max_connections = accept::default_max_connections(open_files);
         let load_options = options.clone();
         let generation =
             tokio::task::spawn_blocking(move || Generation::load(&load_options, 1, None))
                 .await
                 .map_err(|err| ServeError::ReloadTask(err.to_string()))??;
+        // Once the configuration is known to load: a refused one says only why.
+        let open_files = accept::raise_open_files_limit();
+        let max_connections = accept::default_max_connections(open_files);
         let addr = options.listen.unwrap_or(generation.serve.listen);
         let listener = tokio::net::TcpListener::bind(addr)
             .await
