@@ -139,6 +139,11 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, routes: axum::Router, m
     // waiting can be accepted and shed instead of staying in the backlog unanswered.
     let mut spare = File::open("/dev/null").ok();
     loop {
+        if spare.is_none() {
+            // Given up and not yet taken back (descriptors were still short then): take it back
+            // as soon as one is free, or the next exhaustion would find none to give up.
+            spare = File::open("/dev/null").ok();
+        }
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             () = app.stopping.cancelled() => break,
