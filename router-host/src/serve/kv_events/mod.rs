@@ -10,6 +10,7 @@
 pub mod decode;
 pub mod ingest;
 mod subscriber;
+pub mod zmtp;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
