@@ -104,6 +104,10 @@ pub struct KvMetrics {
     pub blocks: Family<RowTierLabels, Gauge>,
     /// Seconds from the last batch's timestamp (the engine's clock) to its being applied.
     pub lag: Family<RowLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Connections dropped because the publisher broke ZMTP, by `kind`.
+    pub protocol_errors: Family<KvKindLabels, Counter>,
+    /// Subscriber sessions or tasks that panicked (and were restarted), by row.
+    pub panics: Family<RowLabels, Counter>,
 }
 
 impl KvMetrics {
@@ -168,6 +172,18 @@ impl KvMetrics {
             "Seconds from the last applied batch's timestamp (engine clock) to its being \
              applied (router clock)",
             self.lag.clone(),
+        );
+        registry.register(
+            "router_kv_protocol_errors",
+            "KV-event connections dropped because the publisher broke the ZMTP protocol, by \
+             kind (greeting, mechanism, handshake, frame, too_large, too_many_frames, command, \
+             peer_error, stalled)",
+            self.protocol_errors.clone(),
+        );
+        registry.register(
+            "router_kv_subscriber_panics",
+            "KV-event subscriber sessions that panicked and were restarted",
+            self.panics.clone(),
         );
     }
 }

@@ -996,7 +996,9 @@ mod tests {
         // An array32 declaring 2^32-1 events, a map32 declaring as many pairs, a str32 of
         // 4 GiB, on a few bytes: errors, nothing reserved.
         let cases: [&[u8]; 4] = [
-            &[0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0],
+            &[
+                0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0,
+            ],
             &[0xdf, 0xff, 0xff, 0xff, 0xff, 0xc0, 0xc0],
             &[0x92, 0xdb, 0xff, 0xff, 0xff, 0xff, b'x'],
             &[0x92, 0xc0, 0x91, 0xc7, 0xff, 0x01],
@@ -1035,17 +1037,32 @@ mod tests {
 
     #[test]
     fn an_event_decodes_within_its_budget_or_not_at_all() {
-        let tokens = |blocks: usize| -> Vec<u32> { (0..blocks as u32 * 4).map(|t| 1000 + t).collect() };
+        let tokens =
+            |blocks: usize| -> Vec<u32> { (0..blocks as u32 * 4).map(|t| 1000 + t).collect() };
         // Real hashes (u64 over 2^32: 9 bytes each) with their tokens decode.
         let real: Vec<Value> = (0..20_000u64).map(|i| Value::from(u64::MAX - i)).collect();
-        let bytes = payload(vec![stored_map(real, Value::Nil, &tokens(20_000), Value::Nil)]);
+        let bytes = payload(vec![stored_map(
+            real,
+            Value::Nil,
+            &tokens(20_000),
+            Value::Nil,
+        )]);
         let batch = decode_payload(&bytes).expect("decodes");
-        assert!(matches!(&batch.events[0], Ok(EngineEvent::BlockStored(b)) if b.block_hashes.len() == 20_000));
+        assert!(
+            matches!(&batch.events[0], Ok(EngineEvent::BlockStored(b)) if b.block_hashes.len() == 20_000)
+        );
         // 1-byte hashes would expand 40x: refused, counted as an event that did not decode.
         let tiny: Vec<Value> = (0..20_000).map(|_| Value::from(1)).collect();
-        let bytes = payload(vec![Value::Array(vec![s("BlockRemoved"), Value::Array(tiny)])]);
+        let bytes = payload(vec![Value::Array(vec![
+            s("BlockRemoved"),
+            Value::Array(tiny),
+        ])]);
         let batch = decode_payload(&bytes).expect("the envelope decodes");
-        assert!(matches!(batch.events[0], Err(DecodeError::Budget(_))), "{:?}", batch.events[0]);
+        assert!(
+            matches!(batch.events[0], Err(DecodeError::Budget(_))),
+            "{:?}",
+            batch.events[0]
+        );
         // The nils of a map's `extra_keys` without tokens: 32x, refused.
         let bytes = payload(vec![Value::Map(vec![
             (s("type"), s("BlockStored")),

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use router_core::blocks::{BlockHasher, Tenant};
 use router_core::kv_index::{KvEventKind, Tier};
 
-use super::decode::{BlockKeys, BlockStored, EngineEvent, EngineHash, EventBatch};
+use super::decode::{BlockKeys, BlockStored, DecodeError, EngineEvent, EngineHash};
 
 /// One index update: what happened to which router block on which tier.
 pub type Update = (KvEventKind, Tier, u64);
@@ -235,9 +235,15 @@ impl RowIngest {
         sink.clear_tier(tier);
     }
 
-    /// Apply one decoded batch; updates go to `sink` in one call where possible.
-    pub fn apply(&mut self, batch: EventBatch, sink: &mut dyn Sink, tally: &mut Tally) {
-        for event in batch.events {
+    /// Apply one decoded batch's events, in order; updates go to `sink` in one call where
+    /// possible.
+    pub fn apply(
+        &mut self,
+        events: impl IntoIterator<Item = Result<EngineEvent, DecodeError>>,
+        sink: &mut dyn Sink,
+        tally: &mut Tally,
+    ) {
+        for event in events {
             match event {
                 Err(_) => bump(&mut tally.decode_errors, "event"),
                 Ok(EngineEvent::BlockStored(stored)) => self.stored(stored, tally),
@@ -407,7 +413,7 @@ impl RowIngest {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::kv_events::decode::BlockKeys;
+    use crate::serve::kv_events::decode::{BlockKeys, EventBatch};
 
     /// The index a row's updates build: per tier, the router ids held.
     #[derive(Default)]

@@ -64,7 +64,7 @@ impl Subscribers {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
         };
-        running.retain(|spec, (stop, _)| {
+        running.retain(|spec, (stop, task)| {
             let keep = wanted.contains(spec);
             if !keep {
                 stop.cancel();
@@ -73,6 +73,22 @@ impl Subscribers {
                     dp_rank = spec.rank,
                     "KV events: subscriber stopped (configuration changed)"
                 );
+            } else if task.is_finished() {
+                // A subscriber only ends when stopped: this one died (it catches panics in
+                // its sessions, so this is a bug). Started again below.
+                tracing::error!(
+                    worker = spec.worker,
+                    dp_rank = spec.rank,
+                    "KV events: subscriber task had ended; restarted"
+                );
+                metrics
+                    .panics
+                    .get_or_create(&super::metrics::RowLabels {
+                        worker: spec.worker.to_string(),
+                        dp_rank: spec.rank.to_string(),
+                    })
+                    .inc();
+                return false;
             }
             keep
         });

@@ -638,7 +638,10 @@ mod tests {
         let mut buf = BytesMut::from(&frame(FLAG_MORE, &[0; 600])[..]);
         buf.extend_from_slice(&frame(0, &[0; 600]));
         let err = Decoder::new(LIMITS).decode(&mut buf).unwrap_err();
-        assert!(matches!(err, ProtocolError::MessageTooLarge { limit: 1024 }), "{err}");
+        assert!(
+            matches!(err, ProtocolError::MessageTooLarge { limit: 1024 }),
+            "{err}"
+        );
         let mut buf = BytesMut::new();
         for _ in 0..5 {
             buf.extend_from_slice(&frame(FLAG_MORE, b"x"));
@@ -660,7 +663,10 @@ mod tests {
         else {
             panic!("READY does not decode")
         };
-        assert_eq!(props, vec![("Socket-Type".into(), Bytes::from_static(b"SUB"))]);
+        assert_eq!(
+            props,
+            vec![("Socket-Type".into(), Bytes::from_static(b"SUB"))]
+        );
         let mut ping = BytesMut::from(&frame(FLAG_COMMAND, b"\x04PING\x00\x0actx")[..]);
         assert_eq!(
             Decoder::new(LIMITS).decode(&mut ping).unwrap(),
@@ -668,13 +674,23 @@ mod tests {
         );
         let mut error = BytesMut::from(&frame(FLAG_COMMAND, b"\x05ERROR\x06denied")[..]);
         let err = Decoder::new(LIMITS).decode(&mut error).unwrap_err();
-        assert!(matches!(&err, ProtocolError::PeerError(r) if r == "denied"), "{err}");
+        assert!(
+            matches!(&err, ProtocolError::PeerError(r) if r == "denied"),
+            "{err}"
+        );
         let mut unknown = BytesMut::from(&frame(FLAG_COMMAND, b"\x05HELLO")[..]);
         assert_eq!(
-            Decoder::new(LIMITS).decode(&mut unknown).unwrap_err().kind(),
+            Decoder::new(LIMITS)
+                .decode(&mut unknown)
+                .unwrap_err()
+                .kind(),
             Some("command")
         );
-        for bad in [&b""[..], b"\x09READY", b"\x05READY\x0bSocket-Type\x00\x00\x00\x09SUB"] {
+        for bad in [
+            &b""[..],
+            b"\x09READY",
+            b"\x05READY\x0bSocket-Type\x00\x00\x00\x09SUB",
+        ] {
             let mut buf = BytesMut::from(&frame(FLAG_COMMAND, bad)[..]);
             assert_eq!(
                 Decoder::new(LIMITS).decode(&mut buf).unwrap_err().kind(),
@@ -694,7 +710,10 @@ mod tests {
         let mut old = greeting();
         old[10] = 2;
         assert_eq!(check_greeting(&old).unwrap_err().kind(), Some("greeting"));
-        assert_eq!(check_greeting(&[0x47; 64]).unwrap_err().kind(), Some("greeting"));
+        assert_eq!(
+            check_greeting(&[0x47; 64]).unwrap_err().kind(),
+            Some("greeting")
+        );
         // libzmq's signature carries a length in its padding and 3.1: accepted.
         let mut libzmq = greeting();
         libzmq[8] = 1;
@@ -709,7 +728,12 @@ mod tests {
             ("127.0.0.1".into(), 5557)
         );
         assert_eq!(parse_endpoint("tcp://[::1]:1").unwrap(), ("::1".into(), 1));
-        for bad in ["tcp://*:5557", "ipc:///tmp/x", "tcp://host", "tcp://h:99999"] {
+        for bad in [
+            "tcp://*:5557",
+            "ipc:///tmp/x",
+            "tcp://host",
+            "tcp://h:99999",
+        ] {
             assert!(parse_endpoint(bad).is_err(), "{bad}");
         }
     }
