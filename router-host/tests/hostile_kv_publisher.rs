@@ -14,6 +14,7 @@ mod common;
 use std::time::Duration;
 
 use common::engine::{client, eventually, Engine, Router};
+use rmpv::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -171,6 +172,16 @@ async fn dropped_and_back(router: &Router, hostile: &Hostile, kind: &str) -> Tcp
     let again = hostile.subscribed().await;
     assert!(eventually(WAIT, || connected(router) == 1.0).await);
     again
+}
+
+fn payload(events: Vec<Value>) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(
+        &mut out,
+        &Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::from(0)]),
+    )
+    .expect("encode");
+    out
 }
 
 async fn publish(s: &mut TcpStream, seq: u64, payload: &[u8]) {
@@ -331,4 +342,73 @@ async fn a_publisher_stalled_mid_frame_is_dropped() {
     let _again = dropped_and_back(&router, &hostile, "stalled").await;
     drop(s);
     router.stop().await;
+}
+
+fn chain(first: u64, blocks: u64) -> Value {
+    let s = |v: &str| Value::from(v);
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (
+            s("block_hashes"),
+            Value::Array((first..first + blocks).map(Value::from).collect()),
+        ),
+        (s("parent_block_hash"), Value::Nil),
+        (
+            s("token_ids"),
+            Value::Array(
+                (first * 4..(first + blocks) * 4)
+                    .map(|t| Value::from(t as u32))
+                    .collect(),
+            ),
+        ),
+        (s("block_size"), Value::from(4)),
+        (s("medium"), s("GPU")),
+    ])
+}
+
+/// An engine that reports 100 blocks of KV capacity and stores 2,000: the row's index stays
+/// within 100 + 100/4 + 64 = 189 blocks, the overflow counted; without a known capacity,
+/// `max_indexed_blocks` bounds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_storing_far_over_its_capacity_leaves_the_index_bounded() {
+    let _serial = SERIAL.lock().await;
+    for (worker, kv, limit, reason) in [
+        ("    total_kv_blocks: 100\n", "", 189.0, "over_capacity"),
+        ("", "      max_indexed_blocks: 300\n", 300.0, "over_limit"),
+    ] {
+        let engine = Engine::start(1).await;
+        let hostile = Hostile::bind().await;
+        let router = router("hostile_kv_capacity", &engine, &hostile, worker, kv).await;
+        let mut s = hostile.subscribed().await;
+        assert!(eventually(WAIT, || connected(&router) == 1.0).await);
+        let blocks = "router_kv_index_blocks{worker=\"1\",dp_rank=\"0\",tier=\"device\"}";
+        let mut max_seen: f64 = 0.0;
+        for seq in 0..40u64 {
+            publish(&mut s, seq, &payload(vec![chain(1 + seq * 50, 50)])).await;
+        }
+        let batches = "router_kv_event_batches_total{worker=\"1\",dp_rank=\"0\"}";
+        assert!(
+            eventually(WAIT, || {
+                max_seen = max_seen.max(router.metric(blocks));
+                router.metric(batches) == 40.0
+            })
+            .await
+        );
+        let held = router
+            .handle
+            .generation()
+            .host
+            .core()
+            .kv_index()
+            .holdings_in(router_core::kv_index::Tier::Device);
+        assert!(held as f64 <= limit, "{held} blocks indexed, limit {limit}");
+        assert!(max_seen <= limit, "{max_seen}");
+        let evicted = router.metric(&format!(
+            "router_kv_index_evictions_total{{worker=\"1\",dp_rank=\"0\",tier=\"device\",\
+             reason=\"{reason}\"}}"
+        ));
+        assert_eq!(evicted + router.metric(blocks), 2000.0);
+        assert!(evicted >= 1500.0, "{evicted}");
+        router.stop().await;
+    }
 }

@@ -697,6 +697,7 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
         Some("tcp://127.0.0.1:6558")
     );
     assert_eq!(kv.topic, "");
+    assert_eq!(kv.max_indexed_blocks, 1 << 20);
     assert_eq!(ok.workers[0].block_size, 32);
 
     let cases = [
@@ -719,6 +720,11 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
             "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      colour: red\n",
             "colour",
             "unknown field",
+        ),
+        (
+            "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      max_indexed_blocks: 0\n",
+            "max_indexed_blocks",
+            "an integer >= 1",
         ),
     ];
     for (extra, key, why) in cases {

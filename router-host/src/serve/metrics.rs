@@ -70,6 +70,15 @@ pub struct ConnectionLabels {
     pub connection: &'static str,
 }
 
+/// A KV-index metric of one row's tier, with a reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RowTierReasonLabels {
+    pub worker: String,
+    pub dp_rank: String,
+    pub tier: String,
+    pub reason: String,
+}
+
 /// A KV-event metric of one row, with a kind or reason.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KvKindLabels {
@@ -108,6 +117,8 @@ pub struct KvMetrics {
     pub protocol_errors: Family<KvKindLabels, Counter>,
     /// Subscriber sessions or tasks that panicked (and were restarted), by row.
     pub panics: Family<RowLabels, Counter>,
+    /// Blocks dropped from a row's tier to keep it within its limit, by `tier` and `reason`.
+    pub evictions: Family<RowTierReasonLabels, Counter>,
 }
 
 impl KvMetrics {
@@ -135,7 +146,8 @@ impl KvMetrics {
         );
         registry.register(
             "router_kv_row_clears",
-            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared)",
+            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared, \
+             over_capacity)",
             self.clears.clone(),
         );
         registry.register(
@@ -184,6 +196,13 @@ impl KvMetrics {
             "router_kv_subscriber_panics",
             "KV-event subscriber sessions that panicked and were restarted",
             self.panics.clone(),
+        );
+        registry.register(
+            "router_kv_index_evictions",
+            "Blocks dropped from a row's KV-index tier because it went over its limit, by tier \
+             and reason (over_capacity: the engine's reported KV capacity; over_limit: \
+             kv_events.max_indexed_blocks)",
+            self.evictions.clone(),
         );
     }
 }

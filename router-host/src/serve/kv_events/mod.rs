@@ -28,6 +28,7 @@ pub struct Spec {
     pub replay_endpoint: Option<String>,
     pub topic: String,
     pub block_size: u32,
+    pub max_indexed_blocks: u64,
 }
 
 /// The subscribers a configuration asks for.
@@ -43,6 +44,7 @@ pub fn specs(generation: &Generation) -> Vec<Spec> {
                 replay_endpoint: kv.replay_endpoint_for(rank),
                 topic: kv.topic.clone(),
                 block_size: w.block_size,
+                max_indexed_blocks: kv.max_indexed_blocks,
             });
         }
     }

@@ -17,11 +17,13 @@ use router_core::kv_index::Tier;
 use tokio::time::Instant;
 
 use super::decode::{decode_batch, decode_seq, DecodeError, MAX_PAYLOAD_BYTES};
-use super::ingest::{RowIngest, SeqCheck, Sink, Tally, Update};
+use super::ingest::{capacity_limit, RowIngest, SeqCheck, Sink, Tally, Update};
 use super::zmtp::{Connection, Limits, ProtocolError, SocketType};
 use super::Spec;
 use crate::model::RowId;
-use crate::serve::metrics::{KvKindLabels, KvMetrics, RowLabels, RowTierLabels};
+use crate::serve::metrics::{
+    KvKindLabels, KvMetrics, RowLabels, RowTierLabels, RowTierReasonLabels,
+};
 use crate::serve::state::Current;
 use crate::serve::Stop;
 
@@ -42,6 +44,8 @@ pub(super) const LIMITS: Limits = Limits {
     max_frames: 8,
     stall: Duration::from_secs(3),
 };
+/// Least time between two warnings that a row's index went over its limit.
+const OVERFLOW_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// Run `session`; a panic in it becomes its message (the subscriber then reconnects instead
 /// of leaving its row silently dead).
@@ -96,6 +100,10 @@ pub(super) struct Subscriber {
     generation: u64,
     /// Conditions already logged at `warn` (later ones go to `debug`).
     warned: HashSet<&'static str>,
+    /// Most blocks indexed per tier without a known capacity.
+    max_indexed_blocks: u64,
+    /// When an over-limit clear was last logged at `warn`.
+    overflow_logged: Option<Instant>,
 }
 
 impl Subscriber {
@@ -106,6 +114,7 @@ impl Subscriber {
         stop: Stop,
     ) -> Result<Subscriber, router_core::blocks::BlockHashError> {
         let ingest = RowIngest::new(spec.block_size)?;
+        let max_indexed_blocks = spec.max_indexed_blocks;
         let generation = current.load().number;
         Ok(Subscriber {
             spec,
@@ -115,6 +124,8 @@ impl Subscriber {
             ingest,
             generation,
             warned: HashSet::new(),
+            max_indexed_blocks,
+            overflow_logged: None,
         })
     }
 
@@ -367,6 +378,26 @@ impl Subscriber {
         }
     }
 
+    /// The limits of this row's tiers: the engine's reported capacity when known (device),
+    /// else `max_indexed_blocks`.
+    fn set_limits(&mut self, core: &router_core::routing::RoutingCore) {
+        let capacity = core
+            .topology()
+            .cluster()
+            .worker(self.spec.worker)
+            .and_then(|w| w.total_kv_blocks);
+        let cap = usize::try_from(self.max_indexed_blocks).unwrap_or(usize::MAX);
+        for tier in Tier::ALL {
+            match capacity {
+                Some(blocks) if tier == Tier::Device => {
+                    self.ingest
+                        .set_limit(tier, capacity_limit(blocks), "over_capacity")
+                }
+                _ => self.ingest.set_limit(tier, cap, "over_limit"),
+            }
+        }
+    }
+
     /// Decode and apply one payload.
     fn payload(&mut self, payload: &[u8]) {
         let batch = match decode_batch(payload) {
@@ -374,6 +405,7 @@ impl Subscriber {
             Err(err) => return self.count_decode_error("payload", &err),
         };
         let generation = self.current.load();
+        self.set_limits(generation.host.core());
         let mut sink = CoreSink {
             core: generation.host.core(),
             row: self.row(),
@@ -395,6 +427,46 @@ impl Subscriber {
         }
     }
 
+    fn record_evictions(&mut self, tally: &Tally) {
+        for &(tier, reason, blocks) in &tally.evicted {
+            self.metrics
+                .evictions
+                .get_or_create(&RowTierReasonLabels {
+                    worker: self.spec.worker.to_string(),
+                    dp_rank: self.spec.rank.to_string(),
+                    tier: tier.as_str().to_owned(),
+                    reason: reason.to_owned(),
+                })
+                .inc_by(blocks);
+            let now = Instant::now();
+            let due = self
+                .overflow_logged
+                .is_none_or(|at| now.duration_since(at) >= OVERFLOW_LOG_EVERY);
+            if due {
+                self.overflow_logged = Some(now);
+                tracing::warn!(
+                    worker = self.spec.worker,
+                    dp_rank = self.spec.rank,
+                    tier = tier.as_str(),
+                    reason,
+                    blocks,
+                    "KV events: the row's index went over its limit (the engine's events \
+                     contradict its capacity); tier cleared (logged at most once a minute; \
+                     counted in router_kv_index_evictions_total)"
+                );
+            } else {
+                tracing::debug!(
+                    worker = self.spec.worker,
+                    dp_rank = self.spec.rank,
+                    tier = tier.as_str(),
+                    reason,
+                    blocks,
+                    "KV events: tier cleared (over its limit)"
+                );
+            }
+        }
+    }
+
     fn record(&mut self, tally: &Tally) {
         let families = [
             (&self.metrics.events, &tally.applied),
@@ -408,6 +480,7 @@ impl Subscriber {
                 family.get_or_create(&self.kind_labels(label)).inc_by(*n);
             }
         }
+        self.record_evictions(tally);
         for (label, _) in &tally.refused {
             self.warn_once(label, &"event refused");
         }
