@@ -301,8 +301,7 @@ impl Decoder {
         !self.parts.is_empty()
     }
 
-    /// Take the next item from the front of `buf`, or `None` when more bytes are needed; on
-    /// `None`, at least `needed` more bytes are useful.
+    /// Take the next item from the front of `buf`, or `None` when more bytes are needed.
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Item>, ProtocolError> {
         loop {
             // A frame may be at most what is left of the message budget.
@@ -340,15 +339,6 @@ impl Decoder {
                 self.message_bytes = 0;
                 return Ok(Some(Item::Message(std::mem::take(&mut self.parts))));
             }
-        }
-    }
-
-    /// How many bytes the item at the front of `buf` still needs (at least 1).
-    fn wanted(&self, buf: &[u8]) -> usize {
-        let room = self.limits.max_message - self.message_bytes;
-        match parse_header(buf, room) {
-            Ok(Some(h)) => (h.header_len + h.size).saturating_sub(buf.len()).max(1),
-            _ => 1,
         }
     }
 }
@@ -445,7 +435,7 @@ impl Connection {
             if self.buf.first().is_some_and(|&b| b != 0xff) {
                 return Err(ProtocolError::Greeting("no ZMTP signature".into()));
             }
-            self.fill(GREETING_LEN - self.buf.len()).await?;
+            self.fill().await?;
         }
         let peer = self.buf.split_to(GREETING_LEN);
         check_greeting(&peer)?;
@@ -458,10 +448,7 @@ impl Connection {
                 Some(Item::Message(_)) => {
                     return Err(ProtocolError::Handshake("a message before READY".into()))
                 }
-                None => {
-                    let wanted = self.decoder.wanted(&self.buf);
-                    self.fill(wanted).await?;
-                }
+                None => self.fill().await?,
             }
         };
         let peer_type = properties
@@ -479,11 +466,13 @@ impl Connection {
         self.flush().await
     }
 
-    /// Read at least one more byte (at most `wanted`, at most [`READ_CHUNK`]).
-    async fn fill(&mut self, wanted: usize) -> Result<(), ProtocolError> {
-        self.buf.reserve(wanted.clamp(1, READ_CHUNK));
+    /// Read what has arrived, at most [`READ_CHUNK`] bytes (the decoder takes every whole
+    /// frame out of the buffer before the next read, so it holds at most the frame in
+    /// progress plus one read).
+    async fn fill(&mut self) -> Result<(), ProtocolError> {
+        self.buf.reserve(READ_CHUNK);
         let n = {
-            let mut limited = (&mut self.stream).take(wanted.clamp(1, READ_CHUNK) as u64);
+            let mut limited = (&mut self.stream).take(READ_CHUNK as u64);
             limited.read_buf(&mut self.buf).await?
         };
         if n == 0 {
@@ -543,15 +532,14 @@ impl Connection {
                     return Err(ProtocolError::Command("a second READY".into()))
                 }
                 None => {
-                    let wanted = self.decoder.wanted(&self.buf);
                     if self.decoder.mid_message() || !self.buf.is_empty() {
                         let deadline = self.last_progress + self.limits.stall;
-                        match tokio::time::timeout_at(deadline, self.fill(wanted)).await {
+                        match tokio::time::timeout_at(deadline, self.fill()).await {
                             Ok(result) => result?,
                             Err(_) => return Err(ProtocolError::Stalled(self.limits.stall)),
                         }
                     } else {
-                        self.fill(wanted).await?;
+                        self.fill().await?;
                     }
                 }
             }
@@ -618,7 +606,6 @@ mod tests {
             let item = decoder.decode(&mut buf).expect("valid");
             if i + 1 < wire.len() {
                 assert_eq!(item, None, "at byte {i}");
-                assert!(decoder.wanted(&buf) >= 1);
             } else {
                 got = item;
             }
