@@ -724,4 +724,88 @@ mod tests {
             assert!(parse_endpoint(bad).is_err(), "{bad}");
         }
     }
+
+    /// Against another implementation: the `zeromq` crate's PUB (topic filtering, multipart)
+    /// and ROUTER (a DEALER's request and the reply), as the mock engine runs them.
+    #[tokio::test]
+    async fn interoperates_with_the_zeromq_crates_pub_and_router() {
+        use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+        let limits = Limits {
+            max_message: 1 << 20,
+            max_frames: 8,
+            stall: Duration::from_secs(3),
+        };
+        let wait = Duration::from_secs(10);
+        let port = |endpoint: zeromq::Endpoint| match endpoint {
+            zeromq::Endpoint::Tcp(_, port) => port,
+            other => panic!("not TCP: {other:?}"),
+        };
+
+        let mut publisher = zeromq::PubSocket::new();
+        let p = port(publisher.bind("tcp://127.0.0.1:0").await.expect("bind"));
+        let endpoint = format!("tcp://127.0.0.1:{p}");
+        let mut sub = Connection::connect(&endpoint, SocketType::Sub, limits, wait)
+            .await
+            .expect("subscribes");
+        sub.subscribe(b"kv").await.expect("subscription sent");
+        // A SUB misses what is published before its subscription arrives: publish until one
+        // comes, another topic first each time (filtered out by the publisher).
+        let got = tokio::time::timeout(wait, async {
+            loop {
+                let other = ZmqMessage::try_from(vec![
+                    Bytes::from_static(b"other"),
+                    Bytes::from_static(b"x"),
+                ])
+                .expect("frames");
+                publisher.send(other).await.expect("publish");
+                let message = ZmqMessage::try_from(vec![
+                    Bytes::from_static(b"kv@1"),
+                    Bytes::from_static(&[0, 0, 0, 0, 0, 0, 0, 7]),
+                    Bytes::from(vec![0x5a; 300]),
+                ])
+                .expect("frames");
+                publisher.send(message).await.expect("publish");
+                if let Ok(frames) =
+                    tokio::time::timeout(Duration::from_millis(50), sub.recv()).await
+                {
+                    return frames.expect("a message");
+                }
+            }
+        })
+        .await
+        .expect("a message within the wait");
+        assert_eq!(got.len(), 3);
+        assert_eq!(&got[0][..], b"kv@1");
+        assert_eq!(got[2].len(), 300);
+
+        let mut router = zeromq::RouterSocket::new();
+        let r = port(router.bind("tcp://127.0.0.1:0").await.expect("bind"));
+        let endpoint = format!("tcp://127.0.0.1:{r}");
+        let mut dealer = Connection::connect(&endpoint, SocketType::Dealer, limits, wait)
+            .await
+            .expect("connects");
+        dealer
+            .send(&[b"", &5u64.to_be_bytes()])
+            .await
+            .expect("request");
+        let request = tokio::time::timeout(wait, router.recv())
+            .await
+            .expect("in time")
+            .expect("request")
+            .into_vec();
+        assert_eq!(request.len(), 3, "{request:?}");
+        assert_eq!(&request[2][..], &5u64.to_be_bytes());
+        let reply = ZmqMessage::try_from(vec![
+            request[0].clone(),
+            Bytes::new(),
+            Bytes::from_static(b"done"),
+        ])
+        .expect("frames");
+        router.send(reply).await.expect("reply");
+        let reply = tokio::time::timeout(wait, dealer.recv())
+            .await
+            .expect("in time")
+            .expect("reply");
+        assert_eq!(reply, vec![Bytes::new(), Bytes::from_static(b"done")]);
+    }
 }
