@@ -367,14 +367,21 @@ fn chain(first: u64, blocks: u64) -> Value {
 }
 
 /// An engine that reports 100 blocks of KV capacity and stores 2,000: the row's index stays
-/// within 100 + 100/4 + 64 = 189 blocks, the overflow counted; without a known capacity,
-/// `max_indexed_blocks` bounds it.
+/// within 100 + 100/4 + 64 = 189 blocks, the overflow counted; `max_indexed_blocks` bounds it
+/// without a known capacity, and with a larger one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_storing_far_over_its_capacity_leaves_the_index_bounded() {
     let _serial = SERIAL.lock().await;
     for (worker, kv, limit, reason) in [
         ("    total_kv_blocks: 100\n", "", 189.0, "over_capacity"),
         ("", "      max_indexed_blocks: 300\n", 300.0, "over_limit"),
+        // A capacity the engine claims cannot raise the bound.
+        (
+            "    total_kv_blocks: 100000\n",
+            "      max_indexed_blocks: 300\n",
+            300.0,
+            "over_limit",
+        ),
     ] {
         let engine = Engine::start(1).await;
         let hostile = Hostile::bind().await;

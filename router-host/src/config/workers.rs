@@ -47,8 +47,8 @@ pub struct KvEventsConfig {
     pub replay_endpoint: Option<String>,
     /// Topic prefix to subscribe to (`""`: every message).
     pub topic: String,
-    /// Most blocks indexed per rank and tier while the engine's KV capacity is unknown (with a
-    /// known capacity, the capacity plus a quarter plus 64 blocks).
+    /// Most blocks indexed per rank and tier (on the device, the engine's known KV capacity
+    /// plus a quarter plus 64 blocks, when that is smaller).
     pub max_indexed_blocks: u64,
 }
 

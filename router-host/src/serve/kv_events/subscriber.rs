@@ -378,20 +378,21 @@ impl Subscriber {
         }
     }
 
-    /// The limits of this row's tiers: the engine's reported capacity when known (device),
-    /// else `max_indexed_blocks`.
+    /// The limits of this row's tiers: `max_indexed_blocks`, and on the device the engine's
+    /// reported capacity (plus slack) when known and smaller. The capacity comes from the
+    /// engine's own `/metrics`, as untrusted as its events: it can lower the bound, not raise it.
     fn set_limits(&mut self, core: &router_core::routing::RoutingCore) {
         let capacity = core
             .topology()
             .cluster()
             .worker(self.spec.worker)
-            .and_then(|w| w.total_kv_blocks);
+            .and_then(|w| w.total_kv_blocks)
+            .map(capacity_limit);
         let cap = usize::try_from(self.max_indexed_blocks).unwrap_or(usize::MAX);
         for tier in Tier::ALL {
             match capacity {
-                Some(blocks) if tier == Tier::Device => {
-                    self.ingest
-                        .set_limit(tier, capacity_limit(blocks), "over_capacity")
+                Some(limit) if tier == Tier::Device && limit <= cap => {
+                    self.ingest.set_limit(tier, limit, "over_capacity")
                 }
                 _ => self.ingest.set_limit(tier, cap, "over_limit"),
             }
