@@ -1,8 +1,9 @@
 //! `router-host serve`: KV-cache events from vLLM-style ZMQ publishers feed the KV index.
 //!
-//! Each test binds its own in-process PUB socket on 127.0.0.1 (the same `zeromq` crate the
-//! router uses), builds vLLM's msgpack payloads with `rmpv`, and watches the router's metrics and
-//! KV index with bounded waits.
+//! Each test binds its own in-process PUB socket on 127.0.0.1 (the `zeromq` crate, as the mock
+//! engine does: so these tests are also the router's ZMTP client against another
+//! implementation), builds vLLM's msgpack payloads with `rmpv`, and watches the router's metrics
+//! and KV index with bounded waits.
 
 mod common;
 
@@ -563,6 +564,40 @@ async fn the_subscriber_reconnects_after_the_publisher_restarts() {
     router.stop().await;
 }
 
+/// Reconnects back off from 100 ms doubling to 5 s, no further: a publisher down for 20 s
+/// (tries at about 0.1, 0.3, 0.7, 1.5, 3.1 and 6.3 s, then at most 5 s apart) has its batches
+/// received again within 2 x 5 s of coming back. (With the zeromq crate's reconnection,
+/// growing to 30 s, that took 16 s.) Slow by nature: about 23 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_down_a_while_is_resubscribed_within_twice_the_longest_backoff() {
+    let e1 = Engine::start(1).await;
+    let mut p = Publisher::bind(0).await;
+    let port = p.port;
+    let router = Router::start("serve_kv_backoff", &yaml(&[(&e1, &p)])).await;
+    p.prime(&router, 1).await;
+    drop(p);
+    assert!(
+        eventually(WAIT, || {
+            router.metric("router_kv_subscriber_connected{worker=\"1\",dp_rank=\"0\"}") == 0.0
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let mut p = Publisher::bind(port).await;
+    let up = std::time::Instant::now();
+    let sample = "router_kv_event_batches_total{worker=\"1\"}";
+    let before = router.metric(sample);
+    while router.metric(sample) <= before {
+        assert!(
+            up.elapsed() < Duration::from_secs(10),
+            "no batch received within 10 s of the publisher coming back"
+        );
+        p.send(vec![]).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    router.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_asks_the_replay_socket_and_applies_what_it_returns() {
     let e1 = Engine::start(1).await;
@@ -662,6 +697,7 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
         Some("tcp://127.0.0.1:6558")
     );
     assert_eq!(kv.topic, "");
+    assert_eq!(kv.max_indexed_blocks, 1 << 20);
     assert_eq!(ok.workers[0].block_size, 32);
 
     let cases = [
@@ -684,6 +720,11 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
             "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      colour: red\n",
             "colour",
             "unknown field",
+        ),
+        (
+            "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      max_indexed_blocks: 0\n",
+            "max_indexed_blocks",
+            "an integer >= 1",
         ),
     ];
     for (extra, key, why) in cases {

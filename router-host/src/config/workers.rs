@@ -45,7 +45,16 @@ pub struct KvEventsConfig {
     pub replay_endpoint: Option<String>,
     /// Topic prefix to subscribe to (`""`: every message).
     pub topic: String,
+    /// Most blocks indexed per rank and tier (on the device, the engine's known KV capacity
+    /// plus a quarter plus 64 blocks, when that is smaller).
+    pub max_indexed_blocks: u64,
 }
+
+/// Default `kv_events.max_indexed_blocks`: above the device cache of real engines (a 7-8B
+/// model on an 80 GB GPU holds about 30,000 blocks of 16 tokens, a 0.5B one about 300,000)
+/// and of a host offload tier of a few hundred GB, while bounding one rank's tier to about
+/// 150 MB of index.
+pub const DEFAULT_MAX_INDEXED_BLOCKS: u64 = 1 << 20;
 
 impl KvEventsConfig {
     /// The endpoint of `rank`: the port plus the rank.
@@ -110,6 +119,8 @@ pub(super) struct RawKvEvents {
     replay_endpoint: Option<String>,
     #[serde(default)]
     topic: Option<String>,
+    #[serde(default, deserialize_with = "de_positive")]
+    max_indexed_blocks: Option<u64>,
 }
 
 /// Accepts a ZMQ endpoint the router connects to (see [`check_zmq_endpoint`]).
@@ -278,6 +289,9 @@ impl Builder<'_> {
                         endpoint: raw.endpoint,
                         replay_endpoint: raw.replay_endpoint,
                         topic: raw.topic.unwrap_or_default(),
+                        max_indexed_blocks: raw
+                            .max_indexed_blocks
+                            .unwrap_or(DEFAULT_MAX_INDEXED_BLOCKS),
                     };
                     let last_rank = dp_size.saturating_sub(1);
                     let endpoints = std::iter::once(("endpoint", Some(&config.endpoint))).chain(

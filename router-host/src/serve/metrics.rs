@@ -90,6 +90,15 @@ pub struct OpLabels {
     pub op: &'static str,
 }
 
+/// A KV-index metric of one row's tier, with a reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RowTierReasonLabels {
+    pub worker: String,
+    pub dp_rank: String,
+    pub tier: String,
+    pub reason: String,
+}
+
 /// A KV-event metric of one row, with a kind or reason.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KvKindLabels {
@@ -124,6 +133,12 @@ pub struct KvMetrics {
     pub blocks: Family<RowTierLabels, Gauge>,
     /// Seconds from the last batch's timestamp (the engine's clock) to its being applied.
     pub lag: Family<RowLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Connections dropped because the publisher broke ZMTP, by `kind`.
+    pub protocol_errors: Family<KvKindLabels, Counter>,
+    /// Subscriber sessions or tasks that panicked (and were restarted), by row.
+    pub panics: Family<RowLabels, Counter>,
+    /// Blocks dropped from a row's tier to keep it within its limit, by `tier` and `reason`.
+    pub evictions: Family<RowTierReasonLabels, Counter>,
 }
 
 impl KvMetrics {
@@ -151,7 +166,8 @@ impl KvMetrics {
         );
         registry.register(
             "router_kv_row_clears",
-            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared)",
+            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared, \
+             over_capacity)",
             self.clears.clone(),
         );
         registry.register(
@@ -188,6 +204,25 @@ impl KvMetrics {
             "Seconds from the last applied batch's timestamp (engine clock) to its being \
              applied (router clock)",
             self.lag.clone(),
+        );
+        registry.register(
+            "router_kv_protocol_errors",
+            "KV-event connections dropped because the publisher broke the ZMTP protocol, by \
+             kind (greeting, mechanism, handshake, frame, too_large, too_many_frames, command, \
+             peer_error, stalled)",
+            self.protocol_errors.clone(),
+        );
+        registry.register(
+            "router_kv_subscriber_panics",
+            "KV-event subscriber sessions that panicked and were restarted",
+            self.panics.clone(),
+        );
+        registry.register(
+            "router_kv_index_evictions",
+            "Blocks dropped from a row's KV-index tier because it went over its limit, by tier \
+             and reason (over_capacity: the engine's reported KV capacity; over_limit: \
+             kv_events.max_indexed_blocks)",
+            self.evictions.clone(),
         );
     }
 }

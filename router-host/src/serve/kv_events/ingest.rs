@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use router_core::blocks::{BlockHasher, Tenant};
 use router_core::kv_index::{KvEventKind, Tier};
 
-use super::decode::{BlockKeys, BlockStored, EngineEvent, EngineHash, EventBatch};
+use super::decode::{BlockKeys, BlockStored, DecodeError, EngineEvent, EngineHash};
 
 /// One index update: what happened to which router block on which tier.
 pub type Update = (KvEventKind, Tier, u64);
@@ -43,8 +43,11 @@ pub struct Tally {
     pub ignored: Vec<(&'static str, u64)>,
     /// Events that did not decode (`event`).
     pub decode_errors: Vec<(&'static str, u64)>,
-    /// By cause: `restart`, `all_blocks_cleared`.
+    /// By cause: `restart`, `all_blocks_cleared`, `over_capacity`.
     pub clears: Vec<(&'static str, u64)>,
+    /// Blocks dropped to keep a tier within its limit: tier, reason (`over_capacity`: the
+    /// engine's reported KV capacity; `over_limit`: `max_indexed_blocks`), how many.
+    pub evicted: Vec<(Tier, &'static str, u64)>,
 }
 
 fn bump(list: &mut Vec<(&'static str, u64)>, label: &'static str) {
@@ -101,6 +104,16 @@ pub struct RowIngest {
     seen: [bool; 3],
     last_seq: Option<u64>,
     pending: Vec<Update>,
+    /// Most blocks held per tier, and why that many (see [`RowIngest::set_limit`]).
+    limits: [(usize, &'static str); 3],
+}
+
+/// How many blocks a tier may hold when its engine reports `capacity` blocks: the capacity
+/// plus a quarter (a store can be published before the removal that made room for it) plus
+/// 64, so that an honest engine never reaches it.
+pub fn capacity_limit(capacity: u64) -> usize {
+    let slack = capacity / 4 + 64;
+    usize::try_from(capacity.saturating_add(slack)).unwrap_or(usize::MAX)
 }
 
 /// The tier a `medium` names: vLLM's `"GPU"` (or no medium, engines that predate the field)
@@ -158,7 +171,14 @@ impl RowIngest {
             seen: [false; 3],
             last_seq: None,
             pending: Vec::new(),
+            limits: [(usize::MAX, "over_limit"); 3],
         })
+    }
+
+    /// Hold at most `blocks` blocks on `tier`; over that, the tier is cleared and the drop
+    /// counted under `reason`.
+    pub fn set_limit(&mut self, tier: Tier, blocks: usize, reason: &'static str) {
+        self.limits[tier as usize] = (blocks, reason);
     }
 
     /// Blocks the row holds on `tier`.
@@ -235,9 +255,16 @@ impl RowIngest {
         sink.clear_tier(tier);
     }
 
-    /// Apply one decoded batch; updates go to `sink` in one call where possible.
-    pub fn apply(&mut self, batch: EventBatch, sink: &mut dyn Sink, tally: &mut Tally) {
-        for event in batch.events {
+    /// Apply one decoded batch's events, in order; updates go to `sink` in one call where
+    /// possible. After each event every tier is within its limit.
+    pub fn apply(
+        &mut self,
+        events: impl IntoIterator<Item = Result<EngineEvent, DecodeError>>,
+        sink: &mut dyn Sink,
+        tally: &mut Tally,
+    ) {
+        for event in events {
+            self.bound(sink, tally);
             match event {
                 Err(_) => bump(&mut tally.decode_errors, "event"),
                 Ok(EngineEvent::BlockStored(stored)) => self.stored(stored, tally),
@@ -274,7 +301,25 @@ impl RowIngest {
                 Ok(EngineEvent::Unknown(_)) => bump(&mut tally.ignored, "unknown_type"),
             }
         }
+        self.bound(sink, tally);
         self.flush(sink);
+    }
+
+    /// Keep every tier within its limit. Over it, the engine's events contradict its own
+    /// capacity (removals lost, or a publisher that lies): which of the blocks are stale cannot
+    /// be told (the map has no order), so the tier is cleared, as after `AllBlocksCleared`,
+    /// and rebuilt from the stores that follow. The index only ever under-claims.
+    fn bound(&mut self, sink: &mut dyn Sink, tally: &mut Tally) {
+        for tier in Tier::ALL {
+            let (limit, reason) = self.limits[tier as usize];
+            let held = self.per_tier[tier as usize];
+            if held > limit {
+                self.flush(sink);
+                self.clear_tier(tier, sink);
+                tally.evicted.push((tier, reason, held as u64));
+                bump(&mut tally.clears, "over_capacity");
+            }
+        }
     }
 
     fn flush(&mut self, sink: &mut dyn Sink) {
@@ -407,7 +452,7 @@ impl RowIngest {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::kv_events::decode::BlockKeys;
+    use crate::serve::kv_events::decode::{BlockKeys, EventBatch};
 
     /// The index a row's updates build: per tier, the router ids held.
     #[derive(Default)]
@@ -758,5 +803,42 @@ mod tests {
         );
         assert_eq!(row.check_seq(0), SeqCheck::Restart { last: 9, got: 0 });
         assert_eq!(row.check_seq(0), SeqCheck::Restart { last: 0, got: 0 });
+    }
+
+    #[test]
+    fn a_tier_over_its_limit_is_cleared_and_counted() {
+        let mut row = RowIngest::new(4).expect("block size");
+        row.set_limit(Tier::Device, capacity_limit(100), "over_capacity");
+        assert_eq!(capacity_limit(100), 189);
+        let mut sink = Recorder::default();
+        let mut tally = Tally::default();
+        // 1,000 unchained blocks, 10 per event, never removed: far over 100 blocks.
+        for chunk in 0..100u64 {
+            let events: Vec<EngineEvent> = (0..10)
+                .map(|i| {
+                    let h = chunk * 10 + i + 1;
+                    stored(&[h], None, vec![h as u32; 4])
+                })
+                .collect();
+            row.apply(batch(events), &mut sink, &mut tally);
+            assert!(
+                row.blocks_on(Tier::Device) <= 189,
+                "{}",
+                row.blocks_on(Tier::Device)
+            );
+            assert!(sink.held[0].len() <= 189);
+            assert!(row.len() <= 189);
+        }
+        let dropped: u64 = tally.evicted.iter().map(|(_, _, n)| n).sum();
+        assert!(tally
+            .evicted
+            .iter()
+            .all(|(t, r, _)| *t == Tier::Device && *r == "over_capacity"));
+        assert_eq!(dropped + row.blocks_on(Tier::Device) as u64, 1000);
+        assert_eq!(
+            Tally::count(&tally.clears, "over_capacity"),
+            tally.evicted.len() as u64
+        );
+        assert!(tally.evicted.len() >= 5);
     }
 }

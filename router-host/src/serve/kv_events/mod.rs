@@ -10,6 +10,7 @@
 pub mod decode;
 pub mod ingest;
 mod subscriber;
+pub mod zmtp;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,7 @@ pub struct Spec {
     pub replay_endpoint: Option<String>,
     pub topic: String,
     pub block_size: u32,
+    pub max_indexed_blocks: u64,
 }
 
 /// The subscribers a configuration asks for.
@@ -42,6 +44,7 @@ pub fn specs(generation: &Generation) -> Vec<Spec> {
                 replay_endpoint: kv.replay_endpoint_for(rank),
                 topic: kv.topic.clone(),
                 block_size: w.block_size,
+                max_indexed_blocks: kv.max_indexed_blocks,
             });
         }
     }
@@ -63,7 +66,7 @@ impl Subscribers {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
         };
-        running.retain(|spec, (stop, _)| {
+        running.retain(|spec, (stop, task)| {
             let keep = wanted.contains(spec);
             if !keep {
                 stop.cancel();
@@ -72,6 +75,22 @@ impl Subscribers {
                     dp_rank = spec.rank,
                     "KV events: subscriber stopped (configuration changed)"
                 );
+            } else if task.is_finished() {
+                // A subscriber only ends when stopped: this one died (it catches panics in
+                // its sessions, so this is a bug). Started again below.
+                tracing::error!(
+                    worker = spec.worker,
+                    dp_rank = spec.rank,
+                    "KV events: subscriber task had ended; restarted"
+                );
+                metrics
+                    .panics
+                    .get_or_create(&super::metrics::RowLabels {
+                        worker: spec.worker.to_string(),
+                        dp_rank: spec.rank.to_string(),
+                    })
+                    .inc();
+                return false;
             }
             keep
         });

@@ -1,34 +1,74 @@
-//! One `(worker, rank)` subscriber: a ZMQ SUB connected to the engine's publisher, its own
-//! tokio task. It decodes each message, applies it to the current configuration's routing core
-//! in one batch per message (a short write lock on the KV index, never awaited under), and
-//! reconnects with backoff when the engine goes away. A gap in the sequence numbers is counted
-//! and, with a replay endpoint, filled by asking the engine's replay socket.
+//! One `(worker, rank)` subscriber: a ZMTP SUB connection to the engine's publisher
+//! ([`super::zmtp`]), its own tokio task. It decodes each message, applies it to the current
+//! configuration's routing core in one batch per message (a short write lock on the KV index,
+//! never awaited under), and reconnects with backoff when the connection breaks or the peer
+//! breaks the protocol. A gap in the sequence numbers is counted and, with a replay endpoint,
+//! filled by asking the engine's replay socket.
 
 use std::collections::HashSet;
+use std::hash::{BuildHasher, Hasher};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::FutureExt;
 use router_core::kv_index::Tier;
-use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use tokio::time::Instant;
 
-use super::decode::{decode_payload, decode_seq, DecodeError};
-use super::ingest::{RowIngest, SeqCheck, Sink, Tally, Update};
+use super::decode::{decode_batch, decode_seq, DecodeError, MAX_PAYLOAD_BYTES};
+use super::ingest::{capacity_limit, RowIngest, SeqCheck, Sink, Tally, Update};
+use super::zmtp::{Connection, Limits, ProtocolError, SocketType};
 use super::Spec;
 use crate::model::RowId;
-use crate::serve::metrics::{KvKindLabels, KvMetrics, RowLabels, RowTierLabels};
+use crate::serve::metrics::{
+    KvKindLabels, KvMetrics, RowLabels, RowTierLabels, RowTierReasonLabels,
+};
 use crate::serve::state::Current;
 use crate::serve::Stop;
 
-/// First and longest wait between connection attempts.
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
-/// Limit on one connection attempt, and on each replay step.
+/// First and longest wait between connection attempts (each wait is shortened by up to a
+/// fifth at random, so that rows restarted together do not reconnect in lockstep).
+pub(super) const BACKOFF_MIN: Duration = Duration::from_millis(100);
+pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Limit on one connection attempt (TCP connect and handshake), and on each replay step.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a quiet subscriber checks for a reloaded configuration (to seed its new index).
 const GENERATION_CHECK: Duration = Duration::from_millis(500);
+/// What a publisher may send: a message is `[topic, seq, payload]` (a replay reply has one
+/// more, empty, frame), the payload at most [`MAX_PAYLOAD_BYTES`], and once a message started
+/// its next byte comes within `stall`.
+pub(super) const LIMITS: Limits = Limits {
+    max_message: MAX_PAYLOAD_BYTES + (64 << 10),
+    max_frames: 8,
+    stall: Duration::from_secs(3),
+};
+/// Least time between two warnings that a row's index went over its limit.
+const OVERFLOW_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Run `session`; a panic in it becomes its message (the subscriber then reconnects instead
+/// of leaving its row silently dead).
+async fn caught<T>(session: impl std::future::Future<Output = T>) -> Result<T, String> {
+    AssertUnwindSafe(session)
+        .catch_unwind()
+        .await
+        .map_err(|panic| {
+            panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".to_owned())
+        })
+}
+
+/// A random fraction in [0, 1) (jitter; no need for a generator).
+fn random_fraction() -> f64 {
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
 
 /// The core of the configuration serving now, for one row.
 struct CoreSink<'a> {
@@ -60,6 +100,10 @@ pub(super) struct Subscriber {
     generation: u64,
     /// Conditions already logged at `warn` (later ones go to `debug`).
     warned: HashSet<&'static str>,
+    /// Most blocks indexed per tier without a known capacity.
+    max_indexed_blocks: u64,
+    /// When an over-limit clear was last logged at `warn`.
+    overflow_logged: Option<Instant>,
 }
 
 impl Subscriber {
@@ -70,6 +114,7 @@ impl Subscriber {
         stop: Stop,
     ) -> Result<Subscriber, router_core::blocks::BlockHashError> {
         let ingest = RowIngest::new(spec.block_size)?;
+        let max_indexed_blocks = spec.max_indexed_blocks;
         let generation = current.load().number;
         Ok(Subscriber {
             spec,
@@ -79,6 +124,8 @@ impl Subscriber {
             ingest,
             generation,
             warned: HashSet::new(),
+            max_indexed_blocks,
+            overflow_logged: None,
         })
     }
 
@@ -130,52 +177,77 @@ impl Subscriber {
             .set(i64::from(up));
     }
 
-    /// Run until stopped.
+    /// Run until stopped. A session that ends (the peer went away, broke the protocol, or a
+    /// bug panicked) sets the connected gauge to 0 and is retried after a backoff of
+    /// [`BACKOFF_MIN`] doubling to [`BACKOFF_MAX`]; the backoff starts over after a session
+    /// that stayed subscribed for [`BACKOFF_MAX`] (so a publisher that breaks the protocol
+    /// right after subscribing is retried, and logged, at most every 5 s).
     pub(super) async fn run(mut self) {
         self.set_connected(false);
         let mut backoff = BACKOFF_MIN;
         while !self.stop.is_cancelled() {
-            match self.session().await {
-                Ok(()) => return,
-                Err(err) => {
-                    self.set_connected(false);
-                    self.warn_once("disconnected", &err);
-                }
+            let mut subscribed_at = None;
+            let outcome = caught(self.session(&mut subscribed_at)).await;
+            self.set_connected(false);
+            match outcome {
+                Ok(Ok(())) => break,
+                Ok(Err(err)) => self.session_failed(&err),
+                Err(panic) => self.session_panicked(&panic),
             }
+            if subscribed_at.is_some_and(|at: Instant| at.elapsed() >= BACKOFF_MAX) {
+                backoff = BACKOFF_MIN;
+            }
+            let wait = backoff.mul_f64(1.0 - 0.2 * random_fraction());
             tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(wait) => {}
                 () = self.stop.cancelled() => break,
             }
             backoff = (backoff * 2).min(BACKOFF_MAX);
-            if self.ingest.last_seq().is_some() {
-                // A session got far enough to see messages: start the backoff over.
-                backoff = BACKOFF_MIN;
-            }
         }
         self.set_connected(false);
     }
 
+    fn session_failed(&mut self, err: &ProtocolError) {
+        let Some(kind) = err.kind() else {
+            self.warn_once("disconnected", err);
+            return;
+        };
+        self.metrics
+            .protocol_errors
+            .get_or_create(&self.kind_labels(kind))
+            .inc();
+        // A protocol violation is logged every time: it drops the connection, so it repeats
+        // at most once per backoff.
+        tracing::warn!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            endpoint = %self.spec.endpoint,
+            kind,
+            error = %err,
+            "KV events: protocol error; connection dropped, reconnecting"
+        );
+    }
+
+    fn session_panicked(&mut self, message: &str) {
+        self.metrics.panics.get_or_create(&self.row_labels()).inc();
+        tracing::error!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            endpoint = %self.spec.endpoint,
+            panic = message,
+            "KV events: the subscriber panicked; reconnecting"
+        );
+    }
+
     /// One connection: `Ok` when stopped, `Err` when the connection could not be made or broke.
-    async fn session(&mut self) -> Result<(), String> {
-        let mut options = SocketOptions::default();
-        options.connect_timeout(CONNECT_TIMEOUT);
-        let mut socket = zeromq::SubSocket::with_options(options);
-        let mut monitor = socket.monitor();
+    async fn session(&mut self, subscribed_at: &mut Option<Instant>) -> Result<(), ProtocolError> {
         let endpoint = self.spec.endpoint.clone();
-        tokio::select! {
-            connected = tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(&endpoint)) => {
-                match connected {
-                    Ok(Ok(())) => {}
-                    Ok(Err(err)) => return Err(format!("connect: {err}")),
-                    Err(_) => return Err("connect: timed out".to_owned()),
-                }
-            }
+        let mut conn = tokio::select! {
+            conn = Connection::connect(&endpoint, SocketType::Sub, LIMITS, CONNECT_TIMEOUT) => conn?,
             () = self.stop.cancelled() => return Ok(()),
-        }
-        socket
-            .subscribe(&self.spec.topic)
-            .await
-            .map_err(|err| format!("subscribe: {err}"))?;
+        };
+        conn.subscribe(self.spec.topic.as_bytes()).await?;
+        *subscribed_at = Some(Instant::now());
         self.set_connected(true);
         self.warned.remove("disconnected");
         tracing::info!(
@@ -187,16 +259,7 @@ impl Subscriber {
         let mut tick = tokio::time::interval(GENERATION_CHECK);
         loop {
             tokio::select! {
-                message = socket.recv() => match message {
-                    Ok(message) => self.message(message).await,
-                    Err(err) => return Err(format!("receive: {err}")),
-                },
-                event = monitor.next() => match event {
-                    Some(SocketEvent::Connected(..)) => self.set_connected(true),
-                    Some(SocketEvent::Disconnected(..)) => self.set_connected(false),
-                    Some(_) => {}
-                    None => return Err("the socket monitor closed".to_owned()),
-                },
+                message = conn.recv() => self.message(message?).await,
                 _ = tick.tick() => self.follow_generation(),
                 () = self.stop.cancelled() => return Ok(()),
             }
@@ -216,6 +279,15 @@ impl Subscriber {
         core.apply_kv_events(row, self.ingest.holdings());
     }
 
+    fn count_protocol_error(&self, err: &ProtocolError) {
+        if let Some(kind) = err.kind() {
+            self.metrics
+                .protocol_errors
+                .get_or_create(&self.kind_labels(kind))
+                .inc();
+        }
+    }
+
     fn count_decode_error(&mut self, kind: &'static str, err: &DecodeError) {
         self.metrics
             .decode_errors
@@ -225,9 +297,14 @@ impl Subscriber {
     }
 
     /// A live message: `[topic, seq, payload]`.
-    async fn message(&mut self, message: ZmqMessage) {
+    async fn message(&mut self, frames: Vec<Bytes>) {
         self.follow_generation();
-        let frames = message.into_vec();
+        if frames
+            .first()
+            .is_some_and(|topic| !topic.starts_with(self.spec.topic.as_bytes()))
+        {
+            return; // another topic (a publisher that does not filter)
+        }
         if frames.len() != 3 {
             self.count_decode_error("frames", &DecodeError::Frames(frames.len()));
             return;
@@ -301,20 +378,42 @@ impl Subscriber {
         }
     }
 
+    /// The limits of this row's tiers: `max_indexed_blocks`, and on the device the engine's
+    /// reported capacity (plus slack) when known and smaller. The capacity comes from the
+    /// engine's own `/metrics`, as untrusted as its events: it can lower the bound, not raise it.
+    fn set_limits(&mut self, core: &router_core::routing::RoutingCore) {
+        let capacity = core
+            .topology()
+            .cluster()
+            .worker(self.spec.worker)
+            .and_then(|w| w.total_kv_blocks)
+            .map(capacity_limit);
+        let cap = usize::try_from(self.max_indexed_blocks).unwrap_or(usize::MAX);
+        for tier in Tier::ALL {
+            match capacity {
+                Some(limit) if tier == Tier::Device && limit <= cap => {
+                    self.ingest.set_limit(tier, limit, "over_capacity")
+                }
+                _ => self.ingest.set_limit(tier, cap, "over_limit"),
+            }
+        }
+    }
+
     /// Decode and apply one payload.
     fn payload(&mut self, payload: &[u8]) {
-        let batch = match decode_payload(payload) {
+        let batch = match decode_batch(payload) {
             Ok(batch) => batch,
             Err(err) => return self.count_decode_error("payload", &err),
         };
         let generation = self.current.load();
+        self.set_limits(generation.host.core());
         let mut sink = CoreSink {
             core: generation.host.core(),
             row: self.row(),
         };
         let mut tally = Tally::default();
         let ts = batch.ts;
-        self.ingest.apply(batch, &mut sink, &mut tally);
+        self.ingest.apply(batch.events, &mut sink, &mut tally);
         self.record(&tally);
         self.update_blocks();
         if let Some(ts) = ts.filter(|ts| ts.is_finite()) {
@@ -326,6 +425,46 @@ impl Subscriber {
                 .lag
                 .get_or_create(&self.row_labels())
                 .set((now - ts).max(0.0));
+        }
+    }
+
+    fn record_evictions(&mut self, tally: &Tally) {
+        for &(tier, reason, blocks) in &tally.evicted {
+            self.metrics
+                .evictions
+                .get_or_create(&RowTierReasonLabels {
+                    worker: self.spec.worker.to_string(),
+                    dp_rank: self.spec.rank.to_string(),
+                    tier: tier.as_str().to_owned(),
+                    reason: reason.to_owned(),
+                })
+                .inc_by(blocks);
+            let now = Instant::now();
+            let due = self
+                .overflow_logged
+                .is_none_or(|at| now.duration_since(at) >= OVERFLOW_LOG_EVERY);
+            if due {
+                self.overflow_logged = Some(now);
+                tracing::warn!(
+                    worker = self.spec.worker,
+                    dp_rank = self.spec.rank,
+                    tier = tier.as_str(),
+                    reason,
+                    blocks,
+                    "KV events: the row's index went over its limit (the engine's events \
+                     contradict its capacity); tier cleared (logged at most once a minute; \
+                     counted in router_kv_index_evictions_total)"
+                );
+            } else {
+                tracing::debug!(
+                    worker = self.spec.worker,
+                    dp_rank = self.spec.rank,
+                    tier = tier.as_str(),
+                    reason,
+                    blocks,
+                    "KV events: tier cleared (over its limit)"
+                );
+            }
         }
     }
 
@@ -342,6 +481,7 @@ impl Subscriber {
                 family.get_or_create(&self.kind_labels(label)).inc_by(*n);
             }
         }
+        self.record_evictions(tally);
         for (label, _) in &tally.refused {
             self.warn_once(label, &"event refused");
         }
@@ -354,16 +494,13 @@ impl Subscriber {
     /// vLLM's protocol: a DEALER sends `["", start_seq (8 bytes BE)]`; replies are
     /// `["", topic, seq, payload]` (older: `["", seq, payload]`), ending with seq = u64::MAX.
     async fn replay(&mut self, endpoint: &str, from: u64, until: u64) -> Result<u64, String> {
-        let mut options = SocketOptions::default();
-        options.connect_timeout(CONNECT_TIMEOUT);
-        let mut dealer = zeromq::DealerSocket::with_options(options);
-        tokio::time::timeout(CONNECT_TIMEOUT, dealer.connect(endpoint))
+        let mut dealer = Connection::connect(endpoint, SocketType::Dealer, LIMITS, CONNECT_TIMEOUT)
             .await
-            .map_err(|_| "connect timed out".to_owned())?
-            .map_err(|err| format!("connect: {err}"))?;
-        let mut request = ZmqMessage::from(Bytes::new());
-        request.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(request))
+            .map_err(|err| {
+                self.count_protocol_error(&err);
+                err.to_string()
+            })?;
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(&[b"", &from.to_be_bytes()]))
             .await
             .map_err(|_| "send timed out".to_owned())?
             .map_err(|err| format!("send: {err}"))?;
@@ -372,8 +509,11 @@ impl Subscriber {
             let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
                 .await
                 .map_err(|_| "no reply in time".to_owned())?
-                .map_err(|err| format!("receive: {err}"))?;
-            let mut frames = reply.into_vec();
+                .map_err(|err| {
+                    self.count_protocol_error(&err);
+                    format!("receive: {err}")
+                })?;
+            let mut frames = reply;
             if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
                 frames.remove(0);
             }
@@ -405,5 +545,39 @@ impl Subscriber {
             applied += 1;
         }
         Ok(applied)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_session_becomes_an_error_with_its_message() {
+        assert_eq!(caught(async { 7 }).await, Ok(7));
+        let index = 3;
+        let outcome = caught(async move {
+            let empty: Vec<u8> = Vec::new();
+            empty[index]
+        })
+        .await;
+        assert!(
+            matches!(&outcome, Err(m) if m.contains("index out of bounds")),
+            "{outcome:?}"
+        );
+        assert_eq!(
+            caught(async { std::panic::panic_any(5u8) }).await,
+            Err::<(), _>("(no message)".to_owned())
+        );
+    }
+
+    #[test]
+    fn backoff_waits_double_to_the_longest_with_jitter_below() {
+        for _ in 0..100 {
+            let f = random_fraction();
+            assert!((0.0..1.0).contains(&f));
+            let wait = BACKOFF_MAX.mul_f64(1.0 - 0.2 * f);
+            assert!(wait <= BACKOFF_MAX && wait >= BACKOFF_MAX.mul_f64(0.8));
+        }
     }
 }
