@@ -320,7 +320,7 @@ fn every_example_config_loads() {
         // (docs/policies/two-tier-cost-fn.md).
         if config.ends_with("two-tier-soft-affinity.yaml") {
             assert!(
-                out.contains("booking: prefill prompt, decode deduplicated"),
+                out.contains("booking: prefill uncached, decode deduplicated"),
                 "{out}"
             );
         }
