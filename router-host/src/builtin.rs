@@ -135,9 +135,10 @@ impl Builtin {
         }
     }
 
-    /// Validate parameters and box an instance.
+    /// Validate parameters and box instance `instance`.
     pub fn create(
         self,
+        instance: &str,
         parameters_json: &str,
         settings: &BuiltinSettings,
     ) -> Result<plugin_api::abi::PolicyBox, CreateError> {
@@ -174,6 +175,7 @@ impl Builtin {
                     )?,
                     tie_break: p.tie_break.unwrap_or(settings.tie_break),
                 };
+                selector.log_resolved(instance);
                 plugin_api::export::into_policy_box(selector)
             }
             Builtin::RoundRobin => {
@@ -226,6 +228,22 @@ impl DefaultSelector {
             overlap_credit: settings.overlap_credit,
             tie_break: settings.tie_break,
         }
+    }
+
+    /// Log the values in force (not just what the YAML said), once per instance: the host's
+    /// defaults changed, and this line says which ones a running router uses.
+    fn log_resolved(&self, instance: &str) {
+        tracing::info!(
+            instance,
+            policy = Builtin::Default.as_str(),
+            prefill_load_scale = self.prefill_load_scale,
+            decode_active_request_weight = self.decode_active_request_weight,
+            overlap_credit = self.overlap_credit,
+            tie_break = self.tie_break.as_str(),
+            host_cache_hit_weight = self.host_weight,
+            disk_cache_hit_weight = self.disk_weight,
+            "built-in default selector created with resolved settings"
+        );
     }
 
     /// docs/configuration.md, `default`:
@@ -395,6 +413,30 @@ mod tests {
     }
 
     #[test]
+    fn creating_a_default_instance_logs_the_settings_in_force() {
+        let (created, events) = plugin_api::testing::capture_logs(|| {
+            Builtin::Default.create(
+                "d",
+                r#"{"overlap_credit": 2.0}"#,
+                &BuiltinSettings::default(),
+            )
+        });
+        assert!(created.is_ok());
+        let line = events
+            .iter()
+            .find(|e| e.contains("built-in default selector created"))
+            .unwrap_or_else(|| panic!("{events:?}"));
+        for part in [
+            "instance=d",
+            "prefill_load_scale=20",
+            "overlap_credit=2",
+            "tie_break=spread",
+        ] {
+            assert!(line.contains(part), "`{part}` not in {line}");
+        }
+    }
+
+    #[test]
     fn host_defaults_are_the_measured_best_settings() {
         let d = BuiltinSettings::default();
         assert_eq!(
@@ -471,12 +513,12 @@ mod tests {
     fn default_rejects_bad_parameters_by_key() {
         let settings = BuiltinSettings::default();
         let err = Builtin::Default
-            .create(r#"{"prefill_load_scale": -1}"#, &settings)
+            .create("t", r#"{"prefill_load_scale": -1}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "prefill_load_scale");
         let err = Builtin::RoundRobin
-            .create(r#"{"speed": 1}"#, &settings)
+            .create("t", r#"{"speed": 1}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "speed");
@@ -639,13 +681,13 @@ mod tests {
     fn new_parameters_are_validated_by_key() {
         let settings = BuiltinSettings::default();
         let err = Builtin::Default
-            .create(r#"{"overlap_credit": -0.5}"#, &settings)
+            .create("t", r#"{"overlap_credit": -0.5}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "overlap_credit");
         assert!(err.message().contains("-0.5"), "{}", err.message());
         let err = Builtin::Default
-            .create(r#"{"tie_break": "random"}"#, &settings)
+            .create("t", r#"{"tie_break": "random"}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "tie_break");
@@ -656,12 +698,13 @@ mod tests {
             err.message()
         );
         let err = Builtin::Default
-            .create(r#"{"tie_break": 1}"#, &settings)
+            .create("t", r#"{"tie_break": 1}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "tie_break");
         assert!(Builtin::Default
             .create(
+                "t",
                 r#"{"tie_break": "spread", "overlap_credit": 1.5}"#,
                 &settings
             )
