@@ -21,6 +21,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,6 +102,7 @@ def main():
     binary = Path(a.router_host)
     plugin = Path(a.plugin) if a.plugin else binary.parent / "libtwo_tier_cost_fn.so"
     procs = []
+    ok = False
     work = tempfile.mkdtemp(prefix="serve-growth-")
     try:
         engines = []
@@ -180,6 +182,7 @@ def main():
             f"{w}: {n} ({100 * n / max(total, 1):.1f} %)" for w, n in sorted(split.items(), key=str)))
         print(f"max VmRSS {max(s[0] for s in samples):.1f} MiB, max Threads {max(s[1] for s in samples)}")
         print(f"thread names: {thread_names(serve.pid)}")
+        ok = True
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -189,6 +192,10 @@ def main():
                 proc.wait(timeout=35)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"serve's log and config kept in {work}", file=sys.stderr)
 
 
 if __name__ == "__main__":
