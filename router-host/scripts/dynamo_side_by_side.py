@@ -49,35 +49,37 @@ DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation"
 # into its work directory from GENERATED_CONFIGS).
 OUR_CONFIGS = [
     ("default", "examples/replay/default.yaml"),
-    ("default (host defaults)", None),
+    ("default (Dynamo weights)", None),
     ("two-tier", "examples/replay/two-tier.yaml"),
     ("two-tier (prefill_backlog)", "examples/two-tier-prefill-backlog.yaml"),
     ("round-robin", "examples/replay/round-robin.yaml"),
 ]
-# The built-in `default` with the host's own defaults (Dynamo's weights, whole-prompt booking,
-# lowest-row ties): what examples/replay/default.yaml was before issue 12.
+# The built-in `default` with Dynamo's weights, whole-prompt booking and lowest-row ties: the
+# host's defaults before the measured-best settings became the defaults (docs/configuration.md
+# names these keys as the way back).
+DYNAMO_WEIGHTS = ("default_selector:\n  prefill_load_scale: 1.0\n  overlap_credit: 1.0\n"
+                  "  tie_break: lowest_row\nworker_selection:\n  aggregated: default\n")
 GENERATED_CONFIGS = {
-    "default (host defaults)": ("host-defaults.yaml", "worker_selection:\n  aggregated: default\n"),
+    "default (Dynamo weights)": ("dynamo-weights.yaml", "booking:\n  prefill: prompt\n" + DYNAMO_WEIGHTS),
     # --booking-variants: the same with Dynamo's decode booking, then with all of Dynamo's
     # booking (prefill as isl - cached overlap too), and default.yaml with deduplicated decode.
-    "default (host defaults, decode deduplicated)": (
-        "host-defaults-decode-deduplicated.yaml",
-        "booking:\n  decode: deduplicated\nworker_selection:\n  aggregated: default\n",
+    "default (Dynamo weights, decode deduplicated)": (
+        "dynamo-weights-decode-deduplicated.yaml",
+        "booking:\n  prefill: prompt\n  decode: deduplicated\n" + DYNAMO_WEIGHTS,
     ),
-    "default (host defaults, Dynamo's booking)": (
-        "host-defaults-dynamo-booking.yaml",
-        "booking:\n  prefill: uncached\n  decode: deduplicated\nworker_selection:\n  aggregated: default\n",
+    "default (Dynamo weights, Dynamo's booking)": (
+        "dynamo-weights-dynamo-booking.yaml",
+        "booking:\n  prefill: uncached\n  decode: deduplicated\n" + DYNAMO_WEIGHTS,
     ),
     "default, decode deduplicated": (
         "default-decode-deduplicated.yaml",
-        "booking:\n  prefill: uncached\n  decode: deduplicated\ndefault_selector:\n  prefill_load_scale: 20\n"
-        "  overlap_credit: 1.5\n  tie_break: spread\nworker_selection:\n  aggregated: default\n",
+        "booking:\n  decode: deduplicated\nworker_selection:\n  aggregated: default\n",
     ),
 }
 # Added by --booking-variants, after the default list.
 BOOKING_VARIANTS = [
-    ("default (host defaults, decode deduplicated)", None),
-    ("default (host defaults, Dynamo's booking)", None),
+    ("default (Dynamo weights, decode deduplicated)", None),
+    ("default (Dynamo weights, Dynamo's booking)", None),
     ("default, decode deduplicated", None),
 ]
 

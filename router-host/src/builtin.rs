@@ -13,6 +13,7 @@ use plugin_api::{
 };
 use serde::Deserialize;
 
+use crate::config;
 use crate::loader::PolicyTypeDoc;
 use crate::rng::{mix, GOLDEN_GAMMA};
 
@@ -33,12 +34,26 @@ impl Default for BuiltinSettings {
     /// The host's defaults (docs/configuration.md, `default_selector`).
     fn default() -> Self {
         BuiltinSettings {
-            host_cache_hit_weight: 0.75,
-            disk_cache_hit_weight: 0.25,
+            host_cache_hit_weight: config::DEFAULT_HOST_CACHE_HIT_WEIGHT,
+            disk_cache_hit_weight: config::DEFAULT_DISK_CACHE_HIT_WEIGHT,
+            prefill_load_scale: config::DEFAULT_PREFILL_LOAD_SCALE,
+            decode_active_request_weight: config::DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
+            overlap_credit: config::DEFAULT_OVERLAP_CREDIT,
+            tie_break: config::DEFAULT_TIE_BREAK,
+        }
+    }
+}
+
+impl BuiltinSettings {
+    /// Dynamo's weights, the host's defaults before the measured-best ones: what
+    /// `default_selector: {prefill_load_scale: 1.0, overlap_credit: 1.0, tie_break: lowest_row}`
+    /// gives.
+    pub fn dynamo() -> Self {
+        BuiltinSettings {
             prefill_load_scale: 1.0,
-            decode_active_request_weight: 0.0,
             overlap_credit: 1.0,
             tie_break: TieBreak::LowestRow,
+            ..BuiltinSettings::default()
         }
     }
 }
@@ -49,11 +64,12 @@ router_core::spelled_enum! {
     pub enum TieBreak {
         /// The lowest `(worker_id, dp_rank)`: deterministic, but with idle rows every request
         /// lands on the lowest ids.
-        #[default]
         LowestRow = "lowest_row",
         /// The tied row that ranks first in an order drawn from the request (its prompt length,
         /// block count and session id) and each row's id: the same request always breaks the
         /// same way, whatever the row order, and different requests spread over the tied rows.
+        /// The host's default (`config::DEFAULT_TIE_BREAK`).
+        #[default]
         Spread = "spread",
     }
 }
@@ -97,10 +113,10 @@ impl Builtin {
             Builtin::Default => (
                 "Lowest prefill+decode cost after cache credit; narrows to an eligible soft target",
                 vec![
-                    ParamDoc::optional("prefill_load_scale", "f64", "host default_selector.prefill_load_scale (1.0)", "weight of the uncached prefill blocks; finite, >= 0"),
-                    ParamDoc::optional("decode_active_request_weight", "f64", "host default_selector.decode_active_request_weight (0.0)", "weight of active requests; finite, >= 0"),
-                    ParamDoc::optional("overlap_credit", "f64", "host default_selector.overlap_credit (1.0)", "credit per device-cached prompt block (1.0 = the block's prefill); finite, >= 0"),
-                    ParamDoc::optional("tie_break", "string", "host default_selector.tie_break (lowest_row)", "exact ties: lowest_row, or spread (drawn from the request and the row id)"),
+                    ParamDoc::optional("prefill_load_scale", "f64", &format!("host default_selector.prefill_load_scale ({:?})", config::DEFAULT_PREFILL_LOAD_SCALE), "weight of the uncached prefill blocks; finite, >= 0"),
+                    ParamDoc::optional("decode_active_request_weight", "f64", &format!("host default_selector.decode_active_request_weight ({:?})", config::DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT), "weight of active requests; finite, >= 0"),
+                    ParamDoc::optional("overlap_credit", "f64", &format!("host default_selector.overlap_credit ({:?})", config::DEFAULT_OVERLAP_CREDIT), "credit per device-cached prompt block (1.0 = the block's prefill); finite, >= 0"),
+                    ParamDoc::optional("tie_break", "string", &format!("host default_selector.tie_break ({})", config::DEFAULT_TIE_BREAK), "exact ties: spread (drawn from the request and the row id), or lowest_row"),
                 ],
             ),
             Builtin::RoundRobin => (
@@ -119,9 +135,10 @@ impl Builtin {
         }
     }
 
-    /// Validate parameters and box an instance.
+    /// Validate parameters and box instance `instance`.
     pub fn create(
         self,
+        instance: &str,
         parameters_json: &str,
         settings: &BuiltinSettings,
     ) -> Result<plugin_api::abi::PolicyBox, CreateError> {
@@ -158,6 +175,7 @@ impl Builtin {
                     )?,
                     tie_break: p.tie_break.unwrap_or(settings.tie_break),
                 };
+                selector.log_resolved(instance);
                 plugin_api::export::into_policy_box(selector)
             }
             Builtin::RoundRobin => {
@@ -210,6 +228,22 @@ impl DefaultSelector {
             overlap_credit: settings.overlap_credit,
             tie_break: settings.tie_break,
         }
+    }
+
+    /// Log the values in force (not just what the YAML said), once per instance: the host's
+    /// defaults changed, and this line says which ones a running router uses.
+    fn log_resolved(&self, instance: &str) {
+        tracing::info!(
+            instance,
+            policy = Builtin::Default.as_str(),
+            prefill_load_scale = self.prefill_load_scale,
+            decode_active_request_weight = self.decode_active_request_weight,
+            overlap_credit = self.overlap_credit,
+            tie_break = self.tie_break.as_str(),
+            host_cache_hit_weight = self.host_weight,
+            disk_cache_hit_weight = self.disk_weight,
+            "built-in default selector created with resolved settings"
+        );
     }
 
     /// docs/configuration.md, `default`:
@@ -373,8 +407,56 @@ mod tests {
     use super::*;
     use plugin_api::testing::{TestRequest, TestRow, TestRows};
 
+    /// Dynamo's weights: the cost formula's own tests are written for them.
     fn selector() -> DefaultSelector {
-        DefaultSelector::new(&BuiltinSettings::default())
+        DefaultSelector::new(&BuiltinSettings::dynamo())
+    }
+
+    #[test]
+    fn creating_a_default_instance_logs_the_settings_in_force() {
+        let (created, events) = plugin_api::testing::capture_logs(|| {
+            Builtin::Default.create(
+                "d",
+                r#"{"overlap_credit": 2.0}"#,
+                &BuiltinSettings::default(),
+            )
+        });
+        assert!(created.is_ok());
+        let line = events
+            .iter()
+            .find(|e| e.contains("built-in default selector created"))
+            .unwrap_or_else(|| panic!("{events:?}"));
+        for part in [
+            "instance=d",
+            "prefill_load_scale=20",
+            "overlap_credit=2",
+            "tie_break=spread",
+        ] {
+            assert!(line.contains(part), "`{part}` not in {line}");
+        }
+    }
+
+    #[test]
+    fn host_defaults_are_the_measured_best_settings() {
+        let d = BuiltinSettings::default();
+        assert_eq!(
+            (d.prefill_load_scale, d.overlap_credit, d.tie_break),
+            (20.0, 1.5, TieBreak::Spread)
+        );
+        assert_eq!(d.decode_active_request_weight, 0.0);
+        // And what a bare config gets.
+        let config = crate::config::RouterConfig::default();
+        let ds = config.default_selector;
+        assert_eq!(
+            (ds.prefill_load_scale, ds.overlap_credit, ds.tie_break),
+            (20.0, 1.5, TieBreak::Spread)
+        );
+        // Dynamo's weights stay one setting away.
+        let old = BuiltinSettings::dynamo();
+        assert_eq!(
+            (old.prefill_load_scale, old.overlap_credit, old.tie_break),
+            (1.0, 1.0, TieBreak::LowestRow)
+        );
     }
 
     #[test]
@@ -431,12 +513,12 @@ mod tests {
     fn default_rejects_bad_parameters_by_key() {
         let settings = BuiltinSettings::default();
         let err = Builtin::Default
-            .create(r#"{"prefill_load_scale": -1}"#, &settings)
+            .create("t", r#"{"prefill_load_scale": -1}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "prefill_load_scale");
         let err = Builtin::RoundRobin
-            .create(r#"{"speed": 1}"#, &settings)
+            .create("t", r#"{"speed": 1}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "speed");
@@ -452,7 +534,7 @@ mod tests {
         let credit = |overlap_credit| {
             with(BuiltinSettings {
                 overlap_credit,
-                ..BuiltinSettings::default()
+                ..BuiltinSettings::dynamo()
             })
         };
         // 41 caches the whole prompt (10 blocks) but has 320 tokens (20 blocks) pending; 29 is
@@ -535,7 +617,7 @@ mod tests {
     fn spread_breaks_ties_by_request_and_row_whatever_the_row_order() {
         let spread = with(BuiltinSettings {
             tie_break: TieBreak::Spread,
-            ..BuiltinSettings::default()
+            ..BuiltinSettings::dynamo()
         });
         let mut counts = [0u32; 4];
         for isl in 1..=400u64 {
@@ -599,13 +681,13 @@ mod tests {
     fn new_parameters_are_validated_by_key() {
         let settings = BuiltinSettings::default();
         let err = Builtin::Default
-            .create(r#"{"overlap_credit": -0.5}"#, &settings)
+            .create("t", r#"{"overlap_credit": -0.5}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "overlap_credit");
         assert!(err.message().contains("-0.5"), "{}", err.message());
         let err = Builtin::Default
-            .create(r#"{"tie_break": "random"}"#, &settings)
+            .create("t", r#"{"tie_break": "random"}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "tie_break");
@@ -616,12 +698,13 @@ mod tests {
             err.message()
         );
         let err = Builtin::Default
-            .create(r#"{"tie_break": 1}"#, &settings)
+            .create("t", r#"{"tie_break": 1}"#, &settings)
             .err()
             .unwrap();
         assert_eq!(err.key(), "tie_break");
         assert!(Builtin::Default
             .create(
+                "t",
                 r#"{"tie_break": "spread", "overlap_credit": 1.5}"#,
                 &settings
             )

@@ -318,7 +318,7 @@ impl Catalog {
         });
         let created = match origin {
             TypeOrigin::Builtin(builtin) => builtin
-                .create(&config.parameters_json, &settings.builtin)
+                .create(&config.name, &config.parameters_json, &settings.builtin)
                 .map_err(|e| (e.kind(), e.key().to_string(), e.message().to_string())),
             TypeOrigin::Plugin(index) => {
                 let library = &self.libraries[*index];

@@ -41,7 +41,7 @@ fn check_prints_plugins_types_instances_and_roles() {
     assert!(out.contains("prefill -> default (default)"), "{out}");
     // What dispatch books, defaults included.
     assert!(
-        out.contains("\nbooking: prefill prompt, decode prompt\n"),
+        out.contains("\nbooking: prefill uncached, decode prompt\n"),
         "{out}"
     );
 }

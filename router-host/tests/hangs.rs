@@ -36,10 +36,11 @@ const LOWEST: RowId = RowId {
 
 /// A config whose aggregated role uses instance `name`, of the fixture type `hangs` with
 /// `parameters` and a hang threshold of 100 ms. Every test names its instance differently, so
-/// its log lines are told apart from the other tests' (they share the process's log).
+/// its log lines are told apart from the other tests' (they share the process's log). The
+/// fallback breaks ties on the lowest row, so its choice on idle rows is [`LOWEST`].
 fn config(name: &str, parameters: &str) -> RouterConfig {
     let yaml = format!(
-        "plugins:\n  - path: {}\nworker_selection:\n  aggregated: {name}\n  instances:\n    \
+        "default_selector: {{tie_break: lowest_row}}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: {name}\n  instances:\n    \
          - {{name: {name}, type: hangs, parameters: {{{parameters}}}, hang_after_ms: 100}}\n",
         common::plugin("fixture_faulty").display()
     );

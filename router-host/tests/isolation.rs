@@ -12,8 +12,10 @@ use router_host::loader::SearchPath;
 use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
 use router_host::router::{PolicyFailure, Router, Scratch, Selection, StartupError};
 
+/// The fallback breaks ties on the lowest row ([`LOWEST`] on the idle rows below), as it did
+/// before `spread` became the default.
 fn config_with(plugins: &[PathBuf], instances: &str) -> RouterConfig {
-    let mut yaml = String::from("plugins:\n");
+    let mut yaml = String::from("default_selector: {tie_break: lowest_row}\nplugins:\n");
     for p in plugins {
         yaml.push_str(&format!("  - path: {}\n", p.display()));
     }

@@ -153,6 +153,55 @@ fn two_tier_decisions_through_the_loaded_plugin_follow_the_conformance_table() {
     }
 }
 
+/// Idle equal workers, as behind instant engines: each request completes the one before it, so
+/// every request sees two idle, cold rows. Returns requests per worker (1, 2).
+fn two_tier_idle_split(dir: &Path, parameters: &str) -> [usize; 2] {
+    let config = two_tier(dir, parameters);
+    let requests: Vec<String> = (0..200)
+        .map(|i| {
+            let complete = if i == 0 {
+                String::new()
+            } else {
+                format!(r#", "complete": [{}]"#, i - 1)
+            };
+            format!(r#"{{"isl_tokens": {}{complete}}}"#, 100 + 7 * i)
+        })
+        .collect();
+    let scenario = write(
+        dir,
+        "idle.json",
+        &format!(
+            r#"{{"block_size": 16, "workers": [{{"worker_id": 1}}, {{"worker_id": 2}}], "requests": [{}]}}"#,
+            requests.join(", ")
+        ),
+    );
+    let (code, lines, err) = select(&config, &scenario);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(lines.len(), 200);
+    let mut split = [0, 0];
+    for line in &lines {
+        assert_eq!(line["policy"], "dynamo-two-tier-cost-fn", "{line}");
+        assert_eq!(line["reason"], "least_loaded_no_cache_winner", "{line}");
+        split[line["worker_id"].as_u64().unwrap() as usize - 1] += 1;
+    }
+    split
+}
+
+#[test]
+fn two_tier_spreads_idle_equal_workers_and_lowest_row_restores_the_pile_up() {
+    let dir = temp_dir("two-tier-ties");
+    // 100 expected on each; outside 70..=130 the draw would be broken, not unlucky.
+    let [one, two] = two_tier_idle_split(&dir, "{}");
+    assert!((70..=130).contains(&one), "spread: {one} / {two}");
+    assert_eq!(two_tier_idle_split(&dir, "{tie_break: spread}"), [one, two]);
+    // Reproducible: the same scenario splits the same way.
+    assert_eq!(two_tier_idle_split(&dir, "{}"), [one, two]);
+    assert_eq!(
+        two_tier_idle_split(&dir, "{tie_break: lowest_row}"),
+        [200, 0]
+    );
+}
+
 #[test]
 fn two_tier_parameter_errors_name_the_key_and_explain_the_range() {
     let dir = temp_dir("two-tier-params");
@@ -226,6 +275,7 @@ fn describe_prints_each_shipped_policy_with_parameter_defaults() {
         "balance_abs_threshold (u64, default 32)",
         "balance_rel_threshold (f64, default 1.1)",
         "respect_soft_affinity (bool, default false)",
+        "tie_break (string, default spread)",
         "host_cache_weight (",
     ] {
         assert!(out.contains(param), "`{param}` not in {out}");
@@ -270,7 +320,7 @@ fn every_example_config_loads() {
         // (docs/policies/two-tier-cost-fn.md).
         if config.ends_with("two-tier-soft-affinity.yaml") {
             assert!(
-                out.contains("booking: prefill prompt, decode deduplicated"),
+                out.contains("booking: prefill uncached, decode deduplicated"),
                 "{out}"
             );
         }

@@ -131,6 +131,119 @@ fn own_config_with_builtin_runs_against_the_shipped_configs_from_outside_the_che
     }
 }
 
+/// The "column settings" section under the table: per column, its header line (`NAME: SOURCE`)
+/// and its lines.
+fn column_settings(table: &str) -> Vec<(String, String, Vec<String>)> {
+    let mut columns: Vec<(String, String, Vec<String>)> = Vec::new();
+    let mut inside = false;
+    for line in table.lines() {
+        if line.starts_with("column settings") {
+            inside = true;
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        if let Some(setting) = line.strip_prefix("    ") {
+            columns
+                .last_mut()
+                .expect("a column header first")
+                .2
+                .push(setting.to_owned());
+        } else if let Some(header) = line.strip_prefix("  ") {
+            let (name, source) = header.split_once(": ").expect("NAME: SOURCE");
+            columns.push((name.to_owned(), source.to_owned(), Vec::new()));
+        } else {
+            break;
+        }
+    }
+    columns
+}
+
+/// What a column measured, without what says where it came from or how long decisions took.
+fn outcome(config: &serde_json::Value) -> serde_json::Value {
+    let mut config = config.clone();
+    let map = config.as_object_mut().expect("a config object");
+    // `block_size_replaced` says the source file's own block size differed from the workload's.
+    for key in ["config", "decision_ns", "block_size_replaced"] {
+        map.remove(key);
+    }
+    map.get_mut("settings")
+        .and_then(|s| s.as_object_mut())
+        .expect("settings")
+        .remove("source");
+    config
+}
+
+#[test]
+fn every_column_prints_a_config_that_replays_exactly_as_the_column() {
+    plugin_dir();
+    let dir = author_dir("column-settings");
+    let (code, out, err) = replay_in(
+        &dir,
+        &router_host_bin(),
+        &[
+            "--with-builtin",
+            "-c",
+            "mine.yaml",
+            "-c",
+            "builtin:two-tier-admission",
+            "--json",
+            "report.json",
+        ],
+    );
+    assert_eq!(code, 0, "stderr: {err}\nstdout: {out}");
+    let printed = column_settings(&out);
+    let names: Vec<&str> = printed.iter().map(|c| c.0.as_str()).collect();
+    assert_eq!(names, columns(&out));
+    let sources: Vec<&str> = printed.iter().map(|c| c.1.as_str()).collect();
+    assert_eq!(
+        sources,
+        [
+            "builtin:default",
+            "builtin:two-tier",
+            "builtin:two-tier-sticky",
+            "builtin:round-robin",
+            "mine.yaml",
+            "builtin:two-tier-admission",
+        ]
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    let configs = report["configs"].as_array().unwrap();
+    // The default column names the host's defaults, which a bare config gets.
+    assert!(
+        printed[0]
+            .2
+            .contains(&"booking: {prefill: uncached, decode: prompt}".to_owned()),
+        "{:?}",
+        printed[0].2
+    );
+    assert!(printed[0].2.contains(
+        &"default_selector: {prefill_load_scale: 20.0, decode_active_request_weight: 0.0, overlap_credit: 1.5, tie_break: spread}"
+            .to_owned()
+    ));
+    // Each column's lines, as a file of their own, replay to the very same outcome and settings.
+    for (i, (name, source, lines)) in printed.iter().enumerate() {
+        assert_eq!(configs[i]["settings"]["source"], source.as_str());
+        let file = format!("column-{i}.yaml");
+        write(&dir, &file, &(lines.join("\n") + "\n"));
+        let json = format!("column-{i}.json");
+        let (code, again, err) =
+            replay_in(&dir, &router_host_bin(), &["-c", &file, "--json", &json]);
+        assert_eq!(code, 0, "{name}: {err}\n{again}");
+        let rerun: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(&json)).unwrap()).unwrap();
+        assert_eq!(rerun["configs"][0]["settings"]["source"], file.as_str());
+        assert_eq!(
+            outcome(&rerun["configs"][0]),
+            outcome(&configs[i]),
+            "{name} ({source}) from its printed settings:\n{}",
+            lines.join("\n")
+        );
+    }
+}
+
 #[test]
 fn builtin_names_choose_configs_in_the_order_given() {
     plugin_dir();

@@ -59,13 +59,26 @@ const UNCACHED: &str = "block_size: 16\nbooking:\n  prefill: uncached\n";
 
 // ---- configuration --------------------------------------------------------------------------
 
+/// Dynamo's weights and booking, the host's defaults before the measured-best ones: the tests
+/// below that pin the old behaviour set them explicitly.
+const DYNAMO_WEIGHTS: &str = "booking: {prefill: prompt}\ndefault_selector: {prefill_load_scale: 1.0, overlap_credit: 1.0, tie_break: lowest_row}\n";
+
 #[test]
-fn new_keys_parse_and_default_to_the_old_behaviour() {
+fn new_keys_parse_and_default_to_the_measured_best_settings() {
     let defaults = parse("{}");
-    assert_eq!(defaults.booking.prefill, PrefillBooking::Prompt);
+    assert_eq!(defaults.booking.prefill, PrefillBooking::Uncached);
     assert_eq!(defaults.booking.decode, DecodeBooking::Prompt);
-    assert_eq!(defaults.default_selector.overlap_credit, 1.0);
-    assert_eq!(defaults.default_selector.tie_break, TieBreak::LowestRow);
+    assert_eq!(defaults.default_selector.prefill_load_scale, 20.0);
+    assert_eq!(defaults.default_selector.overlap_credit, 1.5);
+    assert_eq!(defaults.default_selector.tie_break, TieBreak::Spread);
+    // The old behaviour is one explicit config away.
+    let old = parse(DYNAMO_WEIGHTS);
+    assert_eq!(old.booking.prefill, PrefillBooking::Prompt);
+    assert_eq!(old.booking.decode, DecodeBooking::Prompt);
+    assert_eq!(old.default_selector.prefill_load_scale, 1.0);
+    assert_eq!(old.default_selector.decode_active_request_weight, 0.0);
+    assert_eq!(old.default_selector.overlap_credit, 1.0);
+    assert_eq!(old.default_selector.tie_break, TieBreak::LowestRow);
     for empty in [
         "booking:\n",
         "booking: {prefill: ~}\n",
@@ -80,14 +93,14 @@ fn new_keys_parse_and_default_to_the_old_behaviour() {
     assert_eq!(set.booking.prefill, PrefillBooking::Uncached);
     assert_eq!(set.default_selector.overlap_credit, 1.5);
     assert_eq!(set.default_selector.tie_break, TieBreak::Spread);
-    assert_eq!(set.default_selector.prefill_load_scale, 1.0);
+    assert_eq!(set.default_selector.prefill_load_scale, 20.0);
     assert_eq!(
         parse("booking: {prefill: prompt}\n").booking.prefill,
         PrefillBooking::Prompt
     );
     let decode = parse("booking:\n  decode: deduplicated\n").booking;
     assert_eq!(decode.decode, DecodeBooking::Deduplicated);
-    assert_eq!(decode.prefill, PrefillBooking::Prompt);
+    assert_eq!(decode.prefill, PrefillBooking::Uncached);
     assert_eq!(
         parse("booking: {decode: prompt}\n").booking.decode,
         DecodeBooking::Prompt
@@ -182,7 +195,7 @@ fn uncached_booking_books_only_what_the_row_computes() {
     // Worker 1 holds the first 6 blocks of a 10-block prompt (plus 4 tokens in a partial block).
     let request = prompt(100, 10, 4);
     for (yaml, expected) in [
-        ("block_size: 16\n", 164),
+        ("block_size: 16\n", 164 - 6 * 16),
         ("block_size: 16\nbooking: {prefill: prompt}\n", 164),
         (UNCACHED, 164 - 6 * 16),
     ] {
@@ -349,7 +362,11 @@ fn admission_busy_checks_see_the_uncached_backlog() {
     // One worker and a class that counts it busy past 100 pending prefill tokens. A long prompt
     // the worker caches entirely is not a backlog under uncached booking.
     let class = "policy_classes:\n  - {name: default, prefill_busy_threshold: 100}\n";
-    for (booking, second_waits) in [("", true), ("booking: {prefill: uncached}\n", false)] {
+    for (booking, second_waits) in [
+        ("booking: {prefill: prompt}\n", true),
+        ("booking: {prefill: uncached}\n", false),
+        ("", false),
+    ] {
         let host = host(
             &format!("block_size: 16\n{booking}{class}"),
             vec![Worker::new(1)],
@@ -389,8 +406,12 @@ fn idle_spread(yaml: &str) -> [u32; 4] {
 
 #[test]
 fn spread_shares_ties_between_idle_workers_where_lowest_row_takes_them_all() {
-    assert_eq!(idle_spread("block_size: 16\n"), [80, 0, 0, 0]);
+    assert_eq!(
+        idle_spread("block_size: 16\ndefault_selector: {tie_break: lowest_row}\n"),
+        [80, 0, 0, 0]
+    );
     for yaml in [
+        "block_size: 16\n",
         "block_size: 16\ndefault_selector: {tie_break: spread}\n",
         "block_size: 16\nworker_selection:\n  aggregated: d\n  instances:\n    - {name: d, type: default, parameters: {tie_break: spread}}\n",
     ] {
@@ -431,26 +452,28 @@ fn overlap_credit_keeps_a_cached_prompt_on_its_worker_under_load() {
 
 // ---- replay ---------------------------------------------------------------------------------
 
-/// The shipped `examples/replay/default.yaml` (the recommended settings) against the host's
-/// defaults, on the built-in multi-turn workload: more reuse and lower tail latency.
+/// The shipped `examples/replay/default.yaml` is the host's defaults: a config that sets nothing
+/// (what the README's `serve` configs amount to) replays exactly as its column does, and both
+/// beat Dynamo's weights (the defaults before) on the built-in multi-turn workload: more reuse
+/// and lower tail latency.
 #[test]
-fn shipped_default_config_beats_the_host_defaults_on_the_built_in_workload() {
+fn shipped_default_config_is_the_host_defaults_and_beats_dynamos_weights() {
     let workload = replay::synth::generate(&SynthParams::default());
     let setup = Setup::new(4, 1);
     let (label, shipped) = EXAMPLE_CONFIGS[0];
     assert_eq!(label, "examples/replay/default.yaml");
     let configs = [
-        prepare_text(
-            "host defaults",
-            "worker_selection: {aggregated: default}\n",
-            &setup,
-            512,
-        )
-        .unwrap(),
+        prepare_text("dynamo-weights", DYNAMO_WEIGHTS, &setup, 512).unwrap(),
         prepare_text(label, shipped, &setup, 512).unwrap(),
+        prepare_text("bare", "block_size: 16\n", &setup, 512).unwrap(),
     ];
     let report = replay::replay(&workload, setup.shape, &configs, &mut |_, _| {}).unwrap();
-    let (old, new) = (&report.configs[0], &report.configs[1]);
+    let (old, new, bare) = (&report.configs[0], &report.configs[1], &report.configs[2]);
+    assert_eq!(
+        (bare.hit_rate, bare.ttft_ms.p99, &bare.requests_per_worker),
+        (new.hit_rate, new.ttft_ms.p99, &new.requests_per_worker),
+        "a bare config is the default column"
+    );
     assert_eq!((old.errors, new.errors), (0, 0));
     assert!(
         new.hit_rate > old.hit_rate + 0.05,

@@ -92,7 +92,11 @@ async fn the_openai_python_client_works_through_the_router() {
         }
     };
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
-    let yaml = format!("block_size: 4\n{}", workers_yaml(&[&e1, &e2]));
+    // Idle engines tie; the lowest row takes the tie, so the first answer names worker 1.
+    let yaml = format!(
+        "block_size: 4\ndefault_selector: {{tie_break: lowest_row}}\n{}",
+        workers_yaml(&[&e1, &e2])
+    );
     let router = Router::start("serve_openai", &yaml).await;
     let base = format!("http://{}", router.addr);
     let output = tokio::task::spawn_blocking(move || {

@@ -103,7 +103,10 @@ async fn streaming_is_passed_through_byte_for_byte_with_the_usage_chunk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decision_headers_name_the_row_instance_policy_and_reason() {
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
-    let yaml = format!("block_size: 4\n{}", workers_yaml(&[&e1, &e2]));
+    let yaml = format!(
+        "block_size: 4\ndefault_selector: {{tie_break: lowest_row}}\n{}",
+        workers_yaml(&[&e1, &e2])
+    );
     let router = Router::start("serve_decision_headers", &yaml).await;
     let http = client();
     let response = post(

@@ -143,11 +143,51 @@ pub struct Columns<'a> {
 }
 
 /// What the request asks of a row, for [`LoadSignal::PrefillBacklog`]: its prompt tokens and
-/// tokens per block.
+/// tokens per block; and how it breaks ties.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Prompt {
     pub tokens: u64,
     pub block_size: u32,
+    /// The request's key under `tie_break: spread` ([`request_key`]); `None` under `lowest_row`.
+    pub spread: Option<u64>,
+}
+
+/// The order among rows every tier finds equal: lower wins. The row id comes last, so keys are
+/// total; under `lowest_row` the first part is always 0.
+pub type Tie = (u64, RowId);
+
+/// splitmix64's output function (the host's `rng::mix`).
+#[inline]
+fn mix(state: u64) -> u64 {
+    let mut z = state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A 64-bit key of what the request context says about the request: its prompt length, block
+/// count and session id, drawn as the built-in `default`'s `tie_break: spread` draws it. Pick
+/// and explain see the same context, so they agree.
+pub fn request_key(prompt_tokens: u64, request_blocks: u64, session: Option<&str>) -> u64 {
+    let mut h = mix(prompt_tokens ^ request_blocks.rotate_left(40));
+    if let Some(session) = session {
+        for chunk in session.as_bytes().chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            h = mix(h ^ u64::from_le_bytes(word));
+        }
+    }
+    h
+}
+
+/// Row `row`'s rank for the request of key `request`: the same row and request always rank the
+/// same, whatever the order rows come in.
+#[inline]
+fn spread_rank(request: u64, row: RowId) -> u64 {
+    let row = row.worker_id.rotate_left(32) ^ u64::from(row.dp_rank);
+    mix(request ^ mix(row.wrapping_add(GOLDEN_GAMMA)))
 }
 
 impl<'a> Columns<'a> {
@@ -215,6 +255,16 @@ impl<'a> Columns<'a> {
         }
     }
 
+    /// Row `i`'s place among equal rows.
+    #[inline]
+    fn tie(&self, i: usize, prompt: Prompt) -> Tie {
+        let row = self.row(i);
+        match prompt.spread {
+            None => (0, row),
+            Some(request) => (spread_rank(request, row), row),
+        }
+    }
+
     #[inline]
     pub fn active(&self, i: usize) -> u64 {
         self.active[i]
@@ -240,42 +290,41 @@ pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
 }
 
 /// A load signal's least-loaded order (`params.load_signal`), compiled into the scan: under the
-/// default signal the key is `(active requests, row)`, so each row costs what it did before the
-/// backlog signal existed.
+/// default signal the key is `(active requests, tie)`, so each row costs what it did before the
+/// backlog signal existed, plus its tie rank under `tie_break: spread`.
 trait LoadOrder {
-    /// Smaller is less loaded; ties are broken by the row, so keys are total.
+    /// Smaller is less loaded; ties are broken by the [`Tie`], so keys are total.
     type Key: Copy + Ord;
     /// Whether the key orders by something other than active requests first, so the load
     /// tier's fewest-active row must be tracked on its own.
     const SEPARATE_ACTIVE: bool;
     fn key(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Key;
-    fn active_key(key: Self::Key) -> (u64, RowId);
+    fn active_key(key: Self::Key) -> (u64, Tie);
 }
 
-/// [`LoadSignal::ActiveRequests`]: fewer active requests first, then the lowest
-/// `(worker_id, dp_rank)`.
+/// [`LoadSignal::ActiveRequests`]: fewer active requests first, then the [`Tie`].
 struct ByActive;
 
 impl LoadOrder for ByActive {
-    type Key = (u64, RowId);
+    type Key = (u64, Tie);
     const SEPARATE_ACTIVE: bool = false;
     #[inline]
-    fn key(cols: &Columns<'_>, i: usize, _eff: f64, _prompt: Prompt) -> Self::Key {
-        (cols.active[i], cols.row(i))
+    fn key(cols: &Columns<'_>, i: usize, _eff: f64, prompt: Prompt) -> Self::Key {
+        (cols.active[i], cols.tie(i, prompt))
     }
     #[inline]
-    fn active_key(key: Self::Key) -> (u64, RowId) {
+    fn active_key(key: Self::Key) -> (u64, Tie) {
         key
     }
 }
 
 /// [`LoadSignal::PrefillBacklog`]: fewer prompt tokens to prefill before this request's first
 /// token (the row's `active_prefill_tokens` plus the prompt tokens it does not cache) first, then
-/// fewer active requests, then the lowest row.
+/// fewer active requests, then the [`Tie`].
 struct ByBacklog;
 
 impl LoadOrder for ByBacklog {
-    type Key = (u64, u64, RowId);
+    type Key = (u64, u64, Tie);
     const SEPARATE_ACTIVE: bool = true;
     #[inline]
     fn key(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Key {
@@ -283,10 +332,10 @@ impl LoadOrder for ByBacklog {
         let cached =
             (eff.max(0.0).floor() as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
         let backlog = cols.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens));
-        (backlog, cols.active[i], cols.row(i))
+        (backlog, cols.active[i], cols.tie(i, prompt))
     }
     #[inline]
-    fn active_key(key: Self::Key) -> (u64, RowId) {
+    fn active_key(key: Self::Key) -> (u64, Tie) {
         (key.1, key.2)
     }
 }
@@ -297,10 +346,10 @@ struct Scan<O: LoadOrder> {
     /// Least-loaded by the load signal: the fallback tier's row.
     least_loaded: usize,
     least_key: O::Key,
-    /// Fewest active requests (then lowest row): the load tier's row. The same row as
+    /// Fewest active requests (then the tie): the load tier's row. The same row as
     /// `least_loaded` under [`LoadSignal::ActiveRequests`] (then set after the pass).
     least_active: usize,
-    least_active_key: (u64, RowId),
+    least_active_key: (u64, Tie),
     max_active: u64,
     best_row: usize,
     best_key: O::Key,
@@ -404,13 +453,13 @@ fn least_loaded_with_room(
     request_blocks: u64,
     limit: f64,
 ) -> Option<usize> {
-    // Both orders as one key: `(active, row)` orders as `(active, 0, row)`.
+    // Both orders as one key: `(active, tie)` orders as `(active, 0, tie)`.
     let key = |i: usize| {
         let eff = cols.effective_overlap(i, params.host_cache_weight);
         match params.load_signal {
             LoadSignal::ActiveRequests => {
-                let (active, row) = ByActive::key(cols, i, eff, prompt);
-                (active, 0, row)
+                let (active, tie) = ByActive::key(cols, i, eff, prompt);
+                (active, 0, tie)
             }
             LoadSignal::PrefillBacklog => ByBacklog::key(cols, i, eff, prompt),
         }

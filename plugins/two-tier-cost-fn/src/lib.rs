@@ -10,7 +10,9 @@
 //! when its KV cache would be over that fraction of its capacity, and a kept soft-affinity target
 //! whose row would be over is released.
 //!
-//! Ties always go to the lowest `(worker_id, dp_rank)`, so the row order the host uses never
+//! Rows every tier finds equal are told apart by `tie_break`: by default (`spread`) in an order
+//! drawn from the request and each row's id, so idle equal rows share the traffic; with
+//! `lowest_row`, the lowest `(worker_id, dp_rank)`. Either way the row order the host uses never
 //! matters. With `respect_soft_affinity` the same rules run over the soft target's rows first
 //! (see [`decision::decide`]).
 //!
@@ -26,7 +28,7 @@ use plugin_api::{
 };
 
 pub use decision::{Decision, Prompt, SoftAffinity, Tier, TierDecision};
-pub use params::{LoadSignal, ResolvedParams, TwoTierParams, WeightSource};
+pub use params::{LoadSignal, ResolvedParams, TieBreak, TwoTierParams, WeightSource};
 
 use decision::Columns;
 
@@ -61,6 +63,14 @@ impl TwoTierCostFn {
         let prompt = Prompt {
             tokens: ctx.prompt_tokens(),
             block_size: ctx.block_size(),
+            spread: match self.params.tie_break {
+                TieBreak::LowestRow => None,
+                TieBreak::Spread => Some(decision::request_key(
+                    ctx.prompt_tokens(),
+                    ctx.request_blocks(),
+                    ctx.session_id(),
+                )),
+            },
         };
         decision::decide(
             &self.params,
@@ -85,7 +95,8 @@ impl TwoTierCostFn {
             .field("max_active_requests", all.max_active as f64)
             .label("tier", decision.deciding().tier.reason())
             .label("max_overlap_row", row_label(rows.row(all.max_overlap_row)))
-            .label("soft_affinity", decision.soft_affinity.as_str());
+            .label("soft_affinity", decision.soft_affinity.as_str())
+            .label("tie_break", p.tie_break.as_str());
         if p.respect_soft_affinity && p.soft_affinity_load_gate {
             e = e
                 .field("soft_affinity_gate_abs", p.soft_affinity_gate_abs as f64)
@@ -168,6 +179,7 @@ fn log_resolved(instance: &str, p: &ResolvedParams) {
         soft_affinity_gate_rel = p.soft_affinity_gate_rel,
         load_signal = p.load_signal.as_str(),
         kv_capacity_limit = kv_capacity_limit.as_str(),
+        tie_break = p.tie_break.as_str(),
         "two-tier policy instance created with resolved parameters"
     );
 }

@@ -26,6 +26,7 @@ pub struct TwoTierParams {
     pub load_signal: LoadSignal,
     /// Absent: no tier looks at KV capacity.
     pub kv_capacity_limit: Option<f64>,
+    pub tie_break: TieBreak,
 }
 
 /// What "least-loaded" means in the cache tier and the fallback tier (the load tier and the
@@ -51,6 +52,29 @@ impl LoadSignal {
     }
 }
 
+/// How rows that every tier finds equal are told apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TieBreak {
+    /// The lowest `(worker_id, dp_rank)` (Dynamo's policy as first ported): with idle rows every
+    /// request lands on the lowest ids.
+    LowestRow,
+    /// The tied row that ranks first in an order drawn from the request (its prompt length,
+    /// block count and session id) and each row's id, as the built-in `default` does: the same
+    /// request always breaks the same way, and different requests spread over the tied rows.
+    #[default]
+    Spread,
+}
+
+impl TieBreak {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TieBreak::LowestRow => "lowest_row",
+            TieBreak::Spread => "spread",
+        }
+    }
+}
+
 impl Default for TwoTierParams {
     fn default() -> Self {
         TwoTierParams {
@@ -64,6 +88,7 @@ impl Default for TwoTierParams {
             soft_affinity_gate_rel: None,
             load_signal: LoadSignal::ActiveRequests,
             kv_capacity_limit: None,
+            tie_break: TieBreak::Spread,
         }
     }
 }
@@ -101,6 +126,7 @@ pub struct ResolvedParams {
     pub load_signal: LoadSignal,
     /// `None`: off.
     pub kv_capacity_limit: Option<f64>,
+    pub tie_break: TieBreak,
 }
 
 impl TwoTierParams {
@@ -151,6 +177,7 @@ impl TwoTierParams {
             soft_affinity_gate_rel,
             load_signal: self.load_signal,
             kv_capacity_limit,
+            tie_break: self.tie_break,
         })
     }
 }
@@ -238,6 +265,15 @@ pub fn docs() -> Vec<ParamDoc> {
              learned by serve from the engine's num_gpu_blocks), and a kept soft-affinity \
              target whose row would pass it is released; rows of unknown capacity are never \
              full; finite, > 0.0 (above 1.0 allows for prefix blocks that requests share)",
+        ),
+        ParamDoc::optional(
+            "tie_break",
+            "string",
+            "spread",
+            "rows every tier finds equal: spread (an order drawn from the request's prompt \
+             length, block count and session id and each row's id, so idle equal rows share the \
+             traffic) or lowest_row (the lowest worker id and rank, Dynamo's port as first \
+             shipped)",
         ),
     ]
 }

@@ -94,12 +94,21 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
 /// Default weight of a disk-tier cache hit in the built-in selector.
 pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
+// The `default_selector` and `booking.prefill` defaults are the settings measured best on the
+// replays of docs/replay.md ("Side by side with Dynamo"); Dynamo's weights (1.0, 0.0, 1.0,
+// lowest_row, prompt) are one explicit config away (docs/configuration.md).
 /// Default `default_selector.prefill_load_scale`.
-pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 1.0;
+pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 20.0;
 /// Default `default_selector.decode_active_request_weight`.
 pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
 /// Default `default_selector.overlap_credit`.
-pub const DEFAULT_OVERLAP_CREDIT: f64 = 1.0;
+pub const DEFAULT_OVERLAP_CREDIT: f64 = 1.5;
+/// Default `default_selector.tie_break`.
+pub const DEFAULT_TIE_BREAK: TieBreak = TieBreak::Spread;
+/// Default `booking.prefill`: only the prompt tokens the row has to compute.
+pub const DEFAULT_PREFILL_BOOKING: PrefillBooking = PrefillBooking::Uncached;
+/// Default `booking.decode`: every request's whole prompt.
+pub const DEFAULT_DECODE_BOOKING: DecodeBooking = DecodeBooking::Prompt;
 /// Default per-pick time budget of a policy instance (`pick_budget_us: 1000`).
 pub const DEFAULT_PICK_BUDGET: Duration = Duration::from_micros(1000);
 /// Default number of consecutive over-budget picks after which an instance is quarantined.
@@ -210,19 +219,28 @@ impl Default for DefaultSelectorConfig {
             prefill_load_scale: DEFAULT_PREFILL_LOAD_SCALE,
             decode_active_request_weight: DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
-            tie_break: TieBreak::LowestRow,
+            tie_break: DEFAULT_TIE_BREAK,
         }
     }
 }
 
 /// What a dispatched request books on its row (docs/routing-contract.md §7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BookingConfig {
-    /// Prompt tokens booked as pending prefill: the whole prompt (default) or its uncached part.
+    /// Prompt tokens booked as pending prefill: the whole prompt, or its uncached part (default).
     pub prefill: PrefillBooking,
     /// Prompt blocks booked as KV held while decoding: every request's whole prompt (default), or
     /// each block id once per row.
     pub decode: DecodeBooking,
+}
+
+impl Default for BookingConfig {
+    fn default() -> Self {
+        BookingConfig {
+            prefill: DEFAULT_PREFILL_BOOKING,
+            decode: DEFAULT_DECODE_BOOKING,
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -393,7 +411,7 @@ impl Builder<'_> {
                     .decode_active_request_weight
                     .unwrap_or(DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT),
                 overlap_credit: ds.overlap_credit.unwrap_or(DEFAULT_OVERLAP_CREDIT),
-                tie_break: ds.tie_break.unwrap_or_default(),
+                tie_break: ds.tie_break.unwrap_or(DEFAULT_TIE_BREAK),
             })
             .unwrap_or_default();
         let booking = BookingConfig {
@@ -401,8 +419,11 @@ impl Builder<'_> {
                 .booking
                 .as_ref()
                 .and_then(|b| b.prefill)
-                .unwrap_or_default(),
-            decode: raw.booking.and_then(|b| b.decode).unwrap_or_default(),
+                .unwrap_or(DEFAULT_PREFILL_BOOKING),
+            decode: raw
+                .booking
+                .and_then(|b| b.decode)
+                .unwrap_or(DEFAULT_DECODE_BOOKING),
         };
         let plugins = self.plugins(raw.plugins.unwrap_or_default())?;
         let worker_selection = self.worker_selection(raw.worker_selection)?;

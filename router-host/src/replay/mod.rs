@@ -15,6 +15,7 @@
 pub mod engine;
 pub mod plot;
 pub mod report;
+pub mod settings;
 pub mod sim;
 pub mod synth;
 pub mod trace;
@@ -28,6 +29,7 @@ use crate::router::{RouterOptions, StartupError};
 
 pub use engine::{EngineParams, EngineSpec, KvCapacity};
 pub use report::{ConfigReport, ReferenceReport, Report};
+pub use settings::ColumnSettings;
 pub use sim::{RunConfig, Shape};
 pub use synth::SynthParams;
 pub use trace::{TimeScaleError, TraceError, Workload, WorkloadRequest};
@@ -98,13 +100,8 @@ impl Setup {
 pub fn prepare_file(path: &Path, setup: &Setup, block_size: u32) -> Result<RunConfig, ReplayError> {
     let config = RouterConfig::from_file(path).map_err(Box::new)?;
     let search = SearchPath::new(setup.plugin_dirs.clone(), Some(path));
-    prepare(
-        path.display().to_string(),
-        config,
-        search,
-        setup,
-        block_size,
-    )
+    let label = path.display().to_string();
+    prepare(label.clone(), label, config, search, setup, block_size)
 }
 
 /// Prepare config text (an embedded example); `label` names it in the report and in errors.
@@ -118,11 +115,17 @@ pub fn prepare_text(
     // Named after its file in examples/; it has no `path:` plugins to resolve against it.
     let config = RouterConfig::from_yaml_str(text, Some(Path::new(label))).map_err(Box::new)?;
     let search = SearchPath::new(setup.plugin_dirs.clone(), None);
-    prepare(label.to_string(), config, search, setup, block_size)
+    // `-c builtin:NAME` runs it: NAME is the file's stem.
+    let name = Path::new(label)
+        .file_stem()
+        .map_or_else(|| label.into(), |stem| stem.to_string_lossy());
+    let source = format!("builtin:{name}");
+    prepare(label.to_string(), source, config, search, setup, block_size)
 }
 
 fn prepare(
     label: String,
+    source: String,
     mut config: RouterConfig,
     search: SearchPath,
     setup: &Setup,
@@ -145,6 +148,7 @@ fn prepare(
     config.block_size = block_size;
     Ok(RunConfig {
         label,
+        source,
         router: config,
         search,
         engine,

@@ -162,6 +162,9 @@ pub struct ConfigReport {
     pub load_over_time: LoadOverTime,
     /// The same workload on the pooled-LRU reference of this config's engines.
     pub pooled_lru_reference: ReferenceReport,
+    /// Where the config comes from and the settings it ran with (docs/replay.md, "Column
+    /// settings").
+    pub settings: super::ColumnSettings,
     /// Every request's outcome, in workload order: `--requests` writes them, the JSON does not.
     #[serde(skip)]
     pub requests: Vec<RequestOutcome>,
@@ -321,6 +324,7 @@ impl ConfigReport {
         let errors = run.errors.values().sum();
         ConfigReport {
             config: label.to_string(),
+            settings: run.settings,
             policy: run.policy,
             block_size_replaced,
             engine,
@@ -557,6 +561,16 @@ impl Report {
         for (h, c) in headers.iter().zip(&self.configs) {
             let list: Vec<String> = c.requests_per_worker.iter().map(u64::to_string).collect();
             let _ = writeln!(s, "  {h}: {}", list.join(" "));
+        }
+        let _ = writeln!(
+            s,
+            "\ncolumn settings (each column ran exactly this; its lines make a config that runs it):"
+        );
+        for (h, c) in headers.iter().zip(&self.configs) {
+            let _ = writeln!(s, "  {h}: {}", c.settings.source);
+            for line in c.settings.yaml_lines() {
+                let _ = writeln!(s, "    {line}");
+            }
         }
         let mut any_errors = false;
         for (h, c) in headers.iter().zip(&self.configs) {

@@ -48,6 +48,8 @@ impl Shape {
 pub struct RunConfig {
     /// The config as the user named it.
     pub label: String,
+    /// Where it comes from, as a user would name it again: `builtin:NAME` or the file.
+    pub source: String,
     /// Parsed config, `block_size` already set to the workload's.
     pub router: RouterConfig,
     pub search: SearchPath,
@@ -91,6 +93,8 @@ pub struct RunOutput {
     pub kv_events: u64,
     /// `instance (type)` serving the aggregated role.
     pub policy: String,
+    /// Where the config comes from and what it resolved to.
+    pub settings: super::ColumnSettings,
 }
 
 struct Sim<'w> {
@@ -133,6 +137,8 @@ pub fn run(
         let instance = router.instance(router.instance_for(crate::model::RequestRole::Aggregated));
         format!("{} ({})", instance.name, instance.type_name)
     };
+    let settings =
+        super::ColumnSettings::new(&config.source, &config.router, &router, config.engine);
     let workers = (0..shape.workers)
         .map(|w| Worker {
             max_num_batched_tokens: Some(config.engine.max_num_batched_tokens),
@@ -242,6 +248,7 @@ pub fn run(
         timeline: sim.timeline,
         end_ns: sim.now,
         policy,
+        settings,
     })
 }
 

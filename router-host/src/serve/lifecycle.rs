@@ -71,6 +71,7 @@ impl Flight {
     ) -> Flight {
         let gauge = app.metrics.inflight(info.row.worker_id, info.row.dp_rank);
         gauge.inc();
+        app.metrics.dispatched(info.row.worker_id, info.row.dp_rank);
         app.flights
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Flight {

@@ -246,6 +246,9 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     pub overhead: HistogramFamily<StageLabels>,
     pub inflight: Family<RowLabels, Gauge>,
+    /// Requests dispatched to each row (every attempt of a retried request): how the policy
+    /// spreads the load.
+    pub dispatches: Family<RowLabels, Counter>,
     pub decisions: Family<DecisionLabels, Counter>,
     pub queue_wait: Histogram,
     pub queue: Family<OutcomeLabels, Counter>,
@@ -303,6 +306,12 @@ impl Metrics {
             "router_inflight_requests",
             "Requests dispatched to a row and not finished",
             inflight.clone(),
+        );
+        let dispatches = Family::<RowLabels, Counter>::default();
+        registry.register(
+            "router_dispatches",
+            "Requests dispatched to a row (each attempt of a retried request counts)",
+            dispatches.clone(),
         );
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
@@ -432,6 +441,7 @@ impl Metrics {
             requests,
             overhead,
             inflight,
+            dispatches,
             decisions,
             queue_wait,
             queue,
@@ -500,6 +510,16 @@ impl Metrics {
                 stage: stage.to_owned(),
             })
             .observe(seconds);
+    }
+
+    /// Count a dispatch to row `(worker, dp_rank)`.
+    pub fn dispatched(&self, worker: u64, dp_rank: u32) {
+        self.dispatches
+            .get_or_create(&RowLabels {
+                worker: worker.to_string(),
+                dp_rank: dp_rank.to_string(),
+            })
+            .inc();
     }
 
     pub fn inflight(&self, worker: u64, dp_rank: u32) -> Gauge {

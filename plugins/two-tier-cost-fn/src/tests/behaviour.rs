@@ -79,10 +79,10 @@ fn row_order_does_not_change_the_pick() {
         TestRow::new(77, 0).active(1),
     ];
     let cases = [
-        (DEFAULTS, request(), at(A, 0)), // cache tier: lowest id among best, equal load
-        (DEFAULTS, TestRequest::new(1600, 16), at(A, 2)), // no cache winner: least-loaded, lowest id
-        (RESPECT, request().target(B, None), at(B, 0)),
-        (RESPECT, request().target(A, Some(2)), at(A, 2)),
+        (LOWEST_ROW, request(), at(A, 0)), // cache tier: lowest id among best, equal load
+        (LOWEST_ROW, TestRequest::new(1600, 16), at(A, 2)), // no cache winner: least-loaded, lowest id
+        (RESPECT_LOWEST_ROW, request().target(B, None), at(B, 0)),
+        (RESPECT_LOWEST_ROW, request().target(A, Some(2)), at(A, 2)),
     ];
     for (params, request, expected) in cases {
         let policy = policy(params);
@@ -90,6 +90,35 @@ fn row_order_does_not_change_the_pick() {
             assert_eq!(
                 picked(&policy, &order, &request),
                 expected,
+                "{params} {order:?}"
+            );
+        }
+    }
+    // Spread (the default): the same request picks the same row in every order, one of the rows
+    // tied for it.
+    let tied_for_cache = [at(A, 0), at(A, 1), at(B, 0), at(B, 1)];
+    let cases = [
+        (DEFAULTS, request(), &tied_for_cache[..]),
+        (
+            DEFAULTS,
+            TestRequest::new(1600, 16),
+            &[at(A, 2), at(77, 0)][..],
+        ),
+        (
+            RESPECT,
+            request().target(B, None),
+            &[at(B, 0), at(B, 1)][..],
+        ),
+        (RESPECT, request().target(A, Some(2)), &[at(A, 2)][..]),
+    ];
+    for (params, request, tied) in cases {
+        let policy = policy(params);
+        let first = picked(&policy, &rows, &request);
+        assert!(tied.contains(&first), "{params}: {first:?} not in {tied:?}");
+        for order in orders(&rows) {
+            assert_eq!(
+                picked(&policy, &order, &request),
+                first,
                 "{params} {order:?}"
             );
         }

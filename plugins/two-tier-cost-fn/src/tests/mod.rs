@@ -5,6 +5,7 @@ mod conformance;
 mod kv_capacity_limit;
 mod prefill_backlog;
 mod ranks;
+mod tie_break;
 mod validation;
 
 use plugin_api::abi::PickFailureKind;
@@ -17,6 +18,8 @@ const A: u64 = 29;
 const B: u64 = 41;
 const DEFAULTS: &str = "{}";
 const RESPECT: &str = r#"{"respect_soft_affinity": true}"#;
+const LOWEST_ROW: &str = r#"{"tie_break": "lowest_row"}"#;
+const RESPECT_LOWEST_ROW: &str = r#"{"respect_soft_affinity": true, "tie_break": "lowest_row"}"#;
 const RESPECT_GATE: &str = r#"{"respect_soft_affinity": true, "soft_affinity_load_gate": true}"#;
 
 /// isl 160 at block size 16: R = 10.

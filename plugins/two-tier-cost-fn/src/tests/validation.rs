@@ -121,6 +121,7 @@ fn defaults_are_resolved_per_the_design() {
             soft_affinity_gate_rel: 1.1,
             load_signal: LoadSignal::ActiveRequests,
             kv_capacity_limit: None,
+            tie_break: TieBreak::Spread,
         }
     );
 }

@@ -1,0 +1,119 @@
+//! `tie_break`: rows every tier finds equal share the traffic by default, and `lowest_row`
+//! keeps the port's first behaviour.
+
+use super::*;
+
+/// Four idle, cold rows: every request ties on all of them, in the fallback tier.
+fn idle() -> Vec<TestRow> {
+    (0..4).map(|w| TestRow::new(10 + w, 0)).collect()
+}
+
+fn counts(policy: &TwoTierCostFn, rows: &[TestRow], requests: u64) -> [u32; 4] {
+    let mut counts = [0u32; 4];
+    for isl in 1..=requests {
+        let request = TestRequest::new(isl * 7, 16);
+        let first = picked(policy, rows, &request);
+        // The same request breaks the same way whatever the row order, and explain agrees.
+        for order in orders(rows) {
+            assert_eq!(picked(policy, &order, &request), first, "{isl}");
+            let e = explained(policy, &order, &request);
+            assert_eq!(TestRows::new(order.clone()).row(e.row), first);
+        }
+        counts[(first.worker_id - 10) as usize] += 1;
+    }
+    counts
+}
+
+#[test]
+fn spread_shares_idle_equal_rows_and_lowest_row_piles_them_on_the_lowest() {
+    let spread = policy(DEFAULTS);
+    assert_eq!(spread.params().tie_break, TieBreak::Spread);
+    let shares = counts(&spread, &idle(), 400);
+    // 100 expected each; a draw this far off would be a broken key, not bad luck.
+    assert!(
+        shares.iter().all(|&c| (60..=140).contains(&c)),
+        "{shares:?}"
+    );
+    assert_eq!(counts(&policy(LOWEST_ROW), &idle(), 400), [400, 0, 0, 0]);
+}
+
+#[test]
+fn spread_applies_in_every_tier_and_only_to_exact_ties() {
+    let spread = policy(DEFAULTS);
+    let workers = |rows: &[TestRow], request: &TestRequest| {
+        (0..64)
+            .map(|s| picked(&spread, rows, &request.clone().session(&format!("s-{s}"))))
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    // Cache tier: the two rows holding 8 of 10 blocks with equal load share; the cold one never.
+    let cache = [
+        row(10, 8.0, 0.0, 1),
+        row(11, 8.0, 0.0, 1),
+        row(12, 0.0, 0.0, 0),
+    ];
+    assert_eq!(
+        workers(&cache, &request()),
+        [at(10, 0), at(11, 0)].into_iter().collect()
+    );
+    // Load tier: the two least-loaded rows share; the busy, well-cached one never.
+    let load = [
+        row(10, 0.0, 0.0, 2),
+        row(11, 0.0, 0.0, 2),
+        row(12, 10.0, 0.0, 80),
+    ];
+    assert_eq!(
+        workers(&load, &request()),
+        [at(10, 0), at(11, 0)].into_iter().collect()
+    );
+    // Fallback tier under `prefill_backlog`: equal backlog and load share; more backlog never.
+    let backlog = policy(r#"{"load_signal": "prefill_backlog"}"#);
+    let rows = [
+        TestRow::new(10, 0),
+        TestRow::new(11, 0),
+        TestRow::new(12, 0).prefill_tokens(16),
+    ];
+    let seen: std::collections::BTreeSet<_> = (0..64)
+        .map(|s| picked(&backlog, &rows, &request().session(&format!("s-{s}"))))
+        .collect();
+    assert_eq!(seen, [at(10, 0), at(11, 0)].into_iter().collect());
+    // One active request more is not a tie.
+    let rows = [row(10, 0.0, 0.0, 1), row(11, 0.0, 0.0, 0)];
+    assert_eq!(
+        workers(&rows, &request()),
+        [at(11, 0)].into_iter().collect()
+    );
+}
+
+#[test]
+fn the_session_id_takes_part_in_the_draw() {
+    let spread = policy(DEFAULTS);
+    let seen: std::collections::BTreeSet<_> = (0..64)
+        .map(|s| {
+            picked(
+                &spread,
+                &idle(),
+                &request().session(&format!("session-{s:05}")),
+            )
+        })
+        .collect();
+    assert_eq!(seen.len(), 4, "{seen:?}");
+}
+
+#[test]
+fn tie_break_is_explained_logged_and_validated() {
+    let e = explained(&policy(DEFAULTS), &idle(), &request());
+    assert_eq!(e.get_label("tie_break"), Some("spread"));
+    let e = explained(&policy(LOWEST_ROW), &idle(), &request());
+    assert_eq!(e.get_label("tie_break"), Some("lowest_row"));
+    assert!(creation_log(DEFAULTS, 0.75)
+        .iter()
+        .any(|line| line.contains("tie_break=spread")));
+    let err = invalid(r#"{"tie_break": "random"}"#);
+    assert_eq!(err.key(), "tie_break");
+    assert!(
+        err.message()
+            .contains("unknown variant `random`, expected `lowest_row` or `spread`"),
+        "{}",
+        err.message()
+    );
+}
