@@ -10,6 +10,7 @@
 //! takes it at once, and closed.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -130,6 +131,24 @@ fn is_fd_limit(err: &std::io::Error) -> bool {
     matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
+/// Whether a connection waits in `listener`'s backlog, asked without taking a descriptor.
+///
+/// Linux's `accept` fails with `EMFILE` whenever the descriptor table is full, whether or not a
+/// connection waits (it reserves the descriptor first). Giving up the spare on every such
+/// failure would free a descriptor for a while after each last-slot accept, so whether a
+/// request's engine connection gets one would depend on timing.
+fn connection_waiting(listener: &TcpListener) -> bool {
+    let mut fds = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `poll` reads and writes the one struct it is given, which lives for the call; a
+    // zero timeout never blocks.
+    let ready = unsafe { libc::poll(&mut fds, 1, 0) };
+    ready > 0 && fds.revents & libc::POLLIN != 0
+}
+
 /// Accept and serve client connections until `app.stopping`; then stop accepting, ask every
 /// connection to finish its request in flight and close, and return once all have.
 pub async fn serve(app: Arc<App>, listener: TcpListener, routes: axum::Router, max_default: u64) {
@@ -156,6 +175,12 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, routes: axum::Router, m
             .unwrap_or(max_default);
         let stream = match accepted {
             Ok((stream, _)) => stream,
+            Err(err) if is_fd_limit(&err) && !connection_waiting(&listener) => {
+                // Out of descriptors with no one waiting: keep the spare, look again shortly
+                // (the listener stays ready after an error, so `accept` would not wait).
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
             Err(err) if is_fd_limit(&err) => {
                 drop(spare.take());
                 if let Ok(Ok((stream, _))) =
