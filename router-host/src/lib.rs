@@ -17,6 +17,7 @@ pub mod config;
 pub mod host;
 pub mod input;
 pub mod loader;
+pub mod log_limit;
 pub mod policies;
 pub mod replay;
 pub mod router;

@@ -537,85 +537,6 @@ impl std::fmt::Display for InstanceState {
 /// were not written. The counters (`router_policy_*`) count every occurrence.
 pub const LOG_REPEAT_INTERVAL: Duration = Duration::from_secs(60);
 
-/// One kind of repeated log line of one instance (see [`LOG_REPEAT_INTERVAL`]).
-#[derive(Debug, Default)]
-pub(crate) struct LogThrottle {
-    /// Nanoseconds since [`log_epoch`] before which nothing more is written.
-    next_ns: AtomicU64,
-    /// Occurrences not written since the last line.
-    suppressed: AtomicU64,
-}
-
-impl LogThrottle {
-    /// Whether the occurrence at `now_ns` is written: `Some(n)` with `n` occurrences not written
-    /// since the last line, or `None` (counted for the next line).
-    pub(crate) fn admit(&self, now_ns: u64, interval_ns: u64) -> Option<u64> {
-        let next = self.next_ns.load(Ordering::Relaxed);
-        if now_ns >= next
-            && self
-                .next_ns
-                .compare_exchange(
-                    next,
-                    now_ns.saturating_add(interval_ns),
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-        {
-            return Some(self.suppressed.swap(0, Ordering::Relaxed));
-        }
-        self.suppressed.fetch_add(1, Ordering::Relaxed);
-        None
-    }
-
-    /// [`Self::admit`], except that the first occurrence is not written but counted: for a
-    /// condition whose start was already logged (the transition out of service), so the first
-    /// line comes one interval later, with the count.
-    pub(crate) fn admit_after_first(&self, now_ns: u64, interval_ns: u64) -> Option<u64> {
-        if self.next_ns.load(Ordering::Relaxed) == 0
-            && self
-                .next_ns
-                .compare_exchange(
-                    0,
-                    now_ns.saturating_add(interval_ns).max(1),
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-        {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            return None;
-        }
-        self.admit(now_ns, interval_ns)
-    }
-
-    /// [`Self::admit`] now, with [`LOG_REPEAT_INTERVAL`].
-    pub(crate) fn admit_now(&self) -> Option<u64> {
-        let (now, interval) = log_clock();
-        self.admit(now, interval)
-    }
-
-    /// [`Self::admit_after_first`] now, with [`LOG_REPEAT_INTERVAL`].
-    pub(crate) fn admit_after_first_now(&self) -> Option<u64> {
-        let (now, interval) = log_clock();
-        self.admit_after_first(now, interval)
-    }
-}
-
-/// Now and [`LOG_REPEAT_INTERVAL`], in nanoseconds on the throttles' clock.
-fn log_clock() -> (u64, u64) {
-    (
-        u64::try_from(log_epoch().elapsed().as_nanos()).unwrap_or(u64::MAX),
-        u64::try_from(LOG_REPEAT_INTERVAL.as_nanos()).unwrap_or(u64::MAX),
-    )
-}
-
-/// The clock of every [`LogThrottle`].
-fn log_epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
 /// `" (N more since the last such line, not logged)"`, or nothing.
 pub(crate) fn suppressed_note(suppressed: u64) -> String {
     if suppressed == 0 {
@@ -632,11 +553,11 @@ pub(crate) fn suppressed_note(suppressed: u64) -> String {
 #[derive(Debug, Default)]
 pub(crate) struct InstanceLogs {
     /// `pick` returned an error or an out-of-range index.
-    pub(crate) pick_failed: LogThrottle,
+    pub(crate) pick_failed: crate::log_limit::LogThrottle,
     /// `explain` returned an error.
-    pub(crate) explain_failed: LogThrottle,
+    pub(crate) explain_failed: crate::log_limit::LogThrottle,
     /// A request of an instance out of service went to its fallback (or failed).
-    pub(crate) out_of_service: LogThrottle,
+    pub(crate) out_of_service: crate::log_limit::LogThrottle,
 }
 
 impl PolicyInstance {
@@ -942,7 +863,7 @@ fn plugin_log_verdict(plugin: &str) -> PluginLogVerdict {
     } else {
         ""
     };
-    let (now, _) = log_clock();
+    let now = crate::log_limit::now_ns();
     let window = u64::try_from(PLUGIN_LOG_WINDOW.as_nanos()).unwrap_or(u64::MAX);
     budgets
         .entry(key.to_owned())
@@ -1027,40 +948,12 @@ mod tests {
     }
 
     #[test]
-    fn a_throttle_writes_the_first_line_then_one_per_interval_with_the_count() {
-        let t = LogThrottle::default();
-        let s = 1_000_000_000;
-        assert_eq!(
-            t.admit(5, 60 * s),
-            Some(0),
-            "the first occurrence is written"
-        );
-        for i in 0..99 {
-            assert_eq!(t.admit(5 + i * s / 2, 60 * s), None);
-        }
-        // One interval later: one line saying how many were not written.
-        assert_eq!(t.admit(61 * s, 60 * s), Some(99));
-        assert_eq!(t.admit(62 * s, 60 * s), None);
-        assert_eq!(t.admit(200 * s, 60 * s), Some(1));
-        // A lone occurrence after a quiet interval is written as a fresh one.
-        assert_eq!(t.admit(400 * s, 60 * s), Some(0));
+    fn the_note_says_how_many_lines_were_left_out() {
         assert_eq!(suppressed_note(0), "");
         assert_eq!(
             suppressed_note(99),
             " (99 more like it in the last 60 s, not logged)"
         );
-    }
-
-    #[test]
-    fn a_throttle_after_a_logged_transition_writes_its_first_line_an_interval_later() {
-        let t = LogThrottle::default();
-        let s = 1_000_000_000;
-        assert_eq!(t.admit_after_first(0, 60 * s), None);
-        for i in 1..50 {
-            assert_eq!(t.admit_after_first(i * s, 60 * s), None);
-        }
-        assert_eq!(t.admit_after_first(60 * s, 60 * s), Some(50));
-        assert_eq!(t.admit_after_first(61 * s, 60 * s), None);
     }
 
     #[test]

@@ -38,7 +38,9 @@ use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
 use crate::eligibility::eligible_rows;
 use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
 use crate::model::{Cluster, RequestRole, RowId, Signals};
-use crate::policies::{suppressed_note, Catalog, HostSettings, PolicyError, PolicyInstance};
+use crate::policies::{
+    suppressed_note, Catalog, HostSettings, PolicyError, PolicyInstance, LOG_REPEAT_INTERVAL,
+};
 use crate::watchdog::Call;
 pub use crate::watchdog::{Hang, OnHang};
 
@@ -380,7 +382,11 @@ fn log_failure(
     match failure {
         PolicyFailure::Poisoned | PolicyFailure::Quarantined | PolicyFailure::Hung { .. } => {
             tracing::debug!(instance = %instance.name, origin = %instance.origin, "{error}");
-            if let Some(suppressed) = instance.logs.out_of_service.admit_after_first_now() {
+            if let Some(suppressed) = instance
+                .logs
+                .out_of_service
+                .admit_after_first_now(LOG_REPEAT_INTERVAL)
+            {
                 let state = instance.state();
                 let reason = instance.state_reason().unwrap_or_default();
                 let then = if fails {
@@ -405,7 +411,7 @@ fn log_failure(
             tracing::error!(instance = %instance.name, policy = %instance.type_name, origin = %instance.origin, "{error}");
         }
         _ => {
-            if let Some(suppressed) = instance.logs.pick_failed.admit_now() {
+            if let Some(suppressed) = instance.logs.pick_failed.admit_now(LOG_REPEAT_INTERVAL) {
                 tracing::error!(
                     instance = %instance.name,
                     policy = %instance.type_name,
@@ -481,7 +487,7 @@ fn explain(
         ),
         // Can repeat on every request: rate-limited.
         _ => {
-            if let Some(suppressed) = instance.logs.explain_failed.admit_now() {
+            if let Some(suppressed) = instance.logs.explain_failed.admit_now(LOG_REPEAT_INTERVAL) {
                 tracing::error!(
                     instance = %instance.name,
                     policy = %instance.type_name,

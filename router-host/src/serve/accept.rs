@@ -19,8 +19,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::log_limit::LogLimit;
 use super::App;
+use crate::log_limit::LogLimit;
 
 /// Descriptors kept out of the client connections' share for the listener, the probes and
 /// `/tokenize` calls, KV-event subscribers, plugin files, the runtime and logs.

@@ -347,7 +347,7 @@ async fn scrape(
     Some(String::from_utf8_lossy(&answer.body).into_owned())
 }
 
-static LOCAL_PROBE_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
+static LOCAL_PROBE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
 /// Probe every engine of `generation` once, concurrently.
 pub async fn probe_round(app: &App, generation: &Generation) {

@@ -13,8 +13,7 @@
 //! error bodies), `state.rs` (generations), `upstream.rs` (the client that sends completions to
 //! engines, on connections the request's own task drives), `coalesce.rs` (the relayed body's
 //! ready chunks joined into one write), `offload.rs` (which calls run on the async worker and which under
-//! `block_in_place`), `accept.rs` (client connections: the cap, shedding, header timeouts),
-//! `log_limit.rs` (log lines that can repeat, at most one per interval), and this file (the
+//! `block_in_place`), `accept.rs` (client connections: the cap, shedding, header timeouts), and this file (the
 //! server, reload, shutdown).
 
 pub mod accept;
@@ -23,7 +22,6 @@ pub mod errors;
 pub mod health;
 pub mod kv_events;
 pub mod lifecycle;
-pub mod log_limit;
 pub mod metrics;
 pub mod offload;
 pub mod proxy;

@@ -62,7 +62,7 @@ async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bod
     }
 }
 
-static BODY_TIMEOUT_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
+static BODY_TIMEOUT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
 /// Read the body, refusing one over `limit` bytes with 413. A body a little over the limit is
 /// read to its end first (so the client, still sending, gets the answer rather than a reset);
@@ -456,7 +456,7 @@ async fn send(
 /// The kind of an [`UpstreamFailure`] that is the router's own (descriptors, ports, memory).
 const LOCAL_FAILURE: &str = "local";
 
-static LOCAL_RESOURCE_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
+static LOCAL_RESOURCE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
 /// Statuses that mean "this engine cannot take it now": retried on another row.
 fn retryable_status(status: StatusCode) -> bool {

@@ -87,7 +87,7 @@ pub struct Answer {
     pub body: bytes::Bytes,
 }
 
-static ANSWER_LOG: super::log_limit::LogLimit = super::log_limit::LogLimit::new(10_000);
+static ANSWER_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
 /// Send `request` (a call of the router's own to engine `worker`'s `endpoint`) and read its
 /// answer, at most `limit` bytes of it: a redirect, or an answer over the limit, is refused,
