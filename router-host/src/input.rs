@@ -98,7 +98,7 @@ pub fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, InputError> {
 /// serde's derived `Deserialize` for a struct also takes a sequence of its fields in order, and
 /// serde_json hands it one: `{"workers": [[1, 0, 2]]}` was read as a worker, positionally, and a
 /// reordered or shortened array silently meant something else. Every struct read from a JSON file
-/// is derived with `#[serde(remote = "Self")]` and gets its `Deserialize` from [`objects_only!`],
+/// is derived with `#[serde(remote = "Self")]` and gets its `Deserialize` from `objects_only!`,
 /// which runs the derived code through this adapter: a sequence is then an `invalid type` error
 /// in the struct's own `expecting` words, at its line and column.
 pub struct StructAsMap<D>(pub D);
