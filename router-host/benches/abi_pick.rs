@@ -1,4 +1,4 @@
-//! Issue 7, benchmark 1: the two-tier pick through the loaded `.so` versus the same picker
+//! The two-tier pick through the loaded `.so` versus the same picker
 //! linked statically, at 8, 64, 256 and 1,024 rows.
 //!
 //! * `static/N`: `two_tier_cost_fn` linked as an rlib; per call, `Rows::from_raw` and

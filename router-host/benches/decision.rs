@@ -1,4 +1,4 @@
-//! Issue 7, benchmark 2: the host's whole decision for one request.
+//! The host's whole decision for one request.
 //!
 //! 16 workers x 8 ranks (128 rows) with the two-tier policy loaded from its `.so`. Each
 //! iteration is `Host::route` (eligibility, overlap lookup in the replay's KV index for a

@@ -1,4 +1,4 @@
-//! Issue 7, benchmark 3: the replay's KV-overlap index (`replay::kv_index::KvIndex`).
+//! The replay's KV-overlap index (`replay::kv_index::KvIndex`).
 //!
 //! Contents: 16 workers x 8 ranks (128 rows); every worker caches 1,000 prompts' worth of blocks
 //! (125 prompts of 256 blocks on each rank), prompts drawn from a pool of 4,000 that share 8

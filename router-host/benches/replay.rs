@@ -1,4 +1,4 @@
-//! Issue 7, benchmark 4: replay throughput on the shared Mooncake conversation trace.
+//! Replay throughput on the shared Mooncake conversation trace.
 //!
 //! The whole trace through the real host (and the two-tier `.so`) on 8 simulated workers, once
 //! per config: `examples/replay/{default,two-tier,round-robin}.yaml`. Throughput is simulated

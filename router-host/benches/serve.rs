@@ -1,4 +1,5 @@
-//! What `router-host serve` adds to a request's latency (docs/performance.md §6).
+//! What `router-host serve` adds to a request's latency (docs/performance.md,
+//! "`serve`: added latency").
 //!
 //! One process, three tokio runtimes on their own threads: two stand-in engines
 //! (`tests/common/engine.rs`, the `serve_*` tests' stand-in, on 127.0.0.1 port 0), `serve` itself

@@ -1,6 +1,7 @@
-//! What the shared session store adds per request (docs/performance.md §7): one request's
-//! session calls, `lookup` + `dispatched` + `completed`, on the in-memory `SessionTable` and on
-//! the `RedisStore` against a real `redis-server` this bench starts on a free 127.0.0.1 port.
+//! What the shared session store adds per request (docs/performance.md, "Shared session
+//! store"): one request's session calls, `lookup` + `dispatched` + `completed`, on the
+//! in-memory `SessionTable` and on the `RedisStore` against a real `redis-server` this bench
+//! starts on a free 127.0.0.1 port.
 //!
 //! Each iteration is one turn of one of 1,000 sessions (so lookups find bindings, as in a
 //! multi-turn workload), timed alone; the bench prints p50 / p90 / p99 / max of both and their

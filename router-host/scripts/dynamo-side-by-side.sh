@@ -1,5 +1,5 @@
 #!/bin/sh
-# Thin entry point for dynamo_side_by_side.py (issue 12): Dynamo's mocker + KV router vs.
+# Thin entry point for dynamo_side_by_side.py: Dynamo's mocker + KV router vs.
 # router-host replay on the same trace. All arguments are passed through; see --help.
 set -eu
 here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)

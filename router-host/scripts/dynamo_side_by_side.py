@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side by side: NVIDIA Dynamo's mocker + KV router replay vs. `router-host replay` (issue 12).
+"""Side by side: NVIDIA Dynamo's mocker + KV router replay vs. `router-host replay`.
 
 Runs one Mooncake trace through
   * Dynamo's offline trace replay (`dynamo._core.run_mocker_trace_replay`, PyPI

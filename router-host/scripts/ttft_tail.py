@@ -6,7 +6,8 @@ a cached prefix and found it or not (with how long ago that prefix was last used
     router-host replay --trace T.jsonl --workers 8 --kv-blocks 2048 -c C.yaml --requests r.csv
     python3 router-host/scripts/ttft_tail.py --trace T.jsonl --requests r.csv --threshold-ms 3900
 
-docs/replay.md, "Why TTFT p99 stays near 3,900 ms", is this script's output on issue 12's setting.
+docs/replay.md, "Why TTFT p99 stays near 3,900 ms", is this script's output on the Dynamo
+side-by-side setting.
 """
 import argparse
 import csv

@@ -635,7 +635,7 @@ impl PolicyInstance {
     }
 
     /// Why [`Self::callable`] refused. Cold and out of line, off the request path's hot code
-    /// (docs/performance.md §5).
+    /// (docs/performance.md, "What the profiles showed").
     #[cold]
     #[inline(never)]
     fn not_callable(&self) -> Result<(), PolicyFailure> {

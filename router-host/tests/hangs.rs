@@ -1,4 +1,4 @@
-//! Hangs (issue 11): a policy call that never returns. The watchdog marks the instance hung; a
+//! Hangs: a policy call that never returns. The watchdog marks the instance hung; a
 //! library host keeps serving (its requests go to the fallback, its hooks are no longer called),
 //! and `router-host select`, whose only thread is the stuck one, exits with status 3 naming the
 //! instance and the call.

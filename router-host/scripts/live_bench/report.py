@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The live benchmark's report (issue #16).
+"""The live benchmark's report.
 
 Reads OUT/overhead.json (part 1, overhead.py) and OUT/cache_quality.json (part 2,
 cache_quality.py); either may be missing, and the report says so. Writes:
@@ -12,7 +12,7 @@ cache_quality.py); either may be missing, and the report says so. Writes:
 - OUT/live-bench.svg: added latency against rate per router, hit rate and TTFT p99 per router
   (matplotlib; without it, the report says so and skips the plot).
 
-usage: report.py --out DIR
+usage: report.py [--out DIR]   (default: results/ beside this script)
        report.py --self-test     fabricated inputs in a temporary directory, checks the outputs
 
 Python 3.11 standard library; matplotlib is optional. machine_info() is shared with the parts.
@@ -28,6 +28,8 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 PARTS = (
     ("overhead", "overhead.json", "part 1: overhead and capacity (mock engines, oha)"),
@@ -540,13 +542,12 @@ def build_report(out: Path) -> tuple[dict, str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, help="the directory with overhead.json / cache_quality.json")
+    p.add_argument("--out", type=Path, default=HERE / "results",
+                   help="the directory with overhead.json / cache_quality.json (default: results/ beside this script)")
     p.add_argument("--self-test", action="store_true", help="check the report on fabricated inputs")
     args = p.parse_args()
     if args.self_test:
         return self_test()
-    if args.out is None:
-        p.error("--out DIR is required (or --self-test)")
     if not args.out.is_dir():
         print(f"report: {args.out} is not a directory", file=sys.stderr)
         return 2

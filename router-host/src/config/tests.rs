@@ -426,7 +426,7 @@ fn hostile_inputs_are_errors_not_panics() {
 
 #[test]
 fn enum_values_of_the_wrong_shape_name_the_accepted_values() {
-    // Found by the hostile-input tests (issue 6): a sequence or mapping given for an enum
+    // Found by the hostile-input tests: a sequence or mapping given for an enum
     // used to read "expected a YAML tag starting with '!'".
     for (text, expected) in [
         (
@@ -470,7 +470,7 @@ fn enum_values_of_the_wrong_shape_name_the_accepted_values() {
 
 #[test]
 fn integers_written_as_overflowing_floats_say_so() {
-    // Found by the hostile-input tests (issue 6): `1e400` used to read as `string "1e400"`.
+    // Found by the hostile-input tests: `1e400` used to read as `string "1e400"`.
     let message =
         parse_err("worker_selection: {instances: [{name: a, type: t, pick_budget_us: 1e400}]}");
     assert!(
@@ -495,7 +495,7 @@ fn integers_written_as_overflowing_floats_say_so() {
 
 #[test]
 fn deep_flow_nesting_is_refused_before_the_yaml_scanner_runs() {
-    // Found by the hostile-input tests (issue 6): the scanner's time grows with tokens times
+    // Found by the hostile-input tests: the scanner's time grows with tokens times
     // flow depth, so 100,000 nested `[` took minutes before the recursion limit refused them.
     let deep = format!(
         "engine:\n  x: {}{}\n",

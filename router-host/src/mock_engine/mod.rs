@@ -225,7 +225,7 @@ pub fn run(args: &MockArgs) -> anyhow::Result<std::process::ExitCode> {
             }
         };
         // Streamed chunks are small writes: without TCP_NODELAY each can wait ~40 ms for the
-        // reader's delayed ACK (docs/performance.md §6).
+        // reader's delayed ACK (docs/performance.md, "`serve`: added latency").
         let listener = axum::serve::ListenerExt::tap_io(listener, |stream| {
             let _ = stream.set_nodelay(true);
         });

@@ -222,7 +222,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, routes: axum::Router, m
             count: open.clone(),
         };
         // Streamed chunks are small separate writes: without TCP_NODELAY each waits for the
-        // client's delayed ACK (Nagle), about 40 ms per response (docs/performance.md §6).
+        // client's delayed ACK (Nagle), about 40 ms per response (docs/performance.md,
+        // "`serve`: added latency").
         if let Err(err) = stream.set_nodelay(true) {
             tracing::debug!(error = %err, "cannot set TCP_NODELAY on a client connection");
         }

@@ -3,7 +3,8 @@
 //! hyper writes every piece of a response body with its own syscall. An engine often sends a
 //! short stream (or the tail of a long one) faster than the router relays it, so several SSE
 //! events wait in the upstream connection's buffer at once; relaying them one by one cost a
-//! `writev` and a loopback segment each (docs/performance.md §6). Only what is ready is joined:
+//! `writev` and a loopback segment each (docs/performance.md, "`serve`: added
+//! latency"). Only what is ready is joined:
 //! a chunk the engine has not sent yet is never waited for, so no event is delayed, and the
 //! bytes are the same, in the same order.
 

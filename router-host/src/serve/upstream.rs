@@ -6,7 +6,8 @@
 //! the one before was taken. An engine usually sends a short stream's events in one write, yet
 //! the relay got them one per scheduler round trip, and hyper's server wrote each with its own
 //! `writev` (about ten per short stream, a third of serve's CPU at 4,800 req/s,
-//! docs/performance.md §8). Here the connection belongs to the request while it runs: polling
+//! docs/performance.md, "What the profiles showed"). Here the connection belongs to the request
+//! while it runs: polling
 //! the body first decodes whatever the connection has already read, on this task, so the
 //! relay's [`super::coalesce::Coalesce`] takes every ready event at once. Between requests a
 //! connection waits in `Http1Pool`, idle and unpolled; it is checked (one poll: has the engine

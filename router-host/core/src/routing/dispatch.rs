@@ -478,7 +478,7 @@ impl RoutingCore {
 
     /// Record `lease`'s binding to `row` in the session store: what happened, and whether the
     /// booking holds the lease. Out of line: requests without a session never run it
-    /// (docs/performance.md §5).
+    /// (docs/performance.md, "What the profiles showed").
     #[inline(never)]
     fn record_binding(
         &self,
