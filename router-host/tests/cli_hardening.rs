@@ -4,70 +4,20 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::time::Duration;
 
+use common::child::{run_within, Run};
 use common::{router_host_bin, run_cli, temp_dir, write};
 use router_host::replay::trace::MAX_TRACE_LINE_BYTES;
 
 /// Longest any one child may run; a hang fails the test instead of blocking it.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// The outcome of a child run with [`run_bounded`].
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
 /// Run `program args` with stdout and stderr sent to files in `dir` (and stdout replaced by
 /// `stdout` when given); kill it and fail the test if it outlives [`DEADLINE`].
 fn run_bounded(dir: &Path, program: &Path, args: &[&str], stdout: Option<Stdio>) -> Run {
     run_within(dir, program, args, stdout, DEADLINE)
-}
-
-/// [`run_bounded`] with its own deadline.
-fn run_within(
-    dir: &Path,
-    program: &Path,
-    args: &[&str],
-    stdout: Option<Stdio>,
-    deadline: Duration,
-) -> Run {
-    let out_path = dir.join("child.stdout");
-    let err_path = dir.join("child.stderr");
-    let stdout = match stdout {
-        Some(s) => s,
-        None => Stdio::from(std::fs::File::create(&out_path).unwrap()),
-    };
-    let mut child = Command::new(program)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(Stdio::from(std::fs::File::create(&err_path).unwrap()))
-        .spawn()
-        .expect("spawn child");
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{} {args:?} still running after {deadline:?}",
-                program.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Run {
-        code: status.code(),
-        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
-        stderr: std::fs::read_to_string(&err_path).unwrap_or_default(),
-    }
 }
 
 /// A stdout whose reader is gone before the child starts: every write gets `EPIPE`.

@@ -10,7 +10,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use router_host::config::{RouterConfig, MAX_DP_SIZE, MAX_ROWS};
 use router_host::scenario::{Scenario, MAX_SCENARIO_ROWS, MAX_SCENARIO_ROW_DECISIONS};
@@ -363,40 +363,20 @@ fn select_within(
 ) -> (i32, String, String) {
     let config = write(dir, "router.yaml", config);
     let scenario = write(dir, "scenario.json", scenario);
-    let mut child = std::process::Command::new(common::router_host_bin())
-        .args([
+    let run = common::child::run_within(
+        dir,
+        &common::router_host_bin(),
+        &[
             "select",
             "--config",
             path_str(&config),
             "--scenario",
             path_str(&scenario),
-        ])
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::from(
-            std::fs::File::create(dir.join("out")).unwrap(),
-        ))
-        .stderr(std::process::Stdio::from(
-            std::fs::File::create(dir.join("err")).unwrap(),
-        ))
-        .spawn()
-        .expect("run router-host select");
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("select still running after {deadline:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (
-        status.code().unwrap_or(-1),
-        std::fs::read_to_string(dir.join("out")).unwrap(),
-        std::fs::read_to_string(dir.join("err")).unwrap(),
-    )
+        ],
+        None,
+        deadline,
+    );
+    (run.code.unwrap_or(-1), run.stdout, run.stderr)
 }
 
 #[test]

@@ -7,6 +7,7 @@
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -196,4 +197,56 @@ fn exchange(method: &str, url: &str, body: &str) -> Option<(u16, String)> {
         .ok()?;
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
     Some((status, body))
+}
+
+/// The outcome of a child run with [`run_within`].
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Run `program args` with stdout and stderr sent to files in `dir` (and stdout replaced by
+/// `stdout` when given); kill it and fail the test if it outlives `deadline`.
+pub fn run_within(
+    dir: &Path,
+    program: &Path,
+    args: &[&str],
+    stdout: Option<Stdio>,
+    deadline: Duration,
+) -> Run {
+    let out_path = dir.join("child.stdout");
+    let err_path = dir.join("child.stderr");
+    let stdout = match stdout {
+        Some(s) => s,
+        None => Stdio::from(std::fs::File::create(&out_path).unwrap()),
+    };
+    let mut child = Command::new(program)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(Stdio::from(std::fs::File::create(&err_path).unwrap()))
+        .spawn()
+        .expect("spawn child");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{} {args:?} still running after {deadline:?}",
+                program.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code(),
+        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
+        stderr: std::fs::read_to_string(&err_path).unwrap_or_default(),
+    }
 }
