@@ -35,11 +35,12 @@ pub struct TwoTierParams {
 #[serde(rename_all = "snake_case")]
 pub enum LoadSignal {
     /// Fewest active requests (Dynamo's two-tier).
-    #[default]
     ActiveRequests,
     /// Fewest prompt tokens to prefill before the request's first token: the row's
     /// `active_prefill_tokens` plus the request's prompt tokens the row does not cache; then
-    /// fewest active requests.
+    /// fewest active requests. The default: measured better than `active_requests` on every
+    /// replayed workload, most where KV is tight (docs/policies/two-tier-cost-fn.md).
+    #[default]
     PrefillBacklog,
 }
 
@@ -86,7 +87,7 @@ impl Default for TwoTierParams {
             soft_affinity_load_gate: false,
             soft_affinity_gate_abs: None,
             soft_affinity_gate_rel: None,
-            load_signal: LoadSignal::ActiveRequests,
+            load_signal: LoadSignal::PrefillBacklog,
             kv_capacity_limit: None,
             tie_break: TieBreak::Spread,
         }
@@ -251,9 +252,9 @@ pub fn docs() -> Vec<ParamDoc> {
         ParamDoc::optional(
             "load_signal",
             "string",
-            "active_requests",
-            "least-loaded in the cache and fallback tiers: active_requests, or prefill_backlog \
-             (pending prefill tokens plus the prompt tokens the row does not cache)",
+            "prefill_backlog",
+            "least-loaded in the cache and fallback tiers: prefill_backlog (pending prefill \
+             tokens plus the prompt tokens the row does not cache), or active_requests (Dynamo's)",
         ),
         ParamDoc::optional(
             "kv_capacity_limit",

@@ -99,8 +99,11 @@ fn row_order_does_not_change_the_pick() {
     let tied_for_cache = [at(A, 0), at(A, 1), at(B, 0), at(B, 1)];
     let cases = [
         (DEFAULTS, request(), &tied_for_cache[..]),
+        // No cache winner: with the default prefill backlog the rows caching 7 blocks have the
+        // least to prefill; with active requests the two rows running one request tie.
+        (DEFAULTS, TestRequest::new(1600, 16), &tied_for_cache[..]),
         (
-            DEFAULTS,
+            ACTIVE,
             TestRequest::new(1600, 16),
             &[at(A, 2), at(77, 0)][..],
         ),

@@ -31,7 +31,12 @@ const CONFORMANCE: &[Case] = &[
 #[test]
 fn conformance_table_of_the_design() {
     for (n, case) in CONFORMANCE.iter().enumerate() {
-        let policy = policy(case.params);
+        // The design's table is the seed's behaviour: Dynamo's `active_requests` signal.
+        let params = match case.params {
+            DEFAULTS => ACTIVE.to_string(),
+            p => p.replacen('{', r#"{"load_signal": "active_requests", "#, 1),
+        };
+        let policy = policy(&params);
         let request = match case.target {
             Some(worker) => request().target(worker, None),
             None => request(),

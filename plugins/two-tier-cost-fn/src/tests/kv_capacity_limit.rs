@@ -276,7 +276,8 @@ fn kv_capacity_limit_gives_way_to_the_least_loaded_row_of_the_load_signal_in_for
         (booked(B, 0.0, 0, 0).prefill_tokens(5000), 100.0),
         (booked(C, 0.0, 3, 0), 100.0),
     ];
-    let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
+    let active = policy(r#"{"kv_capacity_limit": 1.0, "load_signal": "active_requests"}"#);
+    let (row, e) = capacity_decision(&active, &rows, &request());
     assert_eq!(row, at(B, 0));
     assert_eq!(e.reason, "cache_row_over_kv_capacity_least_loaded");
     let backlog = policy(r#"{"kv_capacity_limit": 1.0, "load_signal": "prefill_backlog"}"#);

@@ -14,7 +14,7 @@ fn loaded(worker: u64, device: f64, active: u64, prefill: u64) -> TestRow {
 
 struct BacklogCase {
     rows: [(u64, f64, u64, u64); 2],
-    /// The pick with the default `active_requests` signal, then with `prefill_backlog`.
+    /// The pick with the `active_requests` signal, then with `prefill_backlog` (the default).
     active_requests: u64,
     prefill_backlog: u64,
     why: &'static str,
@@ -41,7 +41,7 @@ fn prefill_backlog_changes_only_what_least_loaded_means() {
             .map(|&(w, device, active, prefill)| loaded(w, device, active, prefill))
             .collect();
         for (params, expected) in [
-            (DEFAULTS, case.active_requests),
+            (ACTIVE, case.active_requests),
             (BACKLOG, case.prefill_backlog),
         ] {
             let policy = policy(params);
@@ -64,8 +64,9 @@ fn prefill_backlog_is_resolved_logged_and_spelled() {
         LoadSignal::PrefillBacklog
     );
     assert_eq!(
-        policy(r#"{"load_signal": "active_requests"}"#),
-        policy(DEFAULTS)
+        policy(BACKLOG),
+        policy(DEFAULTS),
+        "prefill_backlog is the default"
     );
     let err = invalid(r#"{"load_signal": "tokens"}"#);
     assert_eq!(err.key(), "load_signal");

@@ -119,7 +119,7 @@ fn defaults_are_resolved_per_the_design() {
             soft_affinity_load_gate: false,
             soft_affinity_gate_abs: 32,
             soft_affinity_gate_rel: 1.1,
-            load_signal: LoadSignal::ActiveRequests,
+            load_signal: LoadSignal::PrefillBacklog,
             kv_capacity_limit: None,
             tie_break: TieBreak::Spread,
         }
