@@ -20,6 +20,10 @@
 //! - **1.0**: root module, `PolicyObject { required_inputs, pick, explain }`, context and view.
 //! - **1.1**: optional hooks [`Policy::on_dispatch`] and [`Policy::on_complete`]. Plugins built
 //!   against 1.0 keep loading; hosts simply find no hooks in them.
+//! - **1.2**: the [`KV_CAPACITY_BLOCKS`] extra column ([`Rows::kv_capacity_blocks`]).
+//! - **1.3**: the indexed-blocks extra columns ([`KV_INDEXED_DEVICE_BLOCKS`] and its host and
+//!   disk siblings; [`Rows::kv_indexed_blocks`]): what each row's cache holds now. Older plugins
+//!   never look at them.
 
 pub mod abi;
 mod columns;
@@ -28,13 +32,15 @@ pub mod export;
 mod policy;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod ties;
 
 pub use abi::{Inputs, RowId, API_VERSION};
 pub use columns::Columns;
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
-    AffinityTarget, Completion, Context, Dispatch, Explanation, Load, Outcome, Overlap, PickError,
-    Policy, Role, Rows, ViewError, KV_CAPACITY_BLOCKS,
+    AffinityTarget, Completion, Context, Dispatch, Explanation, IndexedBlocks, Load, Outcome,
+    Overlap, PickError, Policy, Role, Rows, ViewError, KV_CAPACITY_BLOCKS,
+    KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
 };
 
 #[doc(hidden)]

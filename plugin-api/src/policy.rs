@@ -209,6 +209,24 @@ pub struct Load<'a> {
 /// `NaN` where unknown. Hosts send it with the LOAD columns when they know any row's capacity.
 pub const KV_CAPACITY_BLOCKS: &str = "kv_capacity_blocks";
 
+/// Names of the extra columns (since 1.3) holding how many blocks each row's cache holds on the
+/// device, host and disk tiers, as the host's KV index knows them from the engines' KV events
+/// (stored minus evicted; blocks in use by running requests included). Hosts send them with the
+/// LOAD columns when they keep a KV index; read them with [`Rows::kv_indexed_blocks`].
+pub const KV_INDEXED_DEVICE_BLOCKS: &str = "kv_indexed_device_blocks";
+/// See [`KV_INDEXED_DEVICE_BLOCKS`].
+pub const KV_INDEXED_HOST_BLOCKS: &str = "kv_indexed_host_blocks";
+/// See [`KV_INDEXED_DEVICE_BLOCKS`].
+pub const KV_INDEXED_DISK_BLOCKS: &str = "kv_indexed_disk_blocks";
+
+/// What each row's cache holds, per tier, in blocks ([`Rows::kv_indexed_blocks`]).
+#[derive(Debug, Clone, Copy)]
+pub struct IndexedBlocks<'a> {
+    pub device: &'a [f64],
+    pub host: &'a [f64],
+    pub disk: &'a [f64],
+}
+
 /// The eligible rows, as index-aligned columns. Row order is unspecified: never depend on it.
 #[derive(Debug, Clone, Copy)]
 pub struct Rows<'a> {
@@ -321,6 +339,18 @@ impl<'a> Rows<'a> {
     #[inline]
     pub fn kv_capacity_blocks(&self) -> Option<&'a [f64]> {
         self.extra_column(KV_CAPACITY_BLOCKS)
+    }
+
+    /// How many blocks each row's cache holds per tier (the `kv_indexed_*_blocks` extra
+    /// columns). Against [`Rows::kv_capacity_blocks`] it says how full each row's cache is, so a
+    /// policy can send a new prefix where it evicts least. `None` from hosts older than 1.3 and
+    /// from hosts that keep no KV index (injected `select` scenarios).
+    pub fn kv_indexed_blocks(&self) -> Option<IndexedBlocks<'a>> {
+        Some(IndexedBlocks {
+            device: self.extra_column(KV_INDEXED_DEVICE_BLOCKS)?,
+            host: self.extra_column(KV_INDEXED_HOST_BLOCKS)?,
+            disk: self.extra_column(KV_INDEXED_DISK_BLOCKS)?,
+        })
     }
 
     /// A per-row signal added by a newer 1.x host, by name.

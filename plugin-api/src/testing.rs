@@ -210,6 +210,15 @@ impl TestRows {
         self.extra_column(crate::KV_CAPACITY_BLOCKS, values)
     }
 
+    /// The three indexed-blocks columns ([`crate::KV_INDEXED_DEVICE_BLOCKS`] and its host and
+    /// disk siblings): `device` as given, nothing on the offload tiers.
+    pub fn kv_indexed_device_blocks(self, device: Vec<f64>) -> Self {
+        let zeros = vec![0.0; device.len()];
+        self.extra_column(crate::KV_INDEXED_DEVICE_BLOCKS, device)
+            .extra_column(crate::KV_INDEXED_HOST_BLOCKS, zeros.clone())
+            .extra_column(crate::KV_INDEXED_DISK_BLOCKS, zeros)
+    }
+
     pub fn len(&self) -> usize {
         self.columns.len()
     }

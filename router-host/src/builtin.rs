@@ -8,8 +8,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use plugin_api::{
-    check, Context, CreateError, Explanation, Inputs, ParamDoc, Parameters, PickError, Policy,
-    RowId, Rows,
+    check, ties, Context, CreateError, Explanation, Inputs, ParamDoc, Parameters, PickError,
+    Policy, RowId, Rows,
 };
 use serde::Deserialize;
 
@@ -275,28 +275,37 @@ impl DefaultSelector {
             + self.decode_active_request_weight * load.active_requests[i] as f64
     }
 
-    /// The order among rows of equal cost: lower wins. `request` is [`request_key`] of the
-    /// request (computed once per decision).
+    /// The order among rows of equal cost: lower wins. Under `spread`, the row with more free
+    /// KV blocks first (a prompt nobody caches goes where it evicts least), then the spread rank
+    /// of the request (`request`, [`ties::request_key`], computed once per decision);
+    /// `lowest_row` is the row id alone.
     #[inline]
-    fn tie_key(&self, request: u64, id: RowId) -> (u64, RowId) {
+    fn tie_key(
+        &self,
+        request: u64,
+        room: Option<&ties::RoomColumns<'_>>,
+        i: usize,
+        id: RowId,
+    ) -> (i64, u64, RowId) {
         match self.tie_break {
-            TieBreak::LowestRow => (0, id),
-            TieBreak::Spread => {
-                let row = (id.worker_id.rotate_left(32)) ^ u64::from(id.dp_rank);
-                (mix(request ^ mix(row.wrapping_add(GOLDEN_GAMMA))), id)
-            }
+            TieBreak::LowestRow => (0, 0, id),
+            TieBreak::Spread => (
+                room.map_or(0, |room| room.rank(i)),
+                ties::spread_rank(request, id),
+                id,
+            ),
         }
     }
 
     fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
-        let request = match self.tie_break {
-            TieBreak::LowestRow => 0,
-            TieBreak::Spread => request_key(ctx),
+        let (request, room) = match self.tie_break {
+            TieBreak::LowestRow => (0, None),
+            TieBreak::Spread => (ties::request_key(ctx), ties::RoomColumns::of(rows)),
         };
-        let mut best: Option<(usize, f64, (u64, RowId))> = None;
+        let mut best: Option<(usize, f64, (i64, u64, RowId))> = None;
         for i in 0..rows.len() {
             let cost = self.cost(ctx, rows, i);
-            let key = self.tie_key(request, rows.row(i));
+            let key = self.tie_key(request, room.as_ref(), i, rows.row(i));
             let better = match best {
                 None => true,
                 Some((_, c, bkey)) => cost < c || (cost == c && key < bkey),
@@ -307,20 +316,6 @@ impl DefaultSelector {
         }
         best.map(|(i, c, _)| (i, c))
     }
-}
-
-/// A 64-bit key of what the request context says about the request: its prompt length, its
-/// block count and its session id. Pick and explain see the same context, so they agree.
-fn request_key(ctx: &Context<'_>) -> u64 {
-    let mut h = mix(ctx.prompt_tokens() ^ ctx.request_blocks().rotate_left(40));
-    if let Some(session) = ctx.session_id() {
-        for chunk in session.as_bytes().chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            h = mix(h ^ u64::from_le_bytes(word));
-        }
-    }
-    h
 }
 
 impl Policy for DefaultSelector {
@@ -675,6 +670,42 @@ mod tests {
             let request = TestRequest::new(isl, 16);
             assert_eq!(rows.pick_worker(&spread, &request).unwrap().worker_id, 11);
         }
+    }
+
+    #[test]
+    fn spread_sends_a_prompt_nobody_caches_where_the_cache_has_most_room() {
+        let spread = DefaultSelector::new(&BuiltinSettings::default());
+        let caches = |indexed: Vec<f64>| {
+            TestRows::new(idle_rows())
+                .kv_capacity_blocks(vec![80.0; 4])
+                .kv_indexed_device_blocks(indexed)
+        };
+        for s in 0..50 {
+            let request = TestRequest::new(160 + s, 16).session(&format!("s{s}"));
+            let rows = caches(vec![70.0, 60.0, 15.0, 80.0]);
+            assert_eq!(rows.pick_worker(&spread, &request).unwrap().worker_id, 12);
+        }
+        // Room only breaks exact ties: a row with less backlog still wins.
+        let rows = TestRows::new(vec![
+            TestRow::new(10, 0).decode_blocks(1),
+            TestRow::new(11, 0),
+        ])
+        .kv_capacity_blocks(vec![80.0; 2])
+        .kv_indexed_device_blocks(vec![0.0, 80.0]);
+        assert_eq!(
+            rows.pick_worker(&spread, &TestRequest::new(160, 16))
+                .unwrap()
+                .worker_id,
+            11
+        );
+        // `lowest_row` ignores room.
+        let rows = caches(vec![70.0, 60.0, 15.0, 80.0]);
+        assert_eq!(
+            rows.pick_worker(&selector(), &TestRequest::new(160, 16))
+                .unwrap()
+                .worker_id,
+            10
+        );
     }
 
     #[test]

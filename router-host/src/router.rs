@@ -26,7 +26,10 @@ use plugin_api::abi::{
     opt_str, CompleteEvent, DispatchEvent, ExtraColumn, RawAffinityTarget, RawExplanation,
     RawRequestContext,
 };
-use plugin_api::{Explanation, KV_CAPACITY_BLOCKS};
+use plugin_api::{
+    Explanation, KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS,
+    KV_INDEXED_HOST_BLOCKS,
+};
 use router_core::ledger::Charge;
 pub use router_core::select::{
     Decision, InstanceId, Pick, PolicyFailure, PrefillBooking, Scratch, SelectError, Selection,
@@ -321,15 +324,28 @@ impl Router {
             extensions: RSlice::EMPTY,
         };
         let mut view = scratch.columns.view(instance.inputs);
-        // Filled (with the LOAD columns) only when some worker's KV capacity is known.
-        let capacity;
-        if !scratch.kv_capacity.is_empty() {
-            capacity = [ExtraColumn {
-                name: RStr::from_str(KV_CAPACITY_BLOCKS),
-                values: RSlice::from_slice(&scratch.kv_capacity),
-            }];
-            view.extra_columns = RSlice::from_slice(&capacity);
+        // Each extra column is filled (with the LOAD columns) only when the host knows it: the
+        // capacity when some worker's is known, the indexed blocks when a KV index answers.
+        let [device, host, disk] = &scratch.kv_indexed;
+        let named = [
+            (KV_CAPACITY_BLOCKS, &scratch.kv_capacity),
+            (KV_INDEXED_DEVICE_BLOCKS, device),
+            (KV_INDEXED_HOST_BLOCKS, host),
+            (KV_INDEXED_DISK_BLOCKS, disk),
+        ];
+        let mut extra = [ExtraColumn {
+            name: RStr::from_str(""),
+            values: RSlice::EMPTY,
+        }; 4];
+        let mut sent = 0;
+        for (name, values) in named.into_iter().filter(|(_, v)| !v.is_empty()) {
+            extra[sent] = ExtraColumn {
+                name: RStr::from_str(name),
+                values: RSlice::from_slice(values),
+            };
+            sent += 1;
         }
+        view.extra_columns = RSlice::from_slice(&extra[..sent]);
         instance.stats.picks.add(1);
         let started = Instant::now();
         let picked = {

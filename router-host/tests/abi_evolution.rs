@@ -137,7 +137,7 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
     let path = build("v1_0", Api::Frozen, false);
     let library = load(&path).unwrap_or_else(|e| panic!("1.0 plugin refused: {e}"));
     assert_eq!(library.api_version, "1.0.0");
-    assert_eq!(plugin_api::API_VERSION, "1.2.0", "this host is 1.2");
+    assert_eq!(plugin_api::API_VERSION, "1.3.0", "this host is 1.3");
 
     // Route through the full lifecycle: the 1.1 hooks are simply absent from the 1.0 vtable,
     // and the 1.2 `kv_capacity_blocks` column (worker 1's capacity is known) is an extra column
@@ -191,7 +191,7 @@ fn same_version_with_a_changed_layout_is_refused() {
         "{text}"
     );
     assert!(
-        text.contains("plugin built against plugin-api 1.0.0, host has 1.2.0"),
+        text.contains("plugin built against plugin-api 1.0.0, host has 1.3.0"),
         "{text}"
     );
     assert!(

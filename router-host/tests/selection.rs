@@ -3,7 +3,8 @@
 mod common;
 
 use router_host::config::RouterConfig;
-use router_host::host::{Host, InjectedRows, NoOverlap};
+use router_host::host::{Host, InjectedRows, NoOverlap, Submitted};
+use router_host::kv_index::KvEventKind;
 use router_host::loader::SearchPath;
 use router_host::model::NoSignals;
 use router_host::model::{AffinityTarget, Cluster, Request, RowId, RowLoad, TierOverlap, Worker};
@@ -435,4 +436,66 @@ fn the_kv_capacity_column_comes_only_with_the_load_columns() {
             "inputs {inputs}"
         );
     }
+}
+
+/// The probe's `kv_indexed_device` label by row, from one decision through the core's KV index.
+fn indexed_seen(host: &Host) -> Vec<(String, String)> {
+    let request = Request {
+        isl_tokens: 64,
+        blocks: vec![1, 2, 3, 4],
+        ..Default::default()
+    };
+    let routed = match host.core().submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    assert!(host.complete(routed.id));
+    let e = routed.decision.explanation.expect("probe explains");
+    let rows: Vec<String> = e
+        .get_label("row_list")
+        .expect("row_list")
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let label = e.get_label("kv_indexed_device").expect("label");
+    if label == "none" {
+        return rows.into_iter().map(|r| (r, "none".to_string())).collect();
+    }
+    let values: Vec<String> = label.split(',').map(str::to_string).collect();
+    assert_eq!(values.len(), rows.len(), "one count per row: {label}");
+    rows.into_iter().zip(values).collect()
+}
+
+#[test]
+fn the_indexed_blocks_columns_count_what_each_row_holds_from_kv_events() {
+    let router = probe("{inputs: [load]}");
+    let cluster = Cluster::new(vec![Worker::new(1).with_ranks(0, 2), Worker::new(2)]).unwrap();
+    let config = RouterConfig::default();
+    let host = Host::new(router, cluster, &config);
+    let row = |worker_id, dp_rank| RowId { worker_id, dp_rank };
+    assert_eq!(
+        sorted(indexed_seen(&host)),
+        pairs(&[("1:0", "0"), ("1:1", "0"), ("2:0", "0")])
+    );
+    let stored =
+        |r: RowId, blocks: std::ops::Range<u64>| blocks.map(move |b| (r, KvEventKind::Stored, b));
+    host.core().apply_kv_batch(
+        stored(row(1, 1), 0..5)
+            .chain(stored(row(2, 0), 3..10))
+            // A block stored twice counts once.
+            .chain(stored(row(2, 0), 3..4)),
+    );
+    host.core()
+        .apply_kv_batch([(row(2, 0), KvEventKind::Evicted, 9)]);
+    assert_eq!(
+        sorted(indexed_seen(&host)),
+        pairs(&[("1:0", "0"), ("1:1", "5"), ("2:0", "6")])
+    );
+    // Only with the load columns, as the capacity column.
+    let host = Host::new(
+        probe("{inputs: [cache]}"),
+        Cluster::new(vec![Worker::new(1)]).unwrap(),
+        &config,
+    );
+    assert_eq!(indexed_seen(&host), pairs(&[("1:0", "none")]));
 }

@@ -2,7 +2,7 @@
 //!
 //! Allocation-free: a row set is a predicate over row indices, and each tier run is one pass.
 
-use plugin_api::{AffinityTarget, PickError, RowId, Rows};
+use plugin_api::{ties, AffinityTarget, PickError, RowId, Rows};
 
 use crate::params::{LoadSignal, ResolvedParams};
 
@@ -140,6 +140,8 @@ pub struct Columns<'a> {
     decode: &'a [u64],
     /// The host's `kv_capacity_blocks` column, when it sent one.
     kv_capacity: Option<&'a [f64]>,
+    /// What [`ties::room_rank`] reads, when the host sent the indexed blocks.
+    room: Option<ties::RoomColumns<'a>>,
 }
 
 /// What the request asks of a row, for [`LoadSignal::PrefillBacklog`]: its prompt tokens and
@@ -148,47 +150,15 @@ pub struct Columns<'a> {
 pub struct Prompt {
     pub tokens: u64,
     pub block_size: u32,
-    /// The request's key under `tie_break: spread` ([`request_key`]); `None` under `lowest_row`.
+    /// The request's key under `tie_break: spread` ([`ties::request_key`]); `None` under
+    /// `lowest_row`.
     pub spread: Option<u64>,
 }
 
-/// The order among rows every tier finds equal: lower wins. The row id comes last, so keys are
-/// total; under `lowest_row` the first part is always 0.
-pub type Tie = (u64, RowId);
-
-/// splitmix64's output function (the host's `rng::mix`).
-#[inline]
-fn mix(state: u64) -> u64 {
-    let mut z = state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// A 64-bit key of what the request context says about the request: its prompt length, block
-/// count and session id, drawn as the built-in `default`'s `tie_break: spread` draws it. Pick
-/// and explain see the same context, so they agree.
-pub fn request_key(prompt_tokens: u64, request_blocks: u64, session: Option<&str>) -> u64 {
-    let mut h = mix(prompt_tokens ^ request_blocks.rotate_left(40));
-    if let Some(session) = session {
-        for chunk in session.as_bytes().chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            h = mix(h ^ u64::from_le_bytes(word));
-        }
-    }
-    h
-}
-
-/// Row `row`'s rank for the request of key `request`: the same row and request always rank the
-/// same, whatever the order rows come in.
-#[inline]
-fn spread_rank(request: u64, row: RowId) -> u64 {
-    let row = row.worker_id.rotate_left(32) ^ u64::from(row.dp_rank);
-    mix(request ^ mix(row.wrapping_add(GOLDEN_GAMMA)))
-}
+/// The order among rows every tier finds equal: lower wins. Under `spread`, more free KV blocks
+/// first, then the request's spread rank ([`plugin_api::ties`]); the row id comes last, so keys
+/// are total. Under `lowest_row` the first two parts are always 0.
+pub type Tie = (i64, u64, RowId);
 
 impl<'a> Columns<'a> {
     /// The overlap and load columns of `rows`; an error if the host left either out.
@@ -208,6 +178,7 @@ impl<'a> Columns<'a> {
             prefill: load.active_prefill_tokens,
             decode: load.decode_blocks,
             kv_capacity: rows.kv_capacity_blocks(),
+            room: ties::RoomColumns::of(rows),
         })
     }
 
@@ -231,6 +202,7 @@ impl<'a> Columns<'a> {
             // Read once per decision at most (not by the scan): not worth a bounds check here.
             decode: self.decode,
             kv_capacity: self.kv_capacity,
+            room: self.room,
         }
     }
 
@@ -260,8 +232,12 @@ impl<'a> Columns<'a> {
     fn tie(&self, i: usize, prompt: Prompt) -> Tie {
         let row = self.row(i);
         match prompt.spread {
-            None => (0, row),
-            Some(request) => (spread_rank(request, row), row),
+            None => (0, 0, row),
+            Some(request) => (
+                self.room.as_ref().map_or(0, |room| room.rank(i)),
+                ties::spread_rank(request, row),
+                row,
+            ),
         }
     }
 

@@ -65,11 +65,7 @@ impl TwoTierCostFn {
             block_size: ctx.block_size(),
             spread: match self.params.tie_break {
                 TieBreak::LowestRow => None,
-                TieBreak::Spread => Some(decision::request_key(
-                    ctx.prompt_tokens(),
-                    ctx.request_blocks(),
-                    ctx.session_id(),
-                )),
+                TieBreak::Spread => Some(plugin_api::ties::request_key(ctx)),
             },
         };
         decision::decide(

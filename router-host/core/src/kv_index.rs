@@ -86,6 +86,9 @@ pub struct KvIndex {
     info: Vec<SlotInfo>,
     /// Per row: the slot of its last `Stored` event, or [`NO_SLOT`].
     last_stored: Vec<u32>,
+    /// Per row: how many blocks it holds on each tier (in [`Tier::ALL`] order), kept with the
+    /// bitsets so that a policy can read what a row's cache holds without a scan.
+    held: Vec<[u64; 3]>,
     free: Vec<u32>,
     events: u64,
 }
@@ -119,6 +122,7 @@ impl KvIndex {
             has_offload: false,
             info: Vec::new(),
             last_stored: vec![NO_SLOT; rows],
+            held: vec![[0; 3]; rows],
             free: Vec::new(),
             events: 0,
         }
@@ -163,7 +167,11 @@ impl KvIndex {
                     None => (self.new_slot(event.block), true),
                 };
                 let at = self.word_at(slot, event.tier, word);
-                self.tier_words_mut(event.tier)[at] |= bit;
+                let words = self.tier_words_mut(event.tier);
+                if words[at] & bit == 0 {
+                    words[at] |= bit;
+                    self.held[row][event.tier as usize] += 1;
+                }
                 if event.tier == Tier::Device {
                     let previous = std::mem::replace(&mut self.last_stored[row], slot);
                     self.link(previous, slot, created);
@@ -174,7 +182,11 @@ impl KvIndex {
                     return;
                 };
                 let at = self.word_at(slot, event.tier, word);
-                self.tier_words_mut(event.tier)[at] &= !bit;
+                let words = self.tier_words_mut(event.tier);
+                if words[at] & bit != 0 {
+                    words[at] &= !bit;
+                    self.held[row][event.tier as usize] -= 1;
+                }
                 if self.slot_is_empty(slot) {
                     self.slots.remove(&event.block);
                     self.info[slot as usize].live = false;
@@ -323,6 +335,7 @@ impl KvIndex {
         }
         self.rows = rows;
         self.last_stored.resize(rows, NO_SLOT);
+        self.held.resize(rows, [0; 3]);
     }
 
     /// Forget every block `row` holds on any tier (its worker left, or its engine restarted);
@@ -360,10 +373,19 @@ impl KvIndex {
             }
         }
         let cleared = holding.len() as u64;
+        self.held[row][tier as usize] = 0;
         if tier == Tier::Device {
             self.last_stored[row] = NO_SLOT;
         }
         cleared
+    }
+
+    /// Blocks `row` holds on `tier` (0 for a row the index does not know). Constant time: the
+    /// count is kept as events arrive.
+    pub fn held_by(&self, row: u32, tier: Tier) -> u64 {
+        self.held
+            .get(row as usize)
+            .map_or(0, |held| held[tier as usize])
     }
 
     /// (row, block) pairs held on the device, over all rows.
@@ -778,6 +800,13 @@ mod tests {
                         (d, dh - d, all - dh),
                         "rows {rows}, step {step}, row {r}"
                     );
+                    for (t, tier) in Tier::ALL.into_iter().enumerate() {
+                        assert_eq!(
+                            index.held_by(r as u32, tier),
+                            sets[t].len() as u64,
+                            "step {step}"
+                        );
+                    }
                     for (t, tier) in Tier::ALL.into_iter().enumerate().filter(|_| step % 16 == 0) {
                         for b in query {
                             assert_eq!(index.holds_in(r as u32, *b, tier), sets[t].contains(b));

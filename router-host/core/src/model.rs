@@ -325,6 +325,15 @@ pub trait OverlapSource {
     ) {
         overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
     }
+
+    /// How many blocks each row of `rows` holds on each tier (`out[t]` for tier `t` in
+    /// [`Tier::ALL`](crate::kv_index::Tier::ALL) order, each made as long as `rows`), as the
+    /// source's KV index knows them. Left empty when the source keeps no index (injected rows),
+    /// and then no indexed-blocks columns are sent. The default keeps none.
+    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
+        let _ = rows;
+        out.iter_mut().for_each(Vec::clear);
+    }
 }
 
 /// Everything selection reads per row: the request's overlap (as an [`OverlapSource`], so the

@@ -234,6 +234,9 @@ pub struct Scratch {
     /// The `kv_capacity_blocks` extra column, sent with the LOAD columns; empty when no row's
     /// capacity is known (then it is not sent).
     pub kv_capacity: Vec<f64>,
+    /// The indexed-blocks extra columns (device, host, disk), sent with the LOAD columns; empty
+    /// when the overlap does not come from a KV index (then they are not sent).
+    pub kv_indexed: [Vec<f64>; 3],
 }
 
 impl Scratch {
@@ -286,8 +289,10 @@ impl Scratch {
                 &mut c.decode_blocks,
             );
             signals.kv_capacity_column(rows, &mut self.kv_capacity);
+            signals.kv_indexed_columns(rows, &mut self.kv_indexed);
         } else {
             self.kv_capacity.clear();
+            self.kv_indexed.iter_mut().for_each(Vec::clear);
         }
     }
 }

@@ -117,3 +117,65 @@ fn tie_break_is_explained_logged_and_validated() {
         err.message()
     );
 }
+
+/// Idle, cold rows of 80 blocks whose caches hold `indexed` blocks (of other prompts).
+fn with_caches(indexed: [f64; 4]) -> TestRows {
+    TestRows::new(idle())
+        .kv_capacity_blocks(vec![80.0; 4])
+        .kv_indexed_device_blocks(indexed.to_vec())
+}
+
+#[test]
+fn spread_sends_a_prompt_nobody_caches_where_the_cache_has_most_room() {
+    let spread = policy(DEFAULTS);
+    for indexed in [[70.0f64, 20.0, 60.0, 80.0], [10.0, 70.0, 70.0, 75.0]] {
+        let roomiest = indexed
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| 10 + i as u64)
+            .unwrap_or_default();
+        for isl in 1..=50u64 {
+            let request = TestRequest::new(isl * 7, 16).session(&format!("s{isl}"));
+            let rows = with_caches(indexed);
+            let row = rows.pick_worker(&spread, &request).expect("a row");
+            assert_eq!(row.worker_id, roomiest, "{indexed:?}, isl {}", isl * 7);
+        }
+    }
+    // Equal room: the spread rank decides, as without the columns.
+    let shares = {
+        let mut counts = [0u32; 4];
+        for isl in 1..=400u64 {
+            let rows = with_caches([40.0; 4]);
+            let row = rows
+                .pick_worker(&spread, &TestRequest::new(isl * 7, 16))
+                .expect("a row");
+            counts[(row.worker_id - 10) as usize] += 1;
+        }
+        counts
+    };
+    assert!(
+        shares.iter().all(|&c| (60..=140).contains(&c)),
+        "{shares:?}"
+    );
+    // `lowest_row` keeps its rule: room is not part of it.
+    let rows = with_caches([70.0, 20.0, 60.0, 80.0]);
+    let lowest = rows
+        .pick_worker(&policy(LOWEST_ROW), &request())
+        .expect("a row");
+    assert_eq!(lowest, at(10, 0));
+}
+
+#[test]
+fn room_never_overrides_a_tier() {
+    // Row 10 caches the prompt (the cache tier fires) although its cache is the fullest.
+    let mut rows = idle();
+    rows[0] = rows[0].device(8.0);
+    let rows = TestRows::new(rows)
+        .kv_capacity_blocks(vec![80.0; 4])
+        .kv_indexed_device_blocks(vec![80.0, 0.0, 0.0, 0.0]);
+    let row = rows
+        .pick_worker(&policy(DEFAULTS), &request())
+        .expect("a row");
+    assert_eq!(row, at(10, 0));
+}

@@ -5,7 +5,7 @@ use std::sync::PoisonError;
 
 use crossbeam_utils::sync::ShardedLock;
 
-use crate::kv_index::KvIndex;
+use crate::kv_index::{KvIndex, Tier};
 use crate::ledger::Ledger;
 use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
@@ -31,6 +31,10 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
         disk: &mut [f64],
     ) {
         self.source.overlap_columns(rows, device, host, disk);
+    }
+
+    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
+        self.source.kv_indexed_columns(rows, out);
     }
 }
 
@@ -172,5 +176,16 @@ impl OverlapSource for IndexOverlap<'_> {
                 *disk = blocks_in(&b.disk, slot);
             }
         });
+    }
+
+    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
+        let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
+        for (column, tier) in out.iter_mut().zip(Tier::ALL) {
+            column.clear();
+            column.extend(self.topology.slots(rows).map(|slot| {
+                // A row the topology does not know holds nothing the index could count.
+                slot.map_or(0.0, |slot| kv.held_by(slot, tier) as f64)
+            }));
+        }
     }
 }
