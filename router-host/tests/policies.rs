@@ -124,7 +124,15 @@ fn two_tier_decisions_through_the_loaded_plugin_follow_the_conformance_table() {
         ),
     ];
     for (i, (params, rows, target, expected)) in cases.iter().enumerate() {
-        let config = two_tier(&dir, params);
+        // The design's table is the seed's behaviour: Dynamo's `active_requests` signal, no
+        // cache gate on a soft target.
+        let params = params.replacen(
+            '{',
+            "{load_signal: active_requests, soft_affinity_cache_gate: false, ",
+            1,
+        );
+        let params = params.replace(", }", "}");
+        let config = two_tier(&dir, &params);
         let row = |w: u64, (device, host, active): (u32, u32, u32)| {
             format!(
                 r#"{{"worker_id": {w}, "device_blocks": {device}, "host_blocks": {host}, "active_requests": {active}}}"#

@@ -77,9 +77,13 @@ pub enum SoftAffinity {
     Kept,
     /// The target was too loaded compared with the least-loaded row; the all-rows decision won.
     ReleasedByGate,
-    /// The target's row would pass `kv_capacity_limit` of its KV capacity and the all-rows
-    /// decision's row would not; the all-rows decision won.
+    /// The target's row would pass `kv_capacity_limit` of its KV capacity by more blocks than
+    /// moving throws away, and the all-rows decision's row would not pass it; the all-rows
+    /// decision won.
     ReleasedByKvCapacity,
+    /// The all-rows decision's row caches more of the prompt than the target's row
+    /// (`soft_affinity_cache_gate`): staying would prefill what that row holds; it won.
+    ReleasedByCache,
     /// No eligible row matches the target; the all-rows decision won.
     NotEligible,
 }
@@ -91,6 +95,7 @@ impl SoftAffinity {
             SoftAffinity::Kept => "kept",
             SoftAffinity::ReleasedByGate => "released_by_gate",
             SoftAffinity::ReleasedByKvCapacity => "released_by_kv_capacity",
+            SoftAffinity::ReleasedByCache => "released_by_cache",
             SoftAffinity::NotEligible => "not_eligible",
         }
     }
@@ -115,6 +120,7 @@ impl Decision {
             SoftAffinity::Kept => "soft_affinity_target",
             SoftAffinity::ReleasedByGate => "soft_affinity_released_load_gate",
             SoftAffinity::ReleasedByKvCapacity => "soft_affinity_released_kv_capacity",
+            SoftAffinity::ReleasedByCache => "soft_affinity_released_cache",
             SoftAffinity::None | SoftAffinity::NotEligible => self.all.tier.reason(),
         }
     }
@@ -209,14 +215,42 @@ impl<'a> Columns<'a> {
     /// Whether row `i`, given `request_blocks` more, would hold more than `limit` of its KV
     /// capacity in booked decode blocks. Never for a row of unknown capacity.
     fn over_kv_capacity(&self, i: usize, request_blocks: u64, limit: f64) -> bool {
+        self.kv_overflow(i, request_blocks, limit) > 0.0
+    }
+
+    /// How many booked blocks row `i`, given `request_blocks` more, would hold beyond `limit`
+    /// of its KV capacity: what its cache must evict (or wait for) to take the request. 0 when
+    /// within, and for a row of unknown capacity.
+    fn kv_overflow(&self, i: usize, request_blocks: u64, limit: f64) -> f64 {
         let (Some(capacity), Some(&booked)) = (
             self.kv_capacity.and_then(|c| c.get(i).copied()),
             self.decode.get(i),
         ) else {
-            return false;
+            return 0.0;
         };
-        // NaN (unknown) compares false.
-        booked.saturating_add(request_blocks) as f64 > limit * capacity
+        let over = booked.saturating_add(request_blocks) as f64 - limit * capacity;
+        // NaN (unknown capacity) compares false.
+        if over > 0.0 {
+            over
+        } else {
+            0.0
+        }
+    }
+
+    /// Whether moving the request from row `from`, over `limit`, to row `to` costs less cache
+    /// than staying: the prompt blocks `from` caches beyond what `to` caches (re-prefilled and
+    /// stored again elsewhere if it moves) against `from`'s overflow (evicted from others, or
+    /// waited for, if it stays). Strict: a tie stays.
+    fn worth_moving(
+        &self,
+        from: usize,
+        to: usize,
+        request_blocks: u64,
+        limit: f64,
+        w: f64,
+    ) -> bool {
+        let thrown_away = self.effective_overlap(from, w) - self.effective_overlap(to, w);
+        thrown_away < self.kv_overflow(from, request_blocks, limit)
     }
 
     #[inline]
@@ -480,10 +514,14 @@ pub fn run_tiers(
         (scan.least_loaded, Tier::LeastLoaded)
     };
     // Whichever tier chose it, a row the request would overfill gives way to the least-loaded
-    // row with room, if there is one.
+    // row with room, if there is one and moving throws away less cache than staying evicts.
     let with_room = match params.kv_capacity_limit {
         Some(limit) if cols.over_kv_capacity(row, request_blocks, limit) => {
-            least_loaded_with_room(params, cols, prompt, &in_set, request_blocks, limit)
+            least_loaded_with_room(params, cols, prompt, &in_set, request_blocks, limit).filter(
+                |&room| {
+                    cols.worth_moving(row, room, request_blocks, limit, params.host_cache_weight)
+                },
+            )
         }
         _ => None,
     };
@@ -534,16 +572,23 @@ pub fn decide(
             params.soft_affinity_gate_abs,
             params.soft_affinity_gate_rel,
         );
-    // A kept target never overfills its row while the all-rows decision has room: K's own
-    // capacity rule only moves between the target's rows.
+    // A kept target gives way to the all-rows decision when staying would overfill its row by
+    // more than moving throws away (K's own capacity rule only moves between the target's
+    // rows), or, with the cache gate, when the other row caches more of the prompt.
+    let w = params.host_cache_weight;
     let over_capacity = params.kv_capacity_limit.is_some_and(|limit| {
         cols.over_kv_capacity(kept.row, request_blocks, limit)
             && !cols.over_kv_capacity(all.row, request_blocks, limit)
+            && cols.worth_moving(kept.row, all.row, request_blocks, limit, w)
     });
+    let uncached = params.soft_affinity_cache_gate
+        && cols.effective_overlap(all.row, w) > cols.effective_overlap(kept.row, w);
     let (row, soft_affinity) = if released {
         (all.row, SoftAffinity::ReleasedByGate)
     } else if over_capacity {
         (all.row, SoftAffinity::ReleasedByKvCapacity)
+    } else if uncached {
+        (all.row, SoftAffinity::ReleasedByCache)
     } else {
         (kept.row, SoftAffinity::Kept)
     };

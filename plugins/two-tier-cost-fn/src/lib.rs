@@ -171,6 +171,7 @@ fn log_resolved(instance: &str, p: &ResolvedParams) {
         host_cache_weight_source = p.host_cache_weight_source.as_str(),
         respect_soft_affinity = p.respect_soft_affinity,
         soft_affinity_load_gate = p.soft_affinity_load_gate,
+        soft_affinity_cache_gate = p.soft_affinity_cache_gate,
         soft_affinity_gate_abs = p.soft_affinity_gate_abs,
         soft_affinity_gate_rel = p.soft_affinity_gate_rel,
         load_signal = p.load_signal.as_str(),

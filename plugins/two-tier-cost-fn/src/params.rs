@@ -19,6 +19,8 @@ pub struct TwoTierParams {
     pub host_cache_weight: Option<f64>,
     pub respect_soft_affinity: bool,
     pub soft_affinity_load_gate: bool,
+    /// Release a kept target when another row caches more of the prompt.
+    pub soft_affinity_cache_gate: bool,
     /// Absent: `balance_abs_threshold`.
     pub soft_affinity_gate_abs: Option<u64>,
     /// Absent: `balance_rel_threshold`.
@@ -85,6 +87,7 @@ impl Default for TwoTierParams {
             host_cache_weight: None,
             respect_soft_affinity: false,
             soft_affinity_load_gate: false,
+            soft_affinity_cache_gate: true,
             soft_affinity_gate_abs: None,
             soft_affinity_gate_rel: None,
             load_signal: LoadSignal::PrefillBacklog,
@@ -122,6 +125,7 @@ pub struct ResolvedParams {
     pub host_cache_weight_source: WeightSource,
     pub respect_soft_affinity: bool,
     pub soft_affinity_load_gate: bool,
+    pub soft_affinity_cache_gate: bool,
     pub soft_affinity_gate_abs: u64,
     pub soft_affinity_gate_rel: f64,
     pub load_signal: LoadSignal,
@@ -172,6 +176,7 @@ impl TwoTierParams {
             host_cache_weight_source,
             respect_soft_affinity: self.respect_soft_affinity,
             soft_affinity_load_gate: self.soft_affinity_load_gate,
+            soft_affinity_cache_gate: self.soft_affinity_cache_gate,
             soft_affinity_gate_abs: self
                 .soft_affinity_gate_abs
                 .unwrap_or(self.balance_abs_threshold),
@@ -236,6 +241,13 @@ pub fn docs() -> Vec<ParamDoc> {
             "false",
             "release a kept target when its load exceeds the least-loaded row by both gates; \
              only meaningful with respect_soft_affinity",
+        ),
+        ParamDoc::optional(
+            "soft_affinity_cache_gate",
+            "bool",
+            "true",
+            "release a kept target when another row caches more of the prompt than the target's \
+             row; only meaningful with respect_soft_affinity",
         ),
         ParamDoc::optional(
             "soft_affinity_gate_abs",

@@ -289,3 +289,28 @@ fn construction_logs_kv_capacity_limit_off_or_its_value() {
     let events = creation_log(r#"{"kv_capacity_limit": 1}"#, 0.75);
     assert!(events[0].contains("kv_capacity_limit=1.0"), "{}", events[0]);
 }
+
+#[test]
+fn the_cache_gate_releases_a_target_another_row_caches_more_of_the_prompt_than() {
+    // Target A caches 2 blocks of the prompt, B 6: staying would prefill what B holds.
+    let rows = [row(A, 2.0, 0.0, 0), row(B, 6.0, 0.0, 0)];
+    let request = request().target(A, None);
+    let gate = policy(r#"{"respect_soft_affinity": true}"#);
+    assert!(gate.params().soft_affinity_cache_gate, "on by default");
+    for order in orders(&rows) {
+        assert_eq!(picked(&gate, &order, &request), at(B, 0));
+        let e = explained(&gate, &order, &request);
+        assert_eq!(e.reason, "soft_affinity_released_cache");
+        assert_eq!(e.get_label("soft_affinity"), Some("released_by_cache"));
+        assert_eq!(picked(&policy(RESPECT), &order, &request), at(A, 0));
+    }
+    // As much cached on the target (or nothing anywhere): kept.
+    for rows in [
+        [row(A, 6.0, 0.0, 0), row(B, 6.0, 0.0, 0)],
+        [row(A, 0.0, 0.0, 0), row(B, 0.0, 0.0, 0)],
+    ] {
+        let e = explained(&gate, &rows, &request);
+        assert_eq!(e.get_label("soft_affinity"), Some("kept"), "{rows:?}");
+        assert_eq!(TestRows::new(rows.to_vec()).row(e.row), at(A, 0));
+    }
+}

@@ -31,7 +31,8 @@ const CONFORMANCE: &[Case] = &[
 #[test]
 fn conformance_table_of_the_design() {
     for (n, case) in CONFORMANCE.iter().enumerate() {
-        // The design's table is the seed's behaviour: Dynamo's `active_requests` signal.
+        // The design's table is the seed's behaviour: Dynamo's `active_requests` signal (and, in
+        // RESPECT and RESPECT_GATE, no cache gate on a soft target).
         let params = match case.params {
             DEFAULTS => ACTIVE.to_string(),
             p => p.replacen('{', r#"{"load_signal": "active_requests", "#, 1),

@@ -45,11 +45,12 @@ fn capacity_decision(
 }
 
 /// R = 10 (isl 160 at block size 16), capacity 100 everywhere. A caches 0.6 of the prompt and
-/// has 95 decode blocks booked (95 + 10 > 100); C is the least-loaded row (1 active) at
+/// has 99 decode blocks booked (99 + 10 > 100: 9 blocks over, more than the 6 a move throws
+/// away); C is the least-loaded row (1 active) at
 /// 30 + 10 <= 100; B runs 2.
 fn over_full_cache_row() -> [(TestRow, f64); 3] {
     [
-        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(A, 6.0, 4, 99), 100.0),
         (booked(B, 0.0, 2, 0), 100.0),
         (booked(C, 0.0, 1, 30), 100.0),
     ]
@@ -94,7 +95,7 @@ fn cache_row_under_the_limit_is_kept() {
 #[test]
 fn cache_row_is_kept_when_every_other_row_is_over_the_limit_too() {
     let rows = [
-        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(A, 6.0, 4, 99), 100.0),
         (booked(B, 0.0, 0, 91), 100.0),
     ];
     let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
@@ -108,7 +109,7 @@ fn the_replacement_is_the_least_loaded_row_with_room() {
     // is less loaded than D (5).
     const D: u64 = 88;
     let rows = [
-        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(A, 6.0, 4, 99), 100.0),
         (booked(B, 0.0, 0, 91), 100.0),
         (booked(C, 0.0, 3, 0), 100.0),
         (booked(D, 0.0, 5, 0), 100.0),
@@ -118,7 +119,7 @@ fn the_replacement_is_the_least_loaded_row_with_room() {
     assert_eq!(e.reason, "cache_row_over_kv_capacity_least_loaded");
     // With `prefill_backlog` the order among the rows with room is by backlog: D has none.
     let rows = [
-        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(A, 6.0, 4, 99), 100.0),
         (booked(B, 0.0, 0, 91).prefill_tokens(0), 100.0),
         (booked(C, 0.0, 3, 0).prefill_tokens(500), 100.0),
         (booked(D, 0.0, 5, 0).prefill_tokens(0), 100.0),
@@ -131,13 +132,14 @@ fn the_replacement_is_the_least_loaded_row_with_room() {
 
 #[test]
 fn kv_capacity_limit_is_strict() {
-    // Booked + R exactly at limit * capacity is not over it; one block more is.
+    // Booked + R exactly at limit * capacity is not over it; one block more is. B caches as
+    // much (a move throws nothing away) but runs more, so the cache tier takes A.
     for (limit, at_limit) in [(1.0, 90), (1.5, 140), (0.5, 40)] {
         let policy = policy(&format!(r#"{{"kv_capacity_limit": {limit}}}"#));
         let rows = |decode: u64| {
             [
                 (booked(A, 6.0, 4, decode), 100.0),
-                (booked(B, 0.0, 0, 0), 100.0),
+                (booked(B, 6.0, 5, 0), 100.0),
             ]
         };
         let (row, e) = capacity_decision(&policy, &rows(at_limit), &request());
@@ -154,7 +156,7 @@ fn kv_capacity_limit_is_strict() {
     }
     // The least-loaded row exactly at the limit is not over it either.
     let rows = [
-        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(A, 6.0, 4, 99), 100.0),
         (booked(B, 0.0, 0, 90), 100.0),
     ];
     assert_eq!(
@@ -186,7 +188,7 @@ fn unknown_capacity_is_never_full() {
     // The least-loaded row's capacity is unknown: it is never over, so it takes the request
     // from a cache row that is.
     let rows = [
-        (booked(A, 6.0, 4, 95), 100.0),
+        (booked(A, 6.0, 4, 99), 100.0),
         (booked(B, 0.0, 0, 5000), f64::NAN),
     ];
     let (row, e) = capacity_decision(&policy, &rows, &request());
@@ -221,7 +223,7 @@ fn kv_capacity_limit_applies_to_the_least_loaded_tier_too() {
     // No cache winner (0.5 is not > 0.5): the least-loaded row, A, would overfill (95 + 10 >
     // 100), so the least-loaded row with room, B, takes the request.
     let rows = [
-        (booked(A, 5.0, 0, 95), 100.0),
+        (booked(A, 5.0, 0, 99), 100.0),
         (booked(B, 0.0, 4, 0), 100.0),
     ];
     let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
@@ -238,7 +240,7 @@ fn kv_capacity_limit_applies_to_the_least_loaded_tier_too() {
         (at(A, 0), "least_loaded_no_cache_winner")
     );
     let full = [
-        (booked(A, 5.0, 0, 95), 100.0),
+        (booked(A, 5.0, 0, 99), 100.0),
         (booked(B, 0.0, 4, 91), 100.0),
     ];
     let (row, e) = capacity_decision(&policy(LIMIT), &full, &request());
@@ -272,7 +274,7 @@ fn kv_capacity_limit_gives_way_to_the_least_loaded_row_of_the_load_signal_in_for
     // A: the cache row, over its limit. B runs fewest requests but has 5000 prefill tokens
     // pending; C has the smallest backlog (160 tokens).
     let rows = [
-        (booked(A, 6.0, 1, 95).prefill_tokens(1000), 100.0),
+        (booked(A, 6.0, 1, 99).prefill_tokens(1000), 100.0),
         (booked(B, 0.0, 0, 0).prefill_tokens(5000), 100.0),
         (booked(C, 0.0, 3, 0), 100.0),
     ];
@@ -306,7 +308,7 @@ fn kv_capacity_limit_moves_a_worker_target_to_another_of_its_ranks() {
     // least-loaded rank of A and under it. B (idle, under its limit) is not considered.
     let rows = [
         (
-            TestRow::new(A, 0).device(8.0).active(3).decode_blocks(95),
+            TestRow::new(A, 0).device(8.0).active(3).decode_blocks(99),
             100.0,
         ),
         (TestRow::new(A, 1).active(1).decode_blocks(0), 100.0),
@@ -335,7 +337,7 @@ fn kv_capacity_limit_releases_a_target_whose_row_would_overfill() {
     // released, with or without the active-request gate (which does not fire: 3 against 0 is
     // within its defaults).
     let rows = [
-        (booked(A, 8.0, 3, 95), 100.0),
+        (booked(A, 8.0, 3, 99), 100.0),
         (booked(B, 0.0, 0, 0), 100.0),
     ];
     for params in [
@@ -441,4 +443,33 @@ fn explanation_reports_the_kv_capacity_limit_in_force() {
     assert_eq!(e.reason, "cache_tier_least_loaded_among_max_overlap");
     let e = explained(&policy(DEFAULTS), &rows, &request());
     assert_eq!(e.get("kv_capacity_limit"), None);
+}
+
+#[test]
+fn a_row_over_the_limit_keeps_the_request_unless_moving_throws_away_less_cache() {
+    // A caches 6 blocks of the prompt, B none. Over by 5 (95 + 10 - 100): moving throws away
+    // 6 blocks to spare 5, so the request stays; over by 6, a tie, it stays; over by 7 it moves.
+    for (decode, over, moves) in [(95, 5, false), (96, 6, false), (97, 7, true)] {
+        let rows = [
+            (booked(A, 6.0, 4, decode), 100.0),
+            (booked(B, 0.0, 0, 0), 100.0),
+        ];
+        let (row, e) = capacity_decision(&policy(LIMIT), &rows, &request());
+        let expected = if moves { at(B, 0) } else { at(A, 0) };
+        assert_eq!(row, expected, "over by {over}");
+        let reason = if moves {
+            "cache_row_over_kv_capacity_least_loaded"
+        } else {
+            "cache_tier_least_loaded_among_max_overlap"
+        };
+        assert_eq!(e.reason, reason, "over by {over}");
+    }
+    // The same comparison releases a soft target: 8 blocks cached on the target, 5 over, stays.
+    let rows = [
+        (booked(A, 8.0, 3, 95), 100.0),
+        (booked(B, 0.0, 0, 0), 100.0),
+    ];
+    let (row, e) = capacity_decision(&policy(RESPECT_LIMIT), &rows, &request().target(A, None));
+    assert_eq!(row, at(A, 0));
+    assert_eq!(e.get_label("soft_affinity"), Some("kept"));
 }

@@ -20,10 +20,11 @@ const DEFAULTS: &str = "{}";
 /// The seed's (Dynamo's) least-loaded signal, the default before `prefill_backlog` was measured
 /// better: the conformance table and the lowest-row cases are written against it.
 const ACTIVE: &str = r#"{"load_signal": "active_requests"}"#;
-const RESPECT: &str = r#"{"respect_soft_affinity": true}"#;
+/// Soft affinity without the cache gate: the target is kept by the rules the seed had.
+const RESPECT: &str = r#"{"respect_soft_affinity": true, "soft_affinity_cache_gate": false}"#;
 const LOWEST_ROW: &str = r#"{"tie_break": "lowest_row", "load_signal": "active_requests"}"#;
-const RESPECT_LOWEST_ROW: &str = r#"{"respect_soft_affinity": true, "tie_break": "lowest_row", "load_signal": "active_requests"}"#;
-const RESPECT_GATE: &str = r#"{"respect_soft_affinity": true, "soft_affinity_load_gate": true}"#;
+const RESPECT_LOWEST_ROW: &str = r#"{"respect_soft_affinity": true, "soft_affinity_cache_gate": false, "tie_break": "lowest_row", "load_signal": "active_requests"}"#;
+const RESPECT_GATE: &str = r#"{"respect_soft_affinity": true, "soft_affinity_cache_gate": false, "soft_affinity_load_gate": true}"#;
 
 /// isl 160 at block size 16: R = 10.
 fn request() -> TestRequest {

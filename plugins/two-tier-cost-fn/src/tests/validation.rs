@@ -117,6 +117,7 @@ fn defaults_are_resolved_per_the_design() {
             host_cache_weight_source: WeightSource::HostSetting,
             respect_soft_affinity: false,
             soft_affinity_load_gate: false,
+            soft_affinity_cache_gate: true,
             soft_affinity_gate_abs: 32,
             soft_affinity_gate_rel: 1.1,
             load_signal: LoadSignal::PrefillBacklog,
