@@ -50,8 +50,8 @@ DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation"
 OUR_CONFIGS = [
     ("default", "examples/replay/default.yaml"),
     ("default (Dynamo weights)", None),
+    ("two-tier (active_requests)", "examples/two-tier-active-requests.yaml"),
     ("two-tier", "examples/replay/two-tier.yaml"),
-    ("two-tier (prefill_backlog)", "examples/two-tier-prefill-backlog.yaml"),
     ("round-robin", "examples/replay/round-robin.yaml"),
 ]
 # The built-in `default` with Dynamo's weights, whole-prompt booking and lowest-row ties: the
