@@ -397,16 +397,17 @@ def markdown(doc: dict) -> str:
                 L.append(f"|   not measured: {nm} | | | | | | | | |")
         L.append("")
     L += ["## Runs", "", "| workload | rep | seed | router | hit | ceiling | per engine | TTFT p50 / p99 ms | "
-          "failures | wall s | router-host decisions |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "failures | wall s | load before | router-host decisions |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         dec = r.get("router_host_decisions", {}).get("decisions")
         L.append(f"| {r.get('workload')} | {r.get('repetition')} | {r.get('seed')} | {r.get('router')} | "
                  f"{_f(r.get('prefix_cache_hit_rate'))} | {_f((r.get('ceiling') or {}).get('ceiling'))} | "
                  f"{'/'.join(str(v) for v in (r.get('requests_per_engine') or {}).values()) or '-'} | "
                  f"{_f(r.get('ttft_p50_ms'), 0)} / {_f(r.get('ttft_p99_ms'), 0)} | {r.get('failures', '-')} | "
-                 f"{r.get('wall_s', '-')} | {', '.join(f'{k} {v}' for k, v in (dec or {}).items()) or '-'} |")
+                 f"{r.get('wall_s', '-')} | {(r.get('load_average_before') or ['-'])[0]} | "
+                 f"{', '.join(f'{k} {v}' for k, v in (dec or {}).items()) or '-'} |")
         if r.get("error"):
-            L.append(f"|   error: {r['error'][:300]} | | | | | | | | | | |")
+            L.append(f"|   error: {r['error'][:300]} | | | | | | | | | | | |")
     fails = [(r, f) for r in doc["rows"] for f in r.get("failure_list", [])]
     if fails:
         L += ["", "## Failures", ""] + [f"- {r['workload']} rep {r['repetition']} {r['router']}: {f}" for r, f in fails]
