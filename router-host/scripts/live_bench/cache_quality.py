@@ -125,17 +125,34 @@ class Workload:
     sessions: int
     turns: int
     concurrency: int
-    system_words: int = 1000  # the prefix every session shares
+    system_words: int = 1000  # the prefix every session of a tenant shares
     document_words: int = 60  # each session's own, in its first turn
     user_words: int = 110  # each turn's new question
     max_tokens: int = 16  # each reply, exactly (min_tokens + ignore_eos)
     seed: int = 16
     request_timeout_s: float = 60.0
     run_timeout_s: float = 300.0
+    # Distinct system prompts; sessions are dealt to them evenly, in an order set by the seed.
+    # Tenant 0's prompt is the single-tenant workload's.
+    tenants: int = 1
 
-    def system_prompt(self, words: list[str]) -> str:
-        rng = random.Random(self.seed)
-        return "You are a careful assistant. " + " ".join(rng.choice(words) for _ in range(self.system_words))
+    def system_prompt(self, words: list[str], tenant: int = 0) -> str:
+        if tenant == 0:
+            rng = random.Random(self.seed)
+            return "You are a careful assistant. " + " ".join(rng.choice(words) for _ in range(self.system_words))
+        rng = random.Random(self.seed * 1_000_003 + tenant)
+        return f"Tenant {tenant}. You are a careful assistant. " + " ".join(
+            rng.choice(words) for _ in range(self.system_words))
+
+    def tenant_of(self, session: int) -> int:
+        if self.tenants <= 1:
+            return 0
+        order = [s % self.tenants for s in range(self.sessions)]
+        random.Random(self.seed * 7_919 + self.tenants).shuffle(order)
+        return order[session % self.sessions]
+
+    def session_system_prompt(self, words: list[str], session: int) -> str:
+        return self.system_prompt(words, self.tenant_of(session))
 
     def user_turns(self, words: list[str], session: int) -> list[str]:
         rng = random.Random(self.seed * 100_003 + session)
@@ -150,12 +167,15 @@ class Workload:
 
     def describe(self) -> dict:
         at_a_time = f"{self.concurrency} session{'s' if self.concurrency != 1 else ''} at a time"
+        system = (f"the same ~{self.system_words}-token system prompt" if self.tenants == 1 else
+                  f"one of {self.tenants} tenants' ~{self.system_words}-token system prompts (sessions dealt "
+                  "evenly to tenants, in an order set by the seed)")
         return {
             **asdict(self),
             "requests": self.sessions * self.turns,
             "what": (
                 f"{self.sessions} chat sessions x {self.turns} turns, {at_a_time}; every prompt starts "
-                f"with the same ~{self.system_words}-token system prompt, then "
+                f"with {system}, then "
                 f"the session's history (a ~{self.document_words}-token document in turn 1, "
                 f"~{self.user_words}-token questions, and the model's own {self.max_tokens}-token replies, "
                 "greedy); streamed with include_usage; session id in the x-session-id header and the "
@@ -180,13 +200,16 @@ class Record:
 
 def check_token_budget(wl: Workload, words: list[str], model_dir: Path, max_model_len: int) -> int:
     """Fail before starting anything if the last turn's prompt cannot fit the engines'
-    max_model_len (the engine would answer 400 to it)."""
+    max_model_len (the engine would answer 400 to it). Returns the longest last prompt."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    parts = [wl.system_prompt(words), *wl.user_turns(words, 0)]
+    system = max(len(tok.encode(wl.system_prompt(words, t)).ids) for t in range(max(1, wl.tenants)))
+    # The sessions differ in their words: the longest one counts (one is enough with one tenant).
+    own = max(sum(len(tok.encode(p).ids) for p in wl.user_turns(words, s))
+              for s in range(wl.sessions if wl.tenants > 1 else 1))
     # The replies: max_tokens tokens each; the chat template adds a few tokens per message.
-    n = sum(len(tok.encode(p).ids) for p in parts) + (wl.turns - 1) * wl.max_tokens + 4 * (2 * wl.turns + 1)
+    n = system + own + (wl.turns - 1) * wl.max_tokens + 4 * (2 * wl.turns + 1)
     if n + wl.max_tokens > max_model_len:
         raise SystemExit(
             f"cache_quality: the workload's last prompt is ~{n} tokens; with {wl.max_tokens} to generate "
@@ -251,7 +274,7 @@ def run_turn(client, model: str, sid: str, messages: list, wl: Workload, rec: Re
 def run_session(client, model: str, wl: Workload, words: list[str], session: int, deadline: float,
                 stop: threading.Event) -> list[Record]:
     sid = f"bench-session-{session}"
-    messages = [{"role": "system", "content": wl.system_prompt(words)}]
+    messages = [{"role": "system", "content": wl.session_system_prompt(words, session)}]
     out = []
     for k, content in enumerate(wl.user_turns(words, session)):
         rec = Record(session, k)
@@ -308,7 +331,7 @@ def prompt_digest(records: list[Record], wl: Workload, words: list[str]) -> str:
     for r in records:
         by_session.setdefault(r.session, []).append(r)
     for s in sorted(by_session):
-        h.update(wl.system_prompt(words).encode())
+        h.update(wl.session_system_prompt(words, s).encode())
         for r, content in zip(by_session[s], wl.user_turns(words, s)):
             h.update(content.encode() + b"\0" + r.text.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -339,13 +362,16 @@ class Engines:
     """The rig's two engines (its Rig class does the starting, the reset and the scraping), plus
     what this benchmark needs on top: the commands, idle waits, reset confirmation, counters."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, base_port: int, engine_timeout: float):
+    def __init__(self, model_dir: Path, log_dir: Path, base_port: int, engine_timeout: float,
+                 num_gpu_blocks: int | None = None):
         import rig as rig_mod
         from events import EventWatcher
 
         self.rig_mod = rig_mod
+        # num_gpu_blocks None: the rig's default KV size.
         self.rig = rig_mod.Rig(SimpleNamespace(
             model_dir=str(model_dir), log_dir=str(log_dir), base_port=base_port, engine_timeout=engine_timeout,
+            num_gpu_blocks=num_gpu_blocks,
         ))
         self.commands: list[dict] = []
         start = self.rig.procs.start
@@ -767,7 +793,7 @@ def main() -> int:
         "engines": {
             "count": 2,
             "block_size": engines.rig_mod.BLOCK_SIZE,
-            "num_gpu_blocks_override": engines.rig_mod.NUM_GPU_BLOCKS,
+            "num_gpu_blocks_override": engines.rig.num_gpu_blocks,
             "max_model_len": engines.rig_mod.MAX_MODEL_LEN,
             "reset": "POST /reset_prefix_cache on both before each router, confirmed by an AllBlocksCleared "
                      "event from each",

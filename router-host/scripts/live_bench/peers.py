@@ -9,8 +9,9 @@ exit (common.py).
     python3 peers.py check [--cache DIR] [--target-dir DIR] [--tokenizer DIR|bytes]
 
 starts two fast mock engines (tokenizing with the repository's fixture tokenizer, or `DIR`, or
-their byte tokenizer) and, for every combination in ALL_ROUTERS and router-host two-tier with
-`tokenizer="remote"`, a router in front of them, then sends a plain and a streamed completion
+their byte tokenizer) and, for every combination in ALL_ROUTERS and EXTRA_ROUTERS (router-host
+two-tier with `tokenizer="remote"` and without `kv_capacity_limit`, router-host default), a
+router in front of them, then sends a plain and a streamed completion
 through it and checks both answers. For router-host it also checks which tokenizer its YAML
 names, and for two-tier that a prompt sent twice goes back to the engine that cached it.
 """
@@ -62,7 +63,7 @@ class Engine:
 @dataclass
 class RouterSpec:
     name: str  # "router-host", "vllm-router", "smg"
-    # router-host: "two-tier" | "round-robin"; vllm-router: "kv_aware" | "cache_aware" |
+    # router-host: "two-tier" | "round-robin" | "default"; vllm-router: "kv_aware" | "cache_aware" |
     # "round_robin"; smg: "cache_aware" | "round_robin"
     policy: str
     label: str  # e.g. "router-host two-tier"
@@ -70,6 +71,9 @@ class RouterSpec:
     # every engine has the same known tokenizer_dir, else asks the engines (`remote`);
     # "remote" always asks the engines. The peers ignore it.
     tokenizer: str = "auto"
+    # router-host two-tier only: the instance's parameters; None is DEFAULT_TWO_TIER_PARAMETERS
+    # (a `two_tier_parameters` given to start_router wins over both).
+    two_tier_parameters: dict | None = None
 
 
 ALL_ROUTERS: list[RouterSpec] = [
@@ -88,10 +92,25 @@ TWO_TIER_REMOTE_TOKENIZER = RouterSpec(
     "router-host", "two-tier", "router-host two-tier, remote tokenizer", tokenizer="remote"
 )
 
+# router-host out of the box: no worker_selection and no plugin, so every request goes to the
+# built-in `default` selector, which narrows to a session's soft binding when that worker is
+# eligible (docs/routing-contract.md, "Narrowing"). Not in ALL_ROUTERS: the live bench's set of
+# routers stays as it is; the KV family runs it.
+ROUTER_HOST_DEFAULT = RouterSpec("router-host", "default", "router-host default")
+
+# The shipped two-tier parameters without the KV capacity limit.
+TWO_TIER_NO_CAPACITY_LIMIT = RouterSpec(
+    "router-host", "two-tier", "router-host two-tier, no kv_capacity_limit",
+    two_tier_parameters={"respect_soft_affinity": True, "soft_affinity_load_gate": True},
+)
+
+# Routers a part may name in --routers beyond ALL_ROUTERS.
+EXTRA_ROUTERS: list[RouterSpec] = [TWO_TIER_REMOTE_TOKENIZER, ROUTER_HOST_DEFAULT, TWO_TIER_NO_CAPACITY_LIMIT]
+
 TOKENIZER_MODES = ("auto", "remote")
 
 POLICIES = {
-    "router-host": ("two-tier", "round-robin"),
+    "router-host": ("two-tier", "round-robin", "default"),
     "vllm-router": ("kv_aware", "cache_aware", "round_robin"),
     "smg": ("cache_aware", "round_robin"),
 }
@@ -232,6 +251,9 @@ def _router_host_config(
             + (f"      parameters:\n{params}" if params else "")
             + "session_affinity:\n  mode: soft\n  ttl_secs: 600\n"
         )
+    elif spec.policy == "default":
+        # Nothing but the session bindings: the built-in selector and booking as shipped.
+        selection = "session_affinity:\n  mode: soft\n  ttl_secs: 600\n"
     else:
         selection = (
             "worker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\n"
@@ -303,8 +325,8 @@ def start_router(
     Optional: `metrics_port` (the peers' Prometheus port; a free one by default), `extra_args`
     (appended to the peer's command line; for router-host, to `serve`), `env` (added to the
     environment), `session_header` (router-host's `serve.session_headers`),
-    `two_tier_parameters` (the two-tier instance's parameters; default the shipped
-    soft-affinity example's). router-host's tokenizer follows `spec.tokenizer` and the engines'
+    `two_tier_parameters` (the two-tier instance's parameters; default `spec.two_tier_parameters`,
+    else the shipped soft-affinity example's). router-host's tokenizer follows `spec.tokenizer` and the engines'
     `tokenizer_dir` (router_host_tokenizer)."""
     if spec.name not in POLICIES:
         raise BenchError(f"unknown router `{spec.name}` (known: {', '.join(POLICIES)})")
@@ -334,7 +356,9 @@ def start_router(
                 port,
                 bins,
                 session_header,
-                DEFAULT_TWO_TIER_PARAMETERS if two_tier_parameters is None else two_tier_parameters,
+                two_tier_parameters if two_tier_parameters is not None
+                else spec.two_tier_parameters if spec.two_tier_parameters is not None
+                else DEFAULT_TWO_TIER_PARAMETERS,
             )
         )
         tokenizer_dir = router_host_tokenizer(spec, engines)
@@ -675,6 +699,8 @@ _CHECK_PROBES = [
     "tell me a story about cats and dogs in the green city at night . " * 4,
     "how many red cars are on the road to the mountain river ? " * 4,
     "we read one book with you at the day and two at night . " * 4,
+    "the blue sun and the green moon are over the city at day . " * 4,
+    "two cats tell a story to the dogs on the red road at night . " * 4,
 ]
 
 
@@ -701,7 +727,7 @@ def main() -> int:
     model = "tiny"
     failures = []
     tokenizer_dir = None if args.tokenizer == "bytes" else args.tokenizer
-    specs = [*ALL_ROUTERS, TWO_TIER_REMOTE_TOKENIZER]
+    specs = [*ALL_ROUTERS, *EXTRA_ROUTERS]
     probes = iter(_CHECK_PROBES)
     try:
         engines = [start_mock_engine(w, bins, log_dir, model=model, tokenizer_dir=tokenizer_dir)[0] for w in (1, 2)]

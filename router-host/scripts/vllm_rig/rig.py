@@ -89,6 +89,8 @@ class Rig:
         self.failures: list[str] = []
         self.watcher: EventWatcher | None = None
         self.router_generation = 0
+        # Each engine's --num-gpu-blocks-override; callers without the setting get the rig's.
+        self.num_gpu_blocks = int(getattr(args, "num_gpu_blocks", None) or NUM_GPU_BLOCKS)
 
     # -- engines ---------------------------------------------------------------------------
 
@@ -135,7 +137,7 @@ class Rig:
             "--max-model-len",
             str(MAX_MODEL_LEN),
             "--num-gpu-blocks-override",
-            str(NUM_GPU_BLOCKS),
+            str(self.num_gpu_blocks),
             "--max-num-seqs",
             "8",
             "--seed",
@@ -358,6 +360,8 @@ def main() -> int:
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--base-port", type=int, default=18100)
     parser.add_argument("--engine-timeout", type=float, default=600, help="seconds for an engine to start")
+    parser.add_argument("--num-gpu-blocks", type=int, default=NUM_GPU_BLOCKS,
+                        help="KV blocks per engine (--num-gpu-blocks-override)")
     parser.add_argument("--capture-dir", help="save raw KV-event frames here (fixtures)")
     parser.add_argument("--capture-limit", type=int, default=40, help="messages per engine process")
     args = parser.parse_args()
