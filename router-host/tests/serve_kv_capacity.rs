@@ -1,7 +1,8 @@
 //! The two-tier policy's `kv_capacity_limit` live: `serve` learns each engine's KV capacity from
 //! its `/metrics` (`vllm:cache_config_info` `num_gpu_blocks`), the capacity reaches the real
 //! `.so` as the `kv_capacity_blocks` column, and new requests that share a cached prefix stop
-//! following it to one engine once that engine's booked blocks would pass its capacity. Without
+//! following it to one engine once that engine's booked blocks would pass its capacity by more
+//! than the cached blocks a move throws away. Without
 //! the limit the same requests all go to the engine that cached the prefix. With soft session
 //! affinity the same holds for a session bound to that engine: the limit releases its binding
 //! once the engine is booked full. With `booking.decode: deduplicated` the shared prefix is
@@ -189,20 +190,22 @@ const CACHE: &str = "cache_tier_least_loaded_among_max_overlap";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_requests_stop_following_a_cached_prefix_onto_a_full_engine() {
-    // 10 booked blocks each against 64: six fit on worker 1, the seventh would make 70.
+    // 10 booked blocks each against 64: six fit on worker 1. The seventh would make 70, 6 over,
+    // but moving it would re-prefill the 8 shared blocks worker 1 caches: it stays. The eighth
+    // would be 16 over: it moves.
     let over = "cache_row_over_kv_capacity_least_loaded";
     let got = route_in_turn(
         "kv_capacity_limit",
         Some(1.0),
         Sessions::None,
         Decode::Prompt,
-        7,
+        8,
     )
     .await;
-    let mut expected = vec![seen("1", CACHE, "-"); 6];
+    let mut expected = vec![seen("1", CACHE, "-"); 7];
     expected.push(seen("2", over, "-"));
     assert_eq!(got.seen, expected);
-    assert_eq!(got.booked, (60.0, 10.0));
+    assert_eq!(got.booked, (70.0, 10.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,19 +241,20 @@ async fn without_the_limit_every_request_follows_the_cached_prefix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_bound_to_a_full_engine_is_released_to_one_with_room() {
-    // The first request goes where the prefix is and binds the session there; the next five
-    // keep the binding; the seventh would book 70 of worker 1's 64 blocks, so the binding is
-    // released and moves with it to worker 2.
+    // The first request goes where the prefix is and binds the session there; the next six
+    // keep the binding (the seventh is 6 blocks over worker 1's 64, fewer than the 8 cached
+    // blocks a move throws away); the eighth would be 16 over, so the binding is released and
+    // moves with it to worker 2.
     let got = route_in_turn(
         "kv_capacity_session",
         Some(1.0),
         Sessions::One,
         Decode::Prompt,
-        7,
+        8,
     )
     .await;
     let mut expected = vec![seen("1", CACHE, "created")];
-    expected.extend(vec![seen("1", "soft_affinity_target", "kept"); 5]);
+    expected.extend(vec![seen("1", "soft_affinity_target", "kept"); 6]);
     expected.push(seen("2", "soft_affinity_released_kv_capacity", "moved"));
     assert_eq!(got.seen, expected);
 }
