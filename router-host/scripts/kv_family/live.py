@@ -107,7 +107,7 @@ QUICK_FAMILY: list[Point] = [
           "smoke: four tenants, eight sessions of three turns"),
 ]
 
-DEFAULT_ROUTERS = "router-host default,router-host two-tier,smg cache_aware"
+DEFAULT_ROUTERS = "router-host default,router-host two-tier defaults,router-host two-tier,smg cache_aware"
 DEFAULT_SEEDS = (16, 17)
 
 

@@ -92,11 +92,14 @@ TWO_TIER_REMOTE_TOKENIZER = RouterSpec(
     "router-host", "two-tier", "router-host two-tier, remote tokenizer", tokenizer="remote"
 )
 
-# router-host out of the box: no worker_selection and no plugin, so every request goes to the
-# built-in `default` selector, which narrows to a session's soft binding when that worker is
-# eligible (docs/routing-contract.md, "Narrowing"). Not in ALL_ROUTERS: the live bench's set of
-# routers stays as it is; the KV family runs it.
+# router-host out of the box: no worker_selection, no plugin, no session affinity: every
+# request goes to the built-in `default` selector with the host's defaults. Not in ALL_ROUTERS:
+# the live bench's set of routers stays as it is; the KV family runs it.
 ROUTER_HOST_DEFAULT = RouterSpec("router-host", "default", "router-host default")
+
+# The shipped two-tier plugin with its defaults and nothing else (no session affinity, the
+# host's default booking): `examples/two-tier-defaults.yaml`.
+TWO_TIER_DEFAULTS = RouterSpec("router-host", "two-tier-defaults", "router-host two-tier defaults")
 
 # The shipped two-tier parameters without the KV capacity limit.
 TWO_TIER_NO_CAPACITY_LIMIT = RouterSpec(
@@ -105,12 +108,14 @@ TWO_TIER_NO_CAPACITY_LIMIT = RouterSpec(
 )
 
 # Routers a part may name in --routers beyond ALL_ROUTERS.
-EXTRA_ROUTERS: list[RouterSpec] = [TWO_TIER_REMOTE_TOKENIZER, ROUTER_HOST_DEFAULT, TWO_TIER_NO_CAPACITY_LIMIT]
+EXTRA_ROUTERS: list[RouterSpec] = [
+    TWO_TIER_REMOTE_TOKENIZER, ROUTER_HOST_DEFAULT, TWO_TIER_DEFAULTS, TWO_TIER_NO_CAPACITY_LIMIT,
+]
 
 TOKENIZER_MODES = ("auto", "remote")
 
 POLICIES = {
-    "router-host": ("two-tier", "round-robin", "default"),
+    "router-host": ("two-tier", "round-robin", "default", "two-tier-defaults"),
     "vllm-router": ("kv_aware", "cache_aware", "round_robin"),
     "smg": ("cache_aware", "round_robin"),
 }
@@ -252,8 +257,14 @@ def _router_host_config(
             + "session_affinity:\n  mode: soft\n  ttl_secs: 600\n"
         )
     elif spec.policy == "default":
-        # Nothing but the session bindings: the built-in selector and booking as shipped.
-        selection = "session_affinity:\n  mode: soft\n  ttl_secs: 600\n"
+        # Nothing: the built-in selector, booking and session handling as shipped.
+        selection = ""
+    elif spec.policy == "two-tier-defaults":
+        selection = (
+            f"plugins:\n  - path: {bins.two_tier_so}\n"
+            "worker_selection:\n  aggregated: two-tier\n  instances:\n"
+            "    - name: two-tier\n      type: dynamo-two-tier-cost-fn\n"
+        )
     else:
         selection = (
             "worker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\n"
