@@ -175,12 +175,22 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
         reply_diffs[slug] = sum(1 for k, v in replies.items() if other.get(k) != v)
     convs = live.conversations(wl, words, replies)
     at = arrivals(recs, wl.concurrency)
-    lines, mismatches, tokens = [], 0, 0
+    lines, mismatches, tokens, output_block_tokens = [], 0, 0, 0
     for r in sorted(recs, key=lambda r: (at[(r["session"], r["turn"])], r["session"], r["turn"])):
-        ids = chat.ids(convs[r["session"]][r["turn"]])
+        ids = _ids(chat, convs[r["session"]][r["turn"]])
         if r.get("prompt_tokens") is not None and r["prompt_tokens"] != len(ids):
             mismatches += 1
         tokens += len(ids)
+        if r["turn"] > 0:
+            # vLLM also caches the full blocks its 16 generated tokens complete; replay caches prompt
+            # blocks only. What the next turn could hit on the same engine beyond the previous
+            # prompt's full blocks, the reply re-tokenized as live.py's ceiling does.
+            prev = _ids(chat, convs[r["session"]][r["turn"] - 1])
+            reply = chat.tok.encode(replies.get((r["session"], r["turn"] - 1), ""), add_special_tokens=False)
+            cap = (len(ids) - 1) // BLOCK_SIZE
+            with_out = min(live._common(ids, prev + reply) // BLOCK_SIZE, cap)
+            without = min(live._common(ids, prev) // BLOCK_SIZE, cap)
+            output_block_tokens += (with_out - without) * BLOCK_SIZE
         lines.append(json.dumps({
             "timestamp": round(at[(r["session"], r["turn"])], 3), "input_length": len(ids),
             "output_length": wl.max_tokens, "hash_ids": block_ids(ids),
@@ -188,7 +198,20 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
     out.write_text("\n".join(lines) + "\n")
     return {"trace": str(out), "built_from": base_slug, "requests": len(lines), "prompt_tokens": tokens,
             "prompt_token_count_mismatches": mismatches, "reply_differences": reply_diffs,
+            "output_block_hit_share": round(output_block_tokens / tokens, 4),
             "span_ms": round(max(at.values()) + max(r["e2e_ms"] for r in recs), 1)}
+
+
+_IDS: dict[str, list[int]] = {}
+
+
+def _ids(chat: live.Chat, messages: list[dict]) -> list[int]:
+    """chat.ids, remembered: the traces of one repetition built from different routers' runs
+    share their prompts."""
+    key = hashlib.sha256(json.dumps(messages).encode()).hexdigest()
+    if key not in _IDS:
+        _IDS[key] = chat.ids(messages)
+    return _IDS[key]
 
 
 # -- configs -----------------------------------------------------------------------------------
@@ -246,7 +269,10 @@ def run_replay(binary: Path, plugin_dir: Path, trace: Path, kv_blocks: str, timi
     out: dict[str, dict] = {}
     for c in report["configs"]:
         label = by_path.get(c["config"], c["config"])
-        out[label] = {"hit_rate_blocks": c.get("hit_rate"), "errors": c.get("errors", c.get("failed"))}
+        out[label] = {"hit_rate_blocks": c.get("hit_rate"), "errors": c.get("errors"),
+                      "e2e_ms_mean": (c.get("e2e_ms") or {}).get("mean"),
+                      "engine_wait_ms_mean": (c.get("engine_wait_ms") or {}).get("mean"),
+                      "sessions": c.get("sessions")}
     trace_sessions = [json.loads(line)["session_id"] for line in trace.read_text().splitlines() if line]
     acc: dict[str, dict] = {}
     with rq.open() as f:
@@ -347,6 +373,11 @@ def compare(live_means: dict[str, float], replay_means: dict[str, float]) -> dic
             "pairs": pairs}
 
 
+def _sd(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.stdev(xs), 4) if len(xs) > 1 else None
+
+
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return round(statistics.mean(xs), 4) if xs else None
@@ -369,6 +400,9 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, help="traces, configs and replay outputs "
                         "(default TARGET/kv-family/live-in-replay)")
     parser.add_argument("--workloads", help="comma-separated family names (default: every one with logs)")
+    parser.add_argument("--no-all-bases", dest="all_bases", action="store_false",
+                        help="replay only the trace built from --base-router's run, not also those built "
+                        "from every other router's run of the repetition")
     parser.add_argument("--base-router", default="router-host default",
                         help="the router whose run of each repetition gives the replies and e2e times "
                         "(default %(default)s)")
@@ -418,7 +452,11 @@ def main() -> int:
         if base_slug in run.routers:
             base_records.append(json.loads(run.routers[base_slug].read_text()))
     timing = measured_timing(used_rows, base_records, live.FAMILY[0].workload.max_tokens)
-    timings = {"measured": timing, "defaults": dict(DEFAULT_TIMING)}
+    # The live engines hold a request about twice as long as replay's do at the measured step
+    # timings (the API server's own time per request is not in replay's engine): the same with
+    # every step twice as long, as a sensitivity check.
+    timings = {"measured": timing, "defaults": dict(DEFAULT_TIMING),
+               "slow": {**timing, "step_overhead_ms": round(2 * timing["step_overhead_ms"], 2)}}
     log(f"timings measured from {len(used_rows)} live runs: {timing}")
 
     results = []
@@ -430,8 +468,8 @@ def main() -> int:
             log(f"{tag}: no {args.base_router} run yet; skipped")
             continue
         # Only repetitions every router-host router has finished, live and in live.json.
-        missing = [label_of.get(s, s) for s in rh_slugs
-                   if (run.workload, run.rep, label_of.get(s)) not in live_rows]
+        missing = [lbl for lbl in live_doc.get("routers", []) if lbl.startswith("router-host")
+                   and (cq.slug(lbl) not in rh_slugs or (run.workload, run.rep, lbl) not in live_rows)]
         if missing:
             log(f"{tag}: not in {args.live_json} yet for {missing}; skipped")
             continue
@@ -451,16 +489,32 @@ def main() -> int:
                   for name, t in timings.items()}
         unlimited = run_replay(binary, release, rdir / "trace.jsonl", "unlimited", timing, configs,
                                rdir / "replay-unlimited")
+        # The same repetition with every other router's run as the trace's timing (its e2e times;
+        # the prompts are the same): how much replay's own ranking moves with the arrival times.
+        by_base = {base_slug: {c: v["hit_rate"] for c, v in replay["measured"].items()}}
+        for slug in run.routers:
+            if slug == base_slug or not args.all_bases:
+                continue
+            try:
+                build_trace(run, point, slug, words, chat, rdir / f"trace-from-{slug}.jsonl")
+            except ValueError as e:
+                log(f"{tag}: trace from {slug}: {e}")
+                continue
+            got = run_replay(binary, release, rdir / f"trace-from-{slug}.jsonl", kv, timing, configs,
+                             rdir / f"replay-from-{slug}")
+            by_base[slug] = {c: v["hit_rate"] for c, v in got.items()}
         live_part = {}
         for slug, lbl in ((s, label_of.get(s, s)) for s in run.routers):
             row = live_rows.get((run.workload, run.rep, lbl))
             if row and "error" not in row:
                 live_part[lbl] = {k: row.get(k) for k in (
                     "prefix_cache_hit_rate", "requests_per_engine", "busier_engine_share",
-                    "sessions_on_both_engines_from_header", "ttft_p50_ms")}
+                    "sessions_on_both_engines_from_header", "ttft_p50_ms", "engine_e2e_request_latency_mean_ms",
+                    "engine_request_queue_time_mean_ms")}
                 live_part[lbl]["ceiling"] = (row.get("ceiling") or {}).get("ceiling")
         results.append({"workload": run.workload, "repetition": run.rep, "seed": run.seed, "trace": trace,
                         "live": live_part, "replay": replay, "replay_unlimited_kv": unlimited,
+                        "replay_by_trace_base": by_base,
                         "configs": {lbl: str(p) for lbl, p in configs}})
         log(f"{tag}: live " + ", ".join(f"{k} {v['prefix_cache_hit_rate']}" for k, v in live_part.items())
             + " | replay " + ", ".join(f"{k} {v['hit_rate']}" for k, v in replay["measured"].items()))
@@ -492,7 +546,8 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
              "live_ceiling_mean": mean(r["live"][cfgs[0]]["ceiling"] for r in mine) if cfgs else None,
              "live_busier_share_mean": {c: mean(r["live"][c]["busier_engine_share"] for r in mine) for c in cfgs},
              "reply_differences": sum(sum(r["trace"]["reply_differences"].values()) for r in mine),
-             "prompt_token_count_mismatches": sum(r["trace"]["prompt_token_count_mismatches"] for r in mine)}
+             "prompt_token_count_mismatches": sum(r["trace"]["prompt_token_count_mismatches"] for r in mine),
+             "output_block_hit_share": mean(r["trace"]["output_block_hit_share"] for r in mine)}
         for tname in timings:
             all_cfgs = cfgs + [ROUND_ROBIN]
             rmeans = {c: mean(r["replay"][tname][c]["hit_rate"] for r in mine) for c in all_cfgs}
@@ -500,6 +555,21 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
             w[f"replay_busier_share_{tname}"] = {c: mean(r["replay"][tname][c]["busier_worker_share"] for r in mine)
                                                  for c in all_cfgs}
             w[f"ranking_{tname}"] = compare(live_means, {c: rmeans[c] for c in cfgs})
+        w["engine_time_ms"] = {
+            "live": {"e2e_mean": mean(v["engine_e2e_request_latency_mean_ms"] for r in mine for c, v in r["live"].items()
+                                      if c in cfgs),
+                     "queue_mean": mean(v["engine_request_queue_time_mean_ms"] for r in mine
+                                        for c, v in r["live"].items() if c in cfgs)},
+            **{t: {"e2e_mean": mean(r["replay"][t][c]["e2e_ms_mean"] for r in mine for c in cfgs),
+                   "queue_mean": mean(r["replay"][t][c]["engine_wait_ms_mean"] for r in mine for c in cfgs)}
+               for t in timings}}
+        w["live_stdev"] = {c: _sd(r["live"][c]["prefix_cache_hit_rate"] for r in mine) for c in cfgs}
+        w["replay_stdev_measured"] = {c: _sd(r["replay"]["measured"][c]["hit_rate"] for r in mine) for c in cfgs}
+        all_bases = {c: mean(v.get(c) for r in mine for v in r["replay_by_trace_base"].values())
+                     for c in cfgs + [ROUND_ROBIN]}
+        w["replay_mean_all_bases"] = all_bases
+        w["replay_traces_all_bases"] = sum(len(r["replay_by_trace_base"]) for r in mine)
+        w["ranking_all_bases"] = compare(live_means, {c: all_bases[c] for c in cfgs})
         w["replay_unlimited_kv_mean"] = {c: mean(r["replay_unlimited_kv"][c]["hit_rate"] for r in mine)
                                          for c in cfgs + [ROUND_ROBIN]}
         # Per run: does replay order each pair of configs as that run's live counterparts?
@@ -556,26 +626,50 @@ def markdown(doc: dict) -> str:
         L += ["**The live run had not finished when this was written: only the repetitions listed were "
               "compared.**", ""]
     L += ["## Ranking by hit rate", "",
-          "| workload | reps | config | live | replay | replay, default timings | replay, unlimited KV | "
-          "busier engine share live / replay |",
-          "|---|---|---|---:|---:|---:|---:|---|"]
+          "Mean over the repetitions (± the standard deviation of the runs). *replay*: the trace built from "
+          "the repetition's `router-host default` run; *every router's timing*: the mean over the traces built "
+          "from each router's run of the repetition (same prompts, that run's e2e times); *default timings*: "
+          "replay's engine defaults; *unlimited KV*: no eviction (the trace's own ceiling in replay, against "
+          "the live ceiling of live.py).", "",
+          "| workload | reps | config | live | replay | replay, every router's timing | replay, default timings | "
+          "replay, steps x2 | replay, unlimited KV | busier engine share live / replay |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for w in doc["workloads"]:
         for i, c in enumerate(w["configs"] + [ROUND_ROBIN]):
+            lsd, rsd = w["live_stdev"].get(c), w["replay_stdev_measured"].get(c)
             L.append(f"| {w['name'] if i == 0 else ''} | {len(w['repetitions']) if i == 0 else ''} | {c} | "
-                     f"{_f(w['live_mean'].get(c))} | {_f(w['replay_mean_measured'].get(c))} | "
-                     f"{_f(w['replay_mean_defaults'].get(c))} | {_f(w['replay_unlimited_kv_mean'].get(c))} | "
+                     f"{_f(w['live_mean'].get(c))}{f' ± {lsd:.3f}' if lsd is not None else ''} | "
+                     f"{_f(w['replay_mean_measured'].get(c))}{f' ± {rsd:.3f}' if rsd is not None else ''} | "
+                     f"{_f(w['replay_mean_all_bases'].get(c))} | "
+                     f"{_f(w['replay_mean_defaults'].get(c))} | {_f(w['replay_mean_slow'].get(c))} | "
+                     f"{_f(w['replay_unlimited_kv_mean'].get(c))} | "
                      f"{_f(w['live_busier_share_mean'].get(c), 2)} / {_f(w['replay_busier_share_measured'].get(c), 2)} |")
         for c, v in w["live_mean_other_routers"].items():
-            L.append(f"| | | {c} (live only) | {_f(v)} | | | | |")
-    L += ["", "| workload | live order | replay order | same order | Kendall tau-b | default timings: same order | "
-          "per-run pairs agreeing |", "|---|---|---|---|---|---|---|"]
+            L.append(f"| | | {c} (live only) | {_f(v)} | | | | | | |")
+        L.append(f"| | | live ceiling (live.py) | {_f(w['live_ceiling_mean'])} | | | | | | |")
+        L.append(f"| | | of it, in blocks vLLM fills with generated tokens | {_f(w['output_block_hit_share'])} | "
+                 "| | | | | |")
+    L += ["", "| workload | live order | replay order | same order | Kendall tau-b | every router's timing: "
+          "same order | default timings: same order | steps x2: same order | per-run pairs agreeing |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for w in doc["workloads"]:
-        rk, rd = w["ranking_measured"], w["ranking_defaults"]
+        rk, ra, rd, rs = w["ranking_measured"], w["ranking_all_bases"], w["ranking_defaults"], w["ranking_slow"]
         a, n = w["per_run_pairs_agreeing"]
         L.append(f"| {w['name']} | {_order(rk['live_order'])} | {_order(rk['replay_order'])} | "
                  f"{'yes' if rk['same_order'] else 'no'} | {_f(rk['kendall_tau_b'], 2)} | "
-                 f"{'yes' if rd['same_order'] else 'no'} | {a} / {n} |")
+                 f"{'yes' if ra['same_order'] else 'no'} ({_order(ra['replay_order'])}) | "
+                 f"{'yes' if rd['same_order'] else 'no'} | {'yes' if rs['same_order'] else 'no'} "
+                 f"({_order(rs['replay_order'])}) | {a} / {n} |")
     a, n = doc["per_run_pairs_agreeing"]
+    L += ["", "How long the engines hold a request (router-host configs, mean over requests and runs): live, "
+          "vLLM's e2e request latency and queue time (its /metrics); replay, e2e and the wait from dispatch to "
+          "admission, per timing setting.", "",
+          "| workload | live e2e / queue ms | " + " | ".join(f"replay {t} e2e / wait ms" for t in doc["timings"]) + " |",
+          "|---|---|" + "---|" * len(doc["timings"])]
+    for w in doc["workloads"]:
+        et = w["engine_time_ms"]
+        L.append(f"| {w['name']} | " + " | ".join(f"{_f(et[k]['e2e_mean'], 0)} / {_f(et[k]['queue_mean'], 0)}"
+                                              for k in ["live", *doc["timings"]]) + " |")
     L += ["", f"Per run, over every workload: replay orders {a} of {n} (run, pair of configs) as live does; "
           f"the correlation of the runs' live and replay hit rates is {doc['per_run_correlation_live_vs_replay']}.", ""]
     L += ["## Runs", "", "| workload | rep | seed | config | live | replay | live per engine | replay per worker | "
