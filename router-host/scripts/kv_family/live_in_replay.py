@@ -196,10 +196,40 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
             "output_length": wl.max_tokens, "hash_ids": block_ids(ids),
             "session_id": f"bench-session-{r['session']}", "turn": r["turn"]}))
     out.write_text("\n".join(lines) + "\n")
-    return {"trace": str(out), "built_from": base_slug, "requests": len(lines), "prompt_tokens": tokens,
+    check = router_log_arrivals(run.dir / base_slug / f"router-{base_slug}.log")
+    if check:
+        mine = sorted(at.values())
+        deciles = [round(q * (len(mine) - 1) / 10) for q in range(11)]
+        check = {"router_log_requests": len(check),
+                 "deciles_ms_router_log": [round(check[min(i, len(check) - 1)]) for i in deciles],
+                 "deciles_ms_reconstructed": [round(mine[i]) for i in deciles]}
+    return {"arrival_check": check,"trace": str(out), "built_from": base_slug, "requests": len(lines), "prompt_tokens": tokens,
             "prompt_token_count_mismatches": mismatches, "reply_differences": reply_diffs,
             "output_block_hit_share": round(output_block_tokens / tokens, 4),
-            "span_ms": round(max(at.values()) + max(r["e2e_ms"] for r in recs), 1)}
+            "span_ms": round(max(at[(r["session"], r["turn"])] + r["e2e_ms"] for r in recs), 1)}
+
+
+def router_log_arrivals(path: Path) -> list[float]:
+    """When the router-host received each chat request (its lifecycle log line's time less the
+    line's duration_ms), in ms after the first: a check on the reconstructed arrivals."""
+    import datetime
+    import re
+
+    if not path.is_file():
+        return []
+    starts = []
+    for line in path.read_text(errors="replace").splitlines():
+        if "lifecycle: request" not in line or 'endpoint="chat_completions"' not in line:
+            continue
+        m = re.search(r"duration_ms=(\d+)", line)
+        try:
+            t = datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp() * 1000
+        except ValueError:
+            continue
+        if m:
+            starts.append(t - int(m.group(1)))
+    starts.sort()
+    return [x - starts[0] for x in starts] if starts else []
 
 
 _IDS: dict[str, list[int]] = {}
@@ -273,7 +303,8 @@ def run_replay(binary: Path, plugin_dir: Path, trace: Path, kv_blocks: str, timi
                       "e2e_ms_mean": (c.get("e2e_ms") or {}).get("mean"),
                       "engine_wait_ms_mean": (c.get("engine_wait_ms") or {}).get("mean"),
                       "sessions": c.get("sessions")}
-    trace_sessions = [json.loads(line)["session_id"] for line in trace.read_text().splitlines() if line]
+    trace_lines = [json.loads(line) for line in trace.read_text().splitlines() if line]
+    trace_sessions = [t["session_id"] for t in trace_lines]
     acc: dict[str, dict] = {}
     with rq.open() as f:
         for row in csv.DictReader(f):
@@ -286,16 +317,32 @@ def run_replay(binary: Path, plugin_dir: Path, trace: Path, kv_blocks: str, timi
             a["hit"] += min(int(row["hit_blocks"]), (int(row["input_tokens"]) - 1) // BLOCK_SIZE) * BLOCK_SIZE
             a["workers"][row["worker"]] = a["workers"].get(row["worker"], 0) + 1
             sid = trace_sessions[int(row["request"])]
-            a["sessions"].setdefault(sid, set()).add(row["worker"])
+            a["sessions"].setdefault(sid, {})[trace_lines[int(row["request"])]["turn"]] = row["worker"]
     for label, a in acc.items():
         n = sum(a["workers"].values())
         out.setdefault(label, {}).update(
             hit_rate=round(a["hit"] / a["tokens"], 4) if a["tokens"] else None,
             requests_per_worker=dict(sorted(a["workers"].items())),
             busier_worker_share=round(max(a["workers"].values()) / n, 3) if n else None,
-            sessions_on_both_workers=sum(1 for w in a["sessions"].values() if len(w) > 1),
+            sessions_on_both_workers=sum(1 for w in a["sessions"].values() if len(set(w.values())) > 1),
+            moves=_moves({sid: [w[k] for k in sorted(w)] for sid, w in a["sessions"].items()}),
             failed=a["failed"])
     return out
+
+
+def _moves(seq: dict) -> int:
+    """Turns sent to another worker than the session's previous turn."""
+    return sum(1 for ws in seq.values() for a, b in zip(ws, ws[1:]) if a != b)
+
+
+def live_moves(path: Path) -> int | None:
+    """The same from a live run's requests (the router's x-router-worker header)."""
+    seq: dict[int, list] = {}
+    for r in sorted(json.loads(path.read_text()), key=lambda r: (r["session"], r["turn"])):
+        if r.get("worker_header") is None:
+            return None
+        seq.setdefault(r["session"], []).append(r["worker_header"])
+    return _moves(seq)
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -512,6 +559,7 @@ def main() -> int:
                     "sessions_on_both_engines_from_header", "ttft_p50_ms", "engine_e2e_request_latency_mean_ms",
                     "engine_request_queue_time_mean_ms")}
                 live_part[lbl]["ceiling"] = (row.get("ceiling") or {}).get("ceiling")
+                live_part[lbl]["moves"] = live_moves(run.routers[slug])
         results.append({"workload": run.workload, "repetition": run.rep, "seed": run.seed, "trace": trace,
                         "live": live_part, "replay": replay, "replay_unlimited_kv": unlimited,
                         "replay_by_trace_base": by_base,
@@ -547,7 +595,13 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
              "live_busier_share_mean": {c: mean(r["live"][c]["busier_engine_share"] for r in mine) for c in cfgs},
              "reply_differences": sum(sum(r["trace"]["reply_differences"].values()) for r in mine),
              "prompt_token_count_mismatches": sum(r["trace"]["prompt_token_count_mismatches"] for r in mine),
-             "output_block_hit_share": mean(r["trace"]["output_block_hit_share"] for r in mine)}
+             "output_block_hit_share": mean(r["trace"]["output_block_hit_share"] for r in mine),
+             # Reconstructed arrivals against the router's log: the deciles' mean shift (log - ours).
+             "arrival_decile_shift_ms": mean(
+                 statistics.mean(a - b for a, b in zip(r["trace"]["arrival_check"]["deciles_ms_router_log"],
+                                                       r["trace"]["arrival_check"]["deciles_ms_reconstructed"]))
+                 for r in mine if r["trace"].get("arrival_check")),
+             "span_ms_mean": mean(r["trace"]["span_ms"] for r in mine)}
         for tname in timings:
             all_cfgs = cfgs + [ROUND_ROBIN]
             rmeans = {c: mean(r["replay"][tname][c]["hit_rate"] for r in mine) for c in all_cfgs}
@@ -563,6 +617,11 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
             **{t: {"e2e_mean": mean(r["replay"][t][c]["e2e_ms_mean"] for r in mine for c in cfgs),
                    "queue_mean": mean(r["replay"][t][c]["engine_wait_ms_mean"] for r in mine for c in cfgs)}
                for t in timings}}
+        w["moves_mean"] = {c: {"live": mean(r["live"][c]["moves"] for r in mine if c in r["live"]),
+                               **{t: mean(r["replay"][t][c]["moves"] for r in mine) for t in timings},
+                               "unlimited_kv": mean(r["replay_unlimited_kv"][c]["moves"] for r in mine)}
+                           for c in cfgs + [ROUND_ROBIN]}
+        w["turn_changes"] = points[name].workload.sessions * (points[name].workload.turns - 1)
         w["live_stdev"] = {c: _sd(r["live"][c]["prefix_cache_hit_rate"] for r in mine) for c in cfgs}
         w["replay_stdev_measured"] = {c: _sd(r["replay"]["measured"][c]["hit_rate"] for r in mine) for c in cfgs}
         all_bases = {c: mean(v.get(c) for r in mine for v in r["replay_by_trace_base"].values())
@@ -572,6 +631,15 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
         w["ranking_all_bases"] = compare(live_means, {c: all_bases[c] for c in cfgs})
         w["replay_unlimited_kv_mean"] = {c: mean(r["replay_unlimited_kv"][c]["hit_rate"] for r in mine)
                                          for c in cfgs + [ROUND_ROBIN]}
+        # Per pair of configs: the difference of hit rates, paired by repetition (same seed, same
+        # minutes of the machine), with its standard error, live and in replay.
+        w["pair_differences"] = []
+        for a, b in itertools.combinations(cfgs, 2):
+            ld = [r["live"][a]["prefix_cache_hit_rate"] - r["live"][b]["prefix_cache_hit_rate"] for r in mine]
+            rd = [r["replay"]["measured"][a]["hit_rate"] - r["replay"]["measured"][b]["hit_rate"] for r in mine]
+            se = lambda xs: round(statistics.stdev(xs) / math.sqrt(len(xs)), 4) if len(xs) > 1 else None
+            w["pair_differences"].append({"pair": [a, b], "live": mean(ld), "live_se": se(ld),
+                                          "replay": mean(rd), "replay_se": se(rd)})
         # Per run: does replay order each pair of configs as that run's live counterparts?
         agree = total = 0
         for r in mine:
@@ -660,6 +728,29 @@ def markdown(doc: dict) -> str:
                  f"{'yes' if ra['same_order'] else 'no'} ({_order(ra['replay_order'])}) | "
                  f"{'yes' if rd['same_order'] else 'no'} | {'yes' if rs['same_order'] else 'no'} "
                  f"({_order(rs['replay_order'])}) | {a} / {n} |")
+    L += ["", "Differences between configs, paired by repetition, ± twice their standard error: a live "
+          "difference within it is not resolved by the live runs themselves.", "",
+          "| workload | a - b | live | replay | live resolved | same sign |", "|---|---|---:|---:|---|---|"]
+    for w in doc["workloads"]:
+        for pd in w["pair_differences"]:
+            lres = pd["live_se"] is not None and abs(pd["live"]) > 2 * pd["live_se"]
+            L.append(f"| {w['name']} | {pd['pair'][0]} - {pd['pair'][1]} | {pd['live']:+.3f} ± "
+                     f"{2 * (pd['live_se'] or 0):.3f} | {pd['replay']:+.3f} ± {2 * (pd['replay_se'] or 0):.3f} | "
+                     f"{'yes' if lres else 'no'} | {'yes' if pd['live'] * pd['replay'] > 0 else 'no'} |")
+    L += ["", "Sessions moved: turns sent to another engine than the session's previous turn (mean per run, of "
+          "the 96 turn changes of 24 sessions of 5 turns); live from the router's `x-router-worker` header.", "",
+          "| workload | config | live | " + " | ".join(f"replay {t}" for t in doc["timings"]) + " | replay, unlimited KV |",
+          "|---|---|---:|" + "---:|" * (len(doc["timings"]) + 1)]
+    for w in doc["workloads"]:
+        for i, (c, m) in enumerate(w["moves_mean"].items()):
+            L.append(f"| {w['name'] if i == 0 else ''} | {c} | {_f(m['live'], 1)} | "
+                     + " | ".join(_f(m[t], 1) for t in doc["timings"]) + f" | {_f(m['unlimited_kv'], 1)} |")
+    L += ["", "Arrivals: the reconstructed closed loop against the times the router received the requests (its "
+          "log: each request line's time less its duration): the deciles of the arrival times differ by, on "
+          "average, " + ", ".join(f"{w['name']} {_f(w['arrival_decile_shift_ms'], 0)} ms"
+                                  for w in doc["workloads"]) + " (the router's later: the client's own time "
+          "between turns is not in the logs), over runs of " + ", ".join(
+              f"{_f(w['span_ms_mean'] / 1000, 1)} s" for w in doc["workloads"]) + "."]
     a, n = doc["per_run_pairs_agreeing"]
     L += ["", "How long the engines hold a request (router-host configs, mean over requests and runs): live, "
           "vLLM's e2e request latency and queue time (its /metrics); replay, e2e and the wait from dispatch to "
