@@ -301,8 +301,7 @@ def run_replay(binary: Path, plugin_dir: Path, trace: Path, kv_blocks: str, timi
         label = by_path.get(c["config"], c["config"])
         out[label] = {"hit_rate_blocks": c.get("hit_rate"), "errors": c.get("errors"),
                       "e2e_ms_mean": (c.get("e2e_ms") or {}).get("mean"),
-                      "engine_wait_ms_mean": (c.get("engine_wait_ms") or {}).get("mean"),
-                      "sessions": c.get("sessions")}
+                      "engine_wait_ms_mean": (c.get("engine_wait_ms") or {}).get("mean")}
     trace_lines = [json.loads(line) for line in trace.read_text().splitlines() if line]
     trace_sessions = [t["session_id"] for t in trace_lines]
     acc: dict[str, dict] = {}
@@ -562,14 +561,19 @@ def main() -> int:
                 live_part[lbl]["moves"] = live_moves(run.routers[slug])
         results.append({"workload": run.workload, "repetition": run.rep, "seed": run.seed, "trace": trace,
                         "live": live_part, "replay": replay, "replay_unlimited_kv": unlimited,
-                        "replay_by_trace_base": by_base,
-                        "configs": {lbl: str(p) for lbl, p in configs}})
+                        "replay_by_trace_base": by_base})
         log(f"{tag}: live " + ", ".join(f"{k} {v['prefix_cache_hit_rate']}" for k, v in live_part.items())
             + " | replay " + ", ".join(f"{k} {v['hit_rate']}" for k, v in replay["measured"].items()))
 
     doc = summarize(results, names, points, timings, args, live_doc)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "live-in-replay.json").write_text(json.dumps(doc, indent=1) + "\n")
+    # One line per run: the file stays readable and small.
+    runs = doc.pop("runs")
+    text = json.dumps(doc, indent=1)
+    text = text[:-2] + ',\n "runs": [\n' + ",\n".join("  " + json.dumps(r) for r in runs) + "\n ]\n}\n"
+    json.loads(text)
+    (args.out / "live-in-replay.json").write_text(text)
+    doc["runs"] = runs
     (args.out / "live-in-replay.md").write_text(markdown(doc))
     log(f"wrote {args.out / 'live-in-replay.md'} and .json")
     return 0 if any("error" not in r for r in results) else 1
