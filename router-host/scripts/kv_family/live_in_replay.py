@@ -370,17 +370,14 @@ def measured_timing(rows: list[dict], run_records: list[list[dict]], max_tokens:
 # -- comparison ----------------------------------------------------------------------------------
 
 
-def order(means: dict[str, float]) -> list[list[str]]:
-    """Configs best first, grouped: a config within TIE of the previous group's best joins it."""
-    groups: list[list[str]] = []
-    top = None
-    for name, v in sorted(means.items(), key=lambda kv: -kv[1]):
-        if groups and top - v <= TIE:
-            groups[-1].append(name)
-        else:
-            groups.append([name])
-            top = v
-    return groups
+def order(means: dict[str, float]) -> str:
+    """Configs best first, each joined to the next by `>` or, within TIE, `=` (for reading: the
+    comparison itself is pairwise, and `a = b = c` may still hold a > c)."""
+    ranked = sorted(means.items(), key=lambda kv: -kv[1])
+    out = ranked[0][0] if ranked else ""
+    for (_, a), (name, b) in zip(ranked, ranked[1:]):
+        out += (" = " if a - b <= TIE else " > ") + name
+    return out
 
 
 def rel(a: float, b: float) -> int:
@@ -662,7 +659,8 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
     return {
         "part": "kv_family_live_in_replay",
         "live_json": str(args.live_json), "log_dir": str(args.log_dir), "base_router": args.base_router,
-        "live_runs_total": live_doc.get("runs"), "live_complete": "summary" in live_doc and not live_doc.get("error"),
+        "live_runs_total": live_doc.get("runs"), "live_complete": not live_doc.get("error") and len(live_doc.get("rows", [])) == (live_doc.get("runs") or 0)
+        * len(live_doc.get("workloads", [])) * len(live_doc.get("routers", [])),
         "engine": {"workers": 2, "kv_blocks": "the workload's KV blocks per engine - 1 (vLLM's null block)",
                    "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                    "block_size": BLOCK_SIZE, "output_length": 16},
@@ -678,8 +676,8 @@ def _f(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def _order(groups: list[list[str]]) -> str:
-    return " > ".join(" = ".join(g) for g in groups)
+def _order(text: str) -> str:
+    return text.replace("router-host ", "")
 
 
 def markdown(doc: dict) -> str:
@@ -693,7 +691,8 @@ def markdown(doc: dict) -> str:
          f"{BLOCK_SIZE}, 16 output tokens; timings measured from the live runs: step overhead "
          f"{t['step_overhead_ms']} ms, {t['decode_ms_per_seq']} ms per decoding request, "
          f"{t['prefill_ms_per_token']} ms per uncached prompt token. Hit rates in tokens on both sides. "
-         f"Ties: within {TIE}.", ""]
+         f"Ties: within {TIE}. Same order: every pair of configs in the same relation (>, = or <) live and in "
+         "replay.", ""]
     if not doc["live_complete"]:
         L += ["**The live run had not finished when this was written: only the repetitions listed were "
               "compared.**", ""]
