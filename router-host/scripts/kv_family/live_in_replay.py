@@ -29,7 +29,7 @@ Writes results/live-in-replay.md and .json beside this script (or --out); the tr
 replay outputs go to --work-dir. Runs itself in the rig's venv (transformers, PyYAML).
 
 usage: live_in_replay.py [--log-dir DIR] [--live-json FILE] [--target-dir DIR] [--out DIR]
-                         [--work-dir DIR] [--workloads a,b] [--base-router LABEL]
+                         [--work-dir DIR] [--workloads a,b] [--base-router LABEL] [--no-all-bases]
 """
 
 from __future__ import annotations
