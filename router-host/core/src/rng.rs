@@ -1,17 +1,9 @@
 //! splitmix64: a tiny deterministic generator for seeded baselines, generated workloads and
 //! benchmarks (same seed, same sequence, on every platform; no dependency).
 
-/// The splitmix64 increment (the golden ratio in 64 bits).
-pub const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// The splitmix64 output function of one state.
-#[inline]
-pub fn mix(state: u64) -> u64 {
-    let mut z = state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+/// The splitmix64 increment and output function: one definition, in `plugin_api::ties`, which
+/// policies draw their tie order from.
+pub use plugin_api::ties::{mix, GOLDEN_GAMMA};
 
 /// A splitmix64 generator.
 #[derive(Debug, Clone)]
