@@ -383,9 +383,12 @@ impl KvIndex {
     /// Blocks `row` holds on `tier` (0 for a row the index does not know). Constant time: the
     /// count is kept as events arrive.
     pub fn held_by(&self, row: u32, tier: Tier) -> u64 {
-        self.held
-            .get(row as usize)
-            .map_or(0, |held| held[tier as usize])
+        self.held_by_tier(row)[tier as usize]
+    }
+
+    /// Blocks `row` holds on each tier, in [`Tier::ALL`] order.
+    pub fn held_by_tier(&self, row: u32) -> [u64; 3] {
+        self.held.get(row as usize).copied().unwrap_or([0; 3])
     }
 
     /// (row, block) pairs held on the device, over all rows.

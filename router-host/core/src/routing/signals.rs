@@ -5,7 +5,7 @@ use std::sync::PoisonError;
 
 use crossbeam_utils::sync::ShardedLock;
 
-use crate::kv_index::{KvIndex, Tier};
+use crate::kv_index::KvIndex;
 use crate::ledger::Ledger;
 use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
@@ -180,12 +180,14 @@ impl OverlapSource for IndexOverlap<'_> {
 
     fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
         let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
-        for (column, tier) in out.iter_mut().zip(Tier::ALL) {
-            column.clear();
-            column.extend(self.topology.slots(rows).map(|slot| {
-                // A row the topology does not know holds nothing the index could count.
-                slot.map_or(0.0, |slot| kv.held_by(slot, tier) as f64)
-            }));
+        out.iter_mut().for_each(Vec::clear);
+        let [device, host, disk] = out;
+        for slot in self.topology.slots(rows) {
+            // A row the topology does not know holds nothing the index could count.
+            let held = slot.map_or([0; 3], |slot| kv.held_by_tier(slot));
+            device.push(held[0] as f64);
+            host.push(held[1] as f64);
+            disk.push(held[2] as f64);
         }
     }
 }
