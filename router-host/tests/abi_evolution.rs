@@ -13,9 +13,10 @@ use std::process::Command;
 use std::sync::Mutex;
 
 use router_host::config::RouterConfig;
-use router_host::host::{Host, NoOverlap};
+use router_host::host::{Host, NoOverlap, Submitted};
+use router_host::kv_index::KvEventKind;
 use router_host::loader::{open_library, LoadError, SearchPath, Verify};
-use router_host::model::{Cluster, Request, Worker};
+use router_host::model::{Cluster, Request, RowId, Worker};
 use router_host::router::Router;
 
 const MANIFEST_DIR: &str = env!("CARGO_MANIFEST_DIR");
@@ -169,6 +170,35 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
         "versioned_least_loaded"
     );
     assert!(host.complete(first.id) && host.complete(second.id));
+    assert_eq!(host.in_flight(), 0);
+
+    // Through the core's KV index the 1.3 `kv_indexed_*_blocks` columns come too: still extra
+    // columns it never looks at.
+    host.core().apply_kv_batch((0..3).map(|b| {
+        (
+            RowId {
+                worker_id: 2,
+                dp_rank: 0,
+            },
+            KvEventKind::Stored,
+            b,
+        )
+    }));
+    let indexed = Request {
+        isl_tokens: 32,
+        blocks: vec![0, 1],
+        ..Default::default()
+    };
+    match host.core().submit_indexed(indexed, true) {
+        Ok(Submitted::Dispatched(routed)) => {
+            assert_eq!(
+                routed.decision.explanation.map(|e| e.reason),
+                Some("versioned_least_loaded".to_string())
+            );
+            assert!(host.complete(routed.id));
+        }
+        other => panic!("the 1.0 plugin did not route with the 1.3 columns: {other:?}"),
+    }
     assert_eq!(host.in_flight(), 0);
 }
 
