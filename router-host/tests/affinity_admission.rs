@@ -114,10 +114,12 @@ fn soft_pin_repin_moves_a_busy_session_a_b_b_through_dispatch_and_complete_only(
     );
 }
 
+/// Soft affinity kept whatever another row caches (no cache gate), so turn 2 below shows the
+/// binding winning over a better-cached row.
 const STICKY: &str = "worker_selection:
   aggregated: sticky
   instances:
-    - {name: sticky, type: dynamo-two-tier-cost-fn, parameters: {respect_soft_affinity: true}}
+    - {name: sticky, type: dynamo-two-tier-cost-fn, parameters: {respect_soft_affinity: true, soft_affinity_cache_gate: false}}
 session_affinity: {mode: soft, ttl_secs: 600}
 ";
 
