@@ -517,7 +517,8 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         "Count of successfully processed requests.",
         &counter(|c| c.requests_finished),
     );
-    let gpu_blocks = capacity.map_or("None".to_owned(), |c| c.to_string());
+    // As vLLM counts it: the usable blocks plus its null block.
+    let gpu_blocks = capacity.map_or("None".to_owned(), |c| c.saturating_add(1).to_string());
     out.push_str(
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
          # TYPE vllm:cache_config_info gauge\n",

@@ -485,14 +485,17 @@ fn configured_kv_capacity(generation: &Generation, id: u64) -> Option<u64> {
         .and_then(|w| w.total_kv_blocks)
 }
 
-/// The smallest `num_gpu_blocks` over ranks `0 .. dp_size`, if any rank reports one.
+/// The blocks a request can use on the smallest of ranks `0 .. dp_size`, if any rank reports
+/// its `num_gpu_blocks`: one less than it, because vLLM counts its null block there (its block
+/// pool takes one block for itself at start and never hands it out).
 fn engine_kv_capacity(metrics: &EngineMetrics, dp_size: u32) -> Option<u64> {
     metrics
         .num_gpu_blocks
         .iter()
         .filter(|(rank, _)| **rank < dp_size)
-        .map(|(_, blocks)| *blocks)
+        .map(|(_, blocks)| blocks.saturating_sub(1))
         .min()
+        .filter(|&usable| usable > 0)
 }
 
 /// Make the core's availability flag of worker `id` say `healthy`, if it does not already (a
@@ -703,10 +706,16 @@ vllm:cache_config_info{block_size=\"16\",engine=\"4\",num_gpu_blocks=\"None\"} 1
         let m = parse_engine_metrics(text);
         // 0 and what does not parse (vLLM prints None before profiling) are no capacity.
         assert_eq!(m.num_gpu_blocks.len(), 3);
-        assert_eq!(engine_kv_capacity(&m, 1), Some(300));
+        // One block less than reported: vLLM's null block.
+        assert_eq!(engine_kv_capacity(&m, 1), Some(299));
         // Rank 2 is not the worker's when it has two ranks.
-        assert_eq!(engine_kv_capacity(&m, 2), Some(256));
-        assert_eq!(engine_kv_capacity(&m, 5), Some(8));
+        assert_eq!(engine_kv_capacity(&m, 2), Some(255));
+        assert_eq!(engine_kv_capacity(&m, 5), Some(7));
         assert_eq!(engine_kv_capacity(&EngineMetrics::default(), 1), None);
+        // A pool of only the null block holds nothing a request can use: no capacity.
+        let one = parse_engine_metrics(
+            "vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"1\"} 1.0\n",
+        );
+        assert_eq!(engine_kv_capacity(&one, 1), None);
     }
 }

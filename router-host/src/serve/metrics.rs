@@ -656,7 +656,7 @@ impl Collector for StateCollector {
             &mut encoder,
             "router_worker_kv_capacity_blocks",
             "KV capacity per rank in blocks, as policies see it (workers[].total_kv_blocks, else \
-             the engine's num_gpu_blocks); absent while unknown",
+             the engine's num_gpu_blocks less its null block); absent while unknown",
             MetricType::Gauge,
             topology.cluster().workers().iter().filter_map(|w| {
                 let blocks = i64::try_from(w.total_kv_blocks?).ok()?;
