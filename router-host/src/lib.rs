@@ -10,14 +10,13 @@
 //!
 //! Architecture, invariants and the crate map are in `docs/architecture.md`.
 
-pub use router_core::{eligibility, fast_hash, kv_index, model, rng, sessions};
+pub use router_config as config;
+pub use router_config::input;
+pub use router_core::{eligibility, fast_hash, kv_index, log_limit, model, rng, sessions};
 
 pub mod builtin;
-pub mod config;
 pub mod host;
-pub mod input;
 pub mod loader;
-pub mod log_limit;
 pub mod policies;
 pub mod replay;
 pub mod router;

@@ -14,6 +14,7 @@ pub mod eligibility;
 pub mod fast_hash;
 pub mod kv_index;
 pub mod ledger;
+pub mod log_limit;
 pub mod model;
 pub mod rng;
 pub mod routing;

@@ -259,8 +259,7 @@ pub fn images_mapped() -> usize {
         .len()
 }
 
-/// The default of `plugin_images_max`.
-pub const DEFAULT_PLUGIN_IMAGES_MAX: usize = 64;
+pub use crate::config::DEFAULT_PLUGIN_IMAGES_MAX;
 
 /// Loads each distinct file once.
 #[derive(Debug)]

@@ -1,6 +1,10 @@
-//! Router configuration: parses the router YAML into typed, validated settings.
+//! # router-config
 //!
-//! This is the only module of the crate that knows about `serde_yaml`. Everything it returns is
+//! What an operator hands the router: the YAML configuration, parsed into typed, validated
+//! settings, and the reading of the files a config or a command names ([`input`]: regular files
+//! only, bounded).
+//!
+//! This is the only crate of the workspace that depends on `serde_yaml`. Everything it returns is
 //! plain Rust data ([`RouterConfig`]) or a [`ConfigError`] whose message names the file, the line
 //! and column when known, the key path (`worker_selection.instances[0].name`) and what is wrong.
 //!
@@ -35,12 +39,14 @@ mod macros;
 
 mod admission;
 mod error;
+pub mod input;
 mod instances;
 mod json;
 mod limits;
 mod locate;
 mod numbers;
 mod plugins;
+mod selector;
 mod serve;
 mod sessions;
 mod strings;
@@ -51,7 +57,7 @@ mod workers;
 pub use admission::PolicyClassConfig;
 pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
 pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
-pub(crate) use limits::de_dp_size;
+pub use limits::de_dp_size;
 pub use limits::{MAX_BLOCK_DEPTH, MAX_CONFIG_BYTES, MAX_DP_SIZE, MAX_FLOW_DEPTH, MAX_ROWS};
 pub use plugins::{PluginSource, PluginSpec};
 pub use serve::{
@@ -68,11 +74,10 @@ pub use sessions::{
     SessionStoreConfig,
 };
 pub use workers::{KvEventsConfig, WorkerConfig};
-// `booking.prefill` and `booking.decode` are the core's own modes; `default_selector.tie_break`
-// the built-in's.
-pub use crate::builtin::TieBreak;
+// `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;
 pub use router_core::select::PrefillBooking;
+pub use selector::TieBreak;
 
 use admission::RawPolicyClass;
 use error::{line_column, yaml_error};
@@ -88,6 +93,8 @@ use workers::RawWorker;
 
 /// The instance name reserved for the built-in selector (docs/configuration.md, `default`).
 pub const DEFAULT_INSTANCE: &str = "default";
+/// The default of `plugin_images_max`.
+pub const DEFAULT_PLUGIN_IMAGES_MAX: usize = 64;
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// Default weight of a host-tier (CPU offload) cache hit in the built-in selector.
@@ -188,7 +195,7 @@ impl Default for RouterConfig {
             default_selector: DefaultSelectorConfig::default(),
             booking: BookingConfig::default(),
             plugins: Vec::new(),
-            plugin_images_max: crate::loader::DEFAULT_PLUGIN_IMAGES_MAX,
+            plugin_images_max: DEFAULT_PLUGIN_IMAGES_MAX,
             worker_selection: WorkerSelectionConfig::default(),
             session_affinity: None,
             session_store: SessionStoreConfig::Memory,
@@ -461,7 +468,7 @@ impl Builder<'_> {
             plugin_images_max: raw
                 .plugin_images_max
                 .and_then(|n| usize::try_from(n).ok())
-                .unwrap_or(crate::loader::DEFAULT_PLUGIN_IMAGES_MAX),
+                .unwrap_or(DEFAULT_PLUGIN_IMAGES_MAX),
             worker_selection,
             session_affinity,
             session_store,

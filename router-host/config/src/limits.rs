@@ -17,10 +17,11 @@ pub const MAX_DP_SIZE: u64 = 65_536;
 /// Most rows (the sum of every worker's `dp_size`) a configuration's `workers:` or a scenario may
 /// declare: the routing core's own cap on a cluster, which materialises every eligible row per
 /// request.
-pub const MAX_ROWS: usize = crate::model::MAX_ROWS;
+pub const MAX_ROWS: usize = router_core::model::MAX_ROWS;
 
-/// A `dp_size`: an integer from 1 to [`MAX_DP_SIZE`]; null means absent.
-pub(crate) fn de_dp_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+/// A `dp_size` (in a config or a `select` scenario): an integer from 1 to [`MAX_DP_SIZE`]; null
+/// means absent.
+pub fn de_dp_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     let value = de_uint(d, 1, MAX_DP_SIZE)?;
     // MAX_DP_SIZE fits in u32.
     Ok(value.map(|v| u32::try_from(v).unwrap_or(u32::MAX)))

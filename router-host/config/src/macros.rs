@@ -19,7 +19,7 @@ macro_rules! spelled {
             }
         }
 
-        impl $crate::config::strings::Spelled for $name {
+        impl $crate::strings::Spelled for $name {
             const NAMES: &'static [&'static str] = &[$($text),+];
 
             fn from_name(name: &str) -> Option<Self> {

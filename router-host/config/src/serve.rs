@@ -538,7 +538,7 @@ mod tests {
     use std::path::Path;
     use std::time::Duration;
 
-    use crate::config::{RouterConfig, ServeConfig, TokenizerConfig};
+    use crate::{RouterConfig, ServeConfig, TokenizerConfig};
 
     fn parse(text: &str) -> RouterConfig {
         RouterConfig::from_yaml_str(text, Some(Path::new("/etc/router/r.yaml")))

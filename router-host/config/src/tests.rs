@@ -703,10 +703,7 @@ fn hang_after_must_be_a_positive_integer_longer_than_the_pick_budget() {
 
 #[test]
 fn plugin_images_max_has_a_default_and_a_range() {
-    assert_eq!(
-        parse("").plugin_images_max,
-        crate::loader::DEFAULT_PLUGIN_IMAGES_MAX
-    );
+    assert_eq!(parse("").plugin_images_max, DEFAULT_PLUGIN_IMAGES_MAX);
     assert_eq!(parse("plugin_images_max: 3\n").plugin_images_max, 3);
     for bad in ["0", "65537", "-1", "many"] {
         let message = parse_err(&format!("plugin_images_max: {bad}\n"));

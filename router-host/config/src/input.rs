@@ -131,6 +131,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for StructAsMap<D> {
 /// (serde then writes the derived code as an inherent `deserialize`): that code run through
 /// [`StructAsMap`], so the struct is read from a mapping only. A struct without the `remote`
 /// attribute does not compile (two impls, or an endless instantiation).
+#[macro_export]
 macro_rules! objects_only {
     ($($ty:ty),+ $(,)?) => {$(
         impl<'de> ::serde::Deserialize<'de> for $ty {
@@ -140,7 +141,7 @@ macro_rules! objects_only {
         }
     )+};
 }
-pub(crate) use objects_only;
+pub use crate::objects_only;
 
 #[cfg(test)]
 mod tests {
