@@ -13,14 +13,10 @@
 pub use router_config as config;
 pub use router_config::input;
 pub use router_core::{eligibility, fast_hash, kv_index, log_limit, model, rng, sessions};
+pub use router_policies::{builtin, catalog, instance, loader, plugin_log, router, watchdog};
 
-pub mod builtin;
 pub mod host;
-pub mod loader;
-pub mod policies;
 pub mod replay;
-pub mod router;
 pub mod scenario;
 pub mod serve;
 pub mod session_store;
-pub mod watchdog;

@@ -363,7 +363,7 @@ fn check_warns_about_a_plugin_that_shadows_the_shipped_type_and_escapes_its_text
     assert_eq!(
         logged,
         [format!(
-            "WARN router_host::policies: {} path={} type_name=dynamo-two-tier-cost-fn",
+            "WARN router_policies::catalog: {} path={} type_name=dynamo-two-tier-cost-fn",
             shadow_warning(&real),
             real.display()
         )],
@@ -466,7 +466,7 @@ fn a_constructor_error_is_printed_escaped() {
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 2, "{err}");
     // First the load warning, then the error.
-    assert!(lines[0].contains("WARN router_host::policies: "), "{err}");
+    assert!(lines[0].contains("WARN router_policies::catalog: "), "{err}");
     assert_eq!(
         lines[1],
         format!(

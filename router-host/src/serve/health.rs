@@ -547,7 +547,7 @@ struct PolicyStates {
 fn policy_states(router: &crate::router::Router) -> PolicyStates {
     use crate::config::OnError;
     use crate::model::RequestRole;
-    use crate::policies::InstanceState;
+    use crate::instance::InstanceState;
     let mut states = PolicyStates {
         instances: Vec::new(),
         out_of_service: Vec::new(),

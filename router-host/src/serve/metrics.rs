@@ -591,13 +591,13 @@ type Labels = Vec<(&'static str, String)>;
 type CounterSpec = (
     &'static str,
     &'static str,
-    fn(&crate::policies::InstanceCounters) -> u64,
+    fn(&crate::instance::InstanceCounters) -> u64,
 );
 /// A per-instance flag: name, help, and how to read it.
 type FlagSpec = (
     &'static str,
     &'static str,
-    fn(&crate::policies::PolicyInstance) -> bool,
+    fn(&crate::instance::PolicyInstance) -> bool,
 );
 
 impl Collector for StateCollector {
@@ -811,7 +811,7 @@ impl Collector for StateCollector {
             }
         }
         let router = host.router();
-        let instance_labels = |i: &crate::policies::PolicyInstance| -> Labels {
+        let instance_labels = |i: &crate::instance::PolicyInstance| -> Labels {
             vec![
                 ("instance", i.name.clone()),
                 ("policy", i.type_name.clone()),
@@ -932,7 +932,7 @@ impl Collector for StateCollector {
             MetricType::Gauge,
             instances.iter().flat_map(|(l, _, i)| {
                 let now = i.state();
-                crate::policies::InstanceState::ALL.map(|state| {
+                crate::instance::InstanceState::ALL.map(|state| {
                     let mut labels = l.clone();
                     labels.push(("state", state.as_str().to_owned()));
                     (labels, ConstGauge::new(i64::from(state == now)))

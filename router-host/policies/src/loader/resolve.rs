@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::LoadError;
-use crate::config::{self, PluginSource, PluginSpec};
+use router_config::{self as config, PluginSource, PluginSpec};
 
 /// What probably went wrong when no `lib<name>.so` exists: a crate built as `rlib` only leaves a
 /// `lib<name>.rlib` beside where the `.so` would be.
@@ -27,7 +27,7 @@ pub(super) fn not_found_hint(tried: &[PathBuf]) -> String {
 /// loop, a file where a directory should be, no permission); `None` when nothing is there.
 pub(super) fn not_a_file(path: &Path) -> Option<LoadError> {
     let kind = match std::fs::metadata(path) {
-        Ok(meta) => crate::input::kind_of(meta.file_type())?,
+        Ok(meta) => router_config::input::kind_of(meta.file_type())?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => {
             return Some(LoadError::Unreadable {

@@ -13,10 +13,10 @@ use plugin_api::{
 };
 use serde::Deserialize;
 
-use crate::config;
-pub use crate::config::TieBreak;
 use crate::loader::PolicyTypeDoc;
-use crate::rng::{mix, GOLDEN_GAMMA};
+use router_config as config;
+pub use router_config::TieBreak;
+use router_core::rng::{mix, GOLDEN_GAMMA};
 
 /// Host settings a built-in needs at creation.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,7 +61,7 @@ impl BuiltinSettings {
 
 /// Policy types shipped with the host as plugins, each with the plugin name (`export_plugin!`'s
 /// `name`) of the plugin that ships it. Another library exporting one of these names shadows the
-/// shipped policy: allowed, but warned about ([`crate::policies::ShadowedType`]). A built-in's
+/// shipped policy: allowed, but warned about ([`crate::catalog::ShadowedType`]). A built-in's
 /// name ([`Builtin::as_str`]) cannot be exported by any library.
 pub const SHIPPED_PLUGIN_TYPES: &[(&str, &str)] =
     &[("dynamo-two-tier-cost-fn", "two-tier-cost-fn")];
@@ -417,7 +417,7 @@ mod tests {
         );
         assert_eq!(d.decode_active_request_weight, 0.0);
         // And what a bare config gets.
-        let config = crate::config::RouterConfig::default();
+        let config = router_config::RouterConfig::default();
         let ds = config.default_selector;
         assert_eq!(
             (ds.prefill_load_scale, ds.overlap_credit, ds.tie_break),

@@ -1,7 +1,7 @@
 //! Startup (config -> libraries -> catalog -> instances) and the per-request policy call.
 //!
 //! [`Router::select`] is the only place a policy is called. Per request it: computes the
-//! eligible rows (one [`crate::eligibility`] view); for the built-in `default` only, narrows them
+//! eligible rows (one [`router_core::eligibility`] view); for the built-in `default` only, narrows them
 //! to an eligible soft target; materialises the columns the instance declared; calls `pick`
 //! once; bounds-checks the index. An error, a panic or an out-of-range index never yields a row
 //! from that policy: the request gets the instance's fallback (`on_error: fallback`, the built-in
@@ -37,15 +37,14 @@ pub use router_core::select::{
 };
 
 use crate::builtin::{Builtin, BuiltinSettings};
-use crate::config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
-use crate::eligibility::eligible_rows;
+use crate::catalog::{Catalog, PolicyError};
+use crate::instance::{suppressed_note, HostSettings, PolicyInstance, LOG_REPEAT_INTERVAL};
 use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
-use crate::model::{Cluster, RequestRole, RowId, Signals};
-use crate::policies::{
-    suppressed_note, Catalog, HostSettings, PolicyError, PolicyInstance, LOG_REPEAT_INTERVAL,
-};
 use crate::watchdog::Call;
 pub use crate::watchdog::{Hang, OnHang};
+use router_config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
+use router_core::eligibility::eligible_rows;
+use router_core::model::{Cluster, RequestRole, RowId, Signals};
 
 /// Choices of whoever builds a [`Router`] that are not configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -133,7 +132,7 @@ impl Router {
             on_error: OnError::Fail,
             pick_budget,
             quarantine_after: u32::MAX,
-            hang_after: crate::config::default_hang_after(pick_budget),
+            hang_after: router_config::default_hang_after(pick_budget),
             line: None,
         };
         let mut instances = vec![catalog.instantiate(&default_config, &settings)?];
@@ -384,7 +383,7 @@ impl Router {
 /// Log a failed call of `instance` (`fails`: the request fails instead of falling back). Only
 /// what happens once per instance is logged every time (a panic, the transition into poison);
 /// what can repeat on every request is rate-limited per instance (see
-/// [`crate::policies::LOG_REPEAT_INTERVAL`]): a returned error or an out-of-range index at error
+/// [`crate::instance::LOG_REPEAT_INTERVAL`]): a returned error or an out-of-range index at error
 /// level, and, for an instance out of service (its transition was logged when it happened), a
 /// warning saying how many requests went to the fallback.
 #[cold]
@@ -419,7 +418,7 @@ fn log_failure(
                     "policy instance out of service ({state}: {reason}); {then}: {} request(s) in \
                      the last {} s",
                     suppressed + 1,
-                    crate::policies::LOG_REPEAT_INTERVAL.as_secs()
+                    crate::instance::LOG_REPEAT_INTERVAL.as_secs()
                 );
             }
         }

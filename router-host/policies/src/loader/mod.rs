@@ -45,7 +45,7 @@ use abi_stable::std_types::RVec;
 use plugin_api::abi::{PolicyLibraryRef, RawPolicyTypeInfo};
 use plugin_api::ParamDoc;
 
-use crate::config::PluginSpec;
+use router_config::PluginSpec;
 
 pub use abi::root_module_name;
 use abi::{init_root_module, library_error, open_now, pinned_path, with_path};
@@ -259,7 +259,7 @@ pub fn images_mapped() -> usize {
         .len()
 }
 
-pub use crate::config::DEFAULT_PLUGIN_IMAGES_MAX;
+pub use router_config::DEFAULT_PLUGIN_IMAGES_MAX;
 
 /// Loads each distinct file once.
 #[derive(Debug)]
