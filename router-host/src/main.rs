@@ -16,12 +16,12 @@ mod engine_flags;
 mod mock_engine;
 mod replay_cli;
 
+use router_host::catalog::{shadowed_types, Catalog};
 use router_host::config::RouterConfig;
 use router_host::host::Host;
 use router_host::loader::{
     open_library_with, printable, PermissionBypass, PolicyTypeDoc, SearchPath, Verify,
 };
-use router_host::catalog::{shadowed_types, Catalog};
 use router_host::router::{OnHang, Router, RouterOptions};
 use router_host::scenario::{self, Scenario};
 

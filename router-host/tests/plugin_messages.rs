@@ -466,7 +466,10 @@ fn a_constructor_error_is_printed_escaped() {
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 2, "{err}");
     // First the load warning, then the error.
-    assert!(lines[0].contains("WARN router_policies::catalog: "), "{err}");
+    assert!(
+        lines[0].contains("WARN router_policies::catalog: "),
+        "{err}"
+    );
     assert_eq!(
         lines[1],
         format!(

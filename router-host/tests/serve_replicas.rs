@@ -506,16 +506,16 @@ async fn a_reload_keeps_the_shared_bindings_and_takes_a_new_id_tag() {
     let tag_before = router
         .handle
         .generation()
-        .host
-        .redis_store()
+        .shared_sessions
+        .as_ref()
         .expect("redis store")
         .id_tag();
     assert_eq!(router.handle.reload().await.expect("reload"), 2);
     let tag_after = router
         .handle
         .generation()
-        .host
-        .redis_store()
+        .shared_sessions
+        .as_ref()
         .unwrap()
         .id_tag();
     assert_ne!(

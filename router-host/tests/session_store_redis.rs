@@ -17,7 +17,7 @@ use router_host::host::Host;
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, Worker};
 use router_host::router::Router;
-use router_host::session_store::{connect_check, RedisStore};
+use router_host::session_store::{connect_check, live_host, RedisStore};
 use router_host::sessions::{
     BindingGranularity, BindingMode, DispatchOutcome, SessionError, SessionStore,
 };
@@ -480,7 +480,9 @@ fn replica_host(server: &RedisServer, prefix: &str) -> Host {
     let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
     let router = Router::from_config(&config, &SearchPath::default()).expect("router");
     let workers = (1..=2).map(|w| Worker::new(w).with_ranks(0, 1)).collect();
-    Host::shared(router, Cluster::new(workers).unwrap(), &config).expect("host")
+    live_host(router, Cluster::new(workers).unwrap(), &config, None)
+        .expect("host")
+        .0
 }
 
 #[test]

@@ -3,9 +3,9 @@
 
 mod common;
 
+use router_host::catalog::{is_valid_type_name, TypeOrigin};
 use router_host::config::RouterConfig;
 use router_host::loader::SearchPath;
-use router_host::catalog::{is_valid_type_name, TypeOrigin};
 use router_host::router::Router;
 
 #[test]

@@ -768,7 +768,7 @@ impl Collector for StateCollector {
                 std::iter::once((Labels::new(), ConstGauge::new(table.len() as i64))),
             )?;
         }
-        if let Some(store) = host.redis_store() {
+        if let Some(store) = &generation.shared_sessions {
             // docs/replicas.md, "Outages": what the shared session store costs and did.
             let s = store.store_stats();
             family(

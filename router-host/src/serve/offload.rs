@@ -52,7 +52,7 @@ impl Offload {
     /// Run the decision `f`: inline when the rules above allow, else under
     /// [`crate::session_store::blocking`].
     pub async fn decide<T>(&self, generation: &Generation, f: impl FnOnce() -> T) -> T {
-        self.run(generation.host.redis_store().is_none(), f).await
+        self.run(generation.shared_sessions.is_none(), f).await
     }
 
     async fn run<T>(&self, io_free: bool, f: impl FnOnce() -> T) -> T {

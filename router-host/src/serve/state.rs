@@ -17,6 +17,7 @@ use crate::host::Host;
 use crate::loader::SearchPath;
 use crate::model::{Cluster, Worker};
 use crate::router::Router;
+use crate::session_store::RedisStore;
 
 /// What `serve` was started with (not configuration: it does not change on reload).
 #[derive(Debug, Clone)]
@@ -243,6 +244,8 @@ pub struct Generation {
     /// `serve:` with its defaults when the file has none.
     pub serve: ServeConfig,
     pub host: Host,
+    /// The session store shared with other replicas, when bindings live in Redis.
+    pub shared_sessions: Option<Arc<RedisStore>>,
     /// Sorted by id.
     pub upstreams: Vec<Upstream>,
     /// `None`: remote tokenization.
@@ -266,7 +269,7 @@ impl Generation {
     /// host, load a local tokenizer. Blocking (file I/O, `dlopen`): run it off the request path.
     ///
     /// On a reload, `previous` is the running generation: the new one keeps its session table
-    /// when the settings allow ([`Host::shared_after`]), so a reload forgets no binding. (Its
+    /// when the settings allow ([`Host::reusing_sessions_of`]), so a reload forgets no binding. (Its
     /// KV index is seeded by the KV-event subscribers, `kv_events/`.)
     pub fn load(
         options: &ServeOptions,
@@ -348,19 +351,18 @@ impl Generation {
             cause: Box::new(err),
         })?;
         // The session store is connected here (off the request path): bounded by its timeout.
-        let host = match previous {
-            Some(previous) => Host::shared_after(router, cluster, &config, &previous.host),
-            None => Host::shared(router, cluster, &config),
-        }
-        .map_err(|err| ServeError::SessionStore {
-            file: file.clone(),
-            cause: err,
-        })?;
+        let (host, shared_sessions) =
+            crate::session_store::live_host(router, cluster, &config, previous.map(|p| &p.host))
+                .map_err(|err| ServeError::SessionStore {
+                    file: file.clone(),
+                    cause: err,
+                })?;
         Ok(Generation {
             number,
             config,
             serve,
             host,
+            shared_sessions,
             upstreams,
             tokenizer,
             client,

@@ -11,11 +11,53 @@ mod connection;
 mod redis_store;
 mod scripts;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use redis_store::RedisStore;
 
-use crate::config::{redact_url, RedisStoreConfig};
+use crate::config::{redact_url, RedisStoreConfig, RouterConfig, SessionStoreConfig};
+use crate::host::{granularity, Host};
+use crate::model::Cluster;
+use crate::router::Router;
+use router_core::sessions::SessionStore;
+
+/// The host a live router runs, its session bindings where `session_affinity.store` says: this
+/// process's table, or a Redis/Valkey shared with other replicas (connected here, bounded by the
+/// store timeout; an unreachable store starts in an outage and reconnects by itself), returned
+/// beside the host for its metrics. On a reload, `previous` is the running host: its in-process
+/// table is kept when the settings allow ([`Host::reusing_sessions_of`]).
+///
+/// # Errors
+/// [`StoreError`] when the store's URL cannot be used or its thread cannot start.
+pub fn live_host(
+    router: Router,
+    cluster: Cluster,
+    config: &RouterConfig,
+    previous: Option<&Host>,
+) -> Result<(Host, Option<Arc<RedisStore>>), StoreError> {
+    let (router, cluster) = match previous {
+        Some(previous) => match Host::reusing_sessions_of(router, cluster, config, previous) {
+            Ok(host) => return Ok((host, None)),
+            Err(handed_back) => handed_back,
+        },
+        None => (router, cluster),
+    };
+    match (&config.session_affinity, &config.session_store) {
+        (Some(a), SessionStoreConfig::Redis(redis)) => {
+            let store = Arc::new(RedisStore::start(
+                redis,
+                a.mode,
+                granularity(a.mode),
+                a.ttl,
+            )?);
+            let shared = store.clone() as Arc<dyn SessionStore>;
+            let host = Host::with_shared_store(router, cluster, config, shared, store.id_tag());
+            Ok((host, Some(store)))
+        }
+        _ => Ok((Host::new(router, cluster, config), None)),
+    }
+}
 
 /// Why a store could not be set up or reached.
 #[derive(Debug, thiserror::Error)]

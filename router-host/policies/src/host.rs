@@ -16,13 +16,13 @@ use router_core::sessions::{
 };
 use router_core::topology::Topology;
 
-use crate::config::{PolicyClassConfig, RouterConfig, SessionStoreConfig};
-use crate::model::{Cluster, Request, RowId, RowLoad};
-use crate::router::Router;
-use crate::session_store::{RedisStore, StoreError};
+use router_config::{PolicyClassConfig, RouterConfig, SessionStoreConfig};
+use router_core::model::{Cluster, Request, RowId, RowLoad};
 
-pub use crate::model::{InjectedRows, NoOverlap, OverlapSource};
+use crate::router::Router;
+
 pub use router_core::admission::{AdmissionStats, Ticket, TicketId};
+pub use router_core::model::{InjectedRows, NoOverlap, OverlapSource};
 pub use router_core::routing::{
     Drained, OwedHook, RemovedWorker, RequestId, RouteError, Routed, SessionOutcome, Submitted,
     DRAWN_ID_BIT,
@@ -33,9 +33,6 @@ pub struct Host {
     router: Arc<Router>,
     core: RoutingCore,
     sessions: Option<Arc<SessionTable>>,
-    /// The shared store, when `session_affinity.store.kind` is `redis` (built by
-    /// [`Host::shared`]).
-    redis: Option<Arc<RedisStore>>,
 }
 
 /// The booked load of every row, read through the host (see [`Host::load`]).
@@ -59,7 +56,7 @@ impl Host {
     ///
     /// Session bindings are always this process's own table here, whatever
     /// `session_affinity.store` says: the one-shot tools and the replay (simulated time) share
-    /// nothing. `serve` builds its host with [`Host::shared`].
+    /// nothing. `serve` builds its host with [`Host::with_shared_store`] when bindings are shared.
     pub fn with_clock(
         router: Router,
         cluster: Cluster,
@@ -73,60 +70,42 @@ impl Host {
             )
         });
         let store = sessions.clone().map(|table| table as Arc<dyn SessionStore>);
-        Self::assemble(router, cluster, config, clock, store, sessions, None)
+        Self::assemble(router, cluster, config, clock, store, sessions, 0)
     }
 
-    /// A host on the wall clock whose session bindings live where `session_affinity.store`
-    /// says: this process's table, or a Redis/Valkey shared with other replicas (connected
-    /// here, bounded by the store timeout; an unreachable store starts in an outage and
-    /// reconnects by itself). With Redis, the request ids the core draws carry this replica's
-    /// tag (docs/replicas.md).
-    ///
-    /// # Errors
-    /// [`StoreError`] when the store's URL cannot be used or its thread cannot start.
-    pub fn shared(
+    /// A host on the wall clock whose session bindings live in `store`, a store shared with
+    /// other replicas (`session_affinity.store.kind: redis`, connected by the caller). The
+    /// request ids the core draws carry `id_tag`, this replica's tag (docs/replicas.md).
+    pub fn with_shared_store(
         router: Router,
         cluster: Cluster,
         config: &RouterConfig,
-    ) -> Result<Self, StoreError> {
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        match (&config.session_affinity, &config.session_store) {
-            (Some(a), SessionStoreConfig::Redis(redis)) => {
-                let store = Arc::new(RedisStore::start(
-                    redis,
-                    a.mode,
-                    granularity(a.mode),
-                    a.ttl,
-                )?);
-                let shared = store.clone() as Arc<dyn SessionStore>;
-                Ok(Self::assemble(
-                    router,
-                    cluster,
-                    config,
-                    clock,
-                    Some(shared),
-                    None,
-                    Some(store),
-                ))
-            }
-            _ => Ok(Self::with_clock(router, cluster, config, clock)),
-        }
+        store: Arc<dyn SessionStore>,
+        id_tag: u16,
+    ) -> Self {
+        Self::assemble(
+            router,
+            cluster,
+            config,
+            Arc::new(SystemClock),
+            Some(store),
+            None,
+            id_tag,
+        )
     }
 
-    /// [`Host::shared`] for a configuration that replaces `previous` (`serve`'s reload): when
-    /// both keep bindings in this process with the same mode, TTL and cap, the new host shares
-    /// the previous one's table, so a reload keeps every session binding and the in-flight
-    /// counts of requests still running on the previous configuration. Any other store is
-    /// built anew ([`Host::shared`]; bindings in Redis outlive the process anyway).
-    ///
-    /// # Errors
-    /// As [`Host::shared`].
-    pub fn shared_after(
+    /// A host on the wall clock for a configuration that replaces `previous` (`serve`'s reload),
+    /// sharing the previous host's session table when both keep bindings in this process with
+    /// the same mode, TTL and cap: a reload then keeps every session binding and the in-flight
+    /// counts of requests still running on the previous configuration. When the table cannot be
+    /// shared, the router and cluster are handed back (the caller builds the host anew; bindings in a shared store outlive
+    /// the process anyway).
+    pub fn reusing_sessions_of(
         router: Router,
         cluster: Cluster,
         config: &RouterConfig,
         previous: &Host,
-    ) -> Result<Self, StoreError> {
+    ) -> Result<Self, (Router, Cluster)> {
         let reusable = match (
             &config.session_affinity,
             &config.session_store,
@@ -137,25 +116,20 @@ impl Host {
                     && table.ttl() == a.ttl
                     && table.max_bindings() == a.max_bindings =>
             {
-                Some(table.clone())
+                table.clone()
             }
-            _ => None,
+            _ => return Err((router, cluster)),
         };
-        match reusable {
-            Some(table) => {
-                let store = table.clone() as Arc<dyn SessionStore>;
-                Ok(Self::assemble(
-                    router,
-                    cluster,
-                    config,
-                    Arc::new(SystemClock),
-                    Some(store),
-                    Some(table),
-                    None,
-                ))
-            }
-            None => Self::shared(router, cluster, config),
-        }
+        let store = reusable.clone() as Arc<dyn SessionStore>;
+        Ok(Self::assemble(
+            router,
+            cluster,
+            config,
+            Arc::new(SystemClock),
+            Some(store),
+            Some(reusable),
+            0,
+        ))
     }
 
     /// Whether this host's bindings live in `other`'s table (a reload that kept them).
@@ -173,14 +147,14 @@ impl Host {
         clock: Arc<dyn Clock>,
         store: Option<Arc<dyn SessionStore>>,
         sessions: Option<Arc<SessionTable>>,
-        redis: Option<Arc<RedisStore>>,
+        id_tag: u16,
     ) -> Self {
         let router = Arc::new(router);
         let settings = CoreSettings {
             sessions: store,
             classes: config.policy_classes.iter().map(class_spec).collect(),
             clock: Some(clock),
-            id_tag: redis.as_ref().map_or(0, |r| r.id_tag()),
+            id_tag,
             drain_stall: Some(router.longest_hang_after()),
             decode_booking: config.booking.decode,
         };
@@ -189,7 +163,6 @@ impl Host {
             router,
             core,
             sessions,
-            redis,
         }
     }
 
@@ -226,11 +199,6 @@ impl Host {
 
     pub fn sessions(&self) -> Option<&SessionTable> {
         self.sessions.as_deref()
-    }
-
-    /// The shared session store, when bindings live in Redis.
-    pub fn redis_store(&self) -> Option<&RedisStore> {
-        self.redis.as_deref()
     }
 
     /// Requests dispatched and not yet completed.
@@ -290,7 +258,7 @@ impl Host {
 }
 
 /// What new bindings remember of the dispatched row in `mode`.
-fn granularity(mode: BindingMode) -> BindingGranularity {
+pub fn granularity(mode: BindingMode) -> BindingGranularity {
     match mode {
         BindingMode::Soft => BindingGranularity::Worker,
         // A hard binding acts as a pin, and a pin is one exact row.
