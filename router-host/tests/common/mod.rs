@@ -181,7 +181,18 @@ pub fn run_bin_in(bin: &Path, args: &[&str], dir: Option<&Path>) -> (i32, String
     if let Some(dir) = dir {
         cmd.current_dir(dir);
     }
-    let out = cmd.output().expect("run router-host");
+    // A binary a test has just copied can fail to start with ETXTBSY while another test thread's
+    // fork (between fork and exec) still holds the copy's write descriptor: retry, bounded.
+    let mut attempts = 0;
+    let out = loop {
+        match cmd.output() {
+            Err(err) if err.raw_os_error() == Some(libc::ETXTBSY) && attempts < 100 => {
+                attempts += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other.expect("run router-host"),
+        }
+    };
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
