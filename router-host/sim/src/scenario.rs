@@ -7,13 +7,13 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::host::{
-    Host, InjectedRows, OverlapSource, RequestId, RouteError, Routed, SessionOutcome, Submitted,
-    TicketId,
-};
-use crate::model::{
+use router_core::model::{
     AffinityTarget, Cluster, ClusterError, Request, RequestRole, RowId, RowLoad, TierOverlap,
     Worker,
+};
+use router_policies::host::{
+    Host, InjectedRows, OverlapSource, RequestId, RouteError, Routed, SessionOutcome, Submitted,
+    TicketId,
 };
 
 /// Largest scenario file read (a scenario is operator input, but `--scenario /dev/zero` must not
@@ -21,7 +21,7 @@ use crate::model::{
 pub const MAX_SCENARIO_BYTES: u64 = 256 << 20;
 
 /// Most rows a scenario may declare: the same cap as a configuration's `workers:`.
-pub const MAX_SCENARIO_ROWS: usize = crate::config::MAX_ROWS;
+pub const MAX_SCENARIO_ROWS: usize = router_config::MAX_ROWS;
 
 /// Most row decisions a scenario may ask for: its requests times its rows. Every request looks at
 /// every row (eligibility, the policy's columns), so this bounds the run's time whatever the
@@ -122,7 +122,7 @@ struct RawScenario {
     requests: Vec<RawRequest>,
 }
 
-crate::input::objects_only!(
+router_config::input::objects_only!(
     WorkerUpdate,
     RawScenario,
     RawWorker,
@@ -147,7 +147,7 @@ struct RawWorker {
     #[serde(default)]
     dp_start: u32,
     /// 1 to `MAX_DP_SIZE`, as in a configuration.
-    #[serde(default, deserialize_with = "crate::config::de_dp_size")]
+    #[serde(default, deserialize_with = "router_config::de_dp_size")]
     dp_size: Option<u32>,
     #[serde(default = "yes")]
     available: bool,
@@ -269,23 +269,25 @@ impl Scenario {
     /// Reads and parses the scenario file at `path`: a regular file of at most
     /// [`MAX_SCENARIO_BYTES`] (a FIFO would block, a device never end).
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
-        use crate::input::InputError;
+        use router_config::input::InputError;
         let file = path.display().to_string();
         let bytes =
-            crate::input::read_capped(path, MAX_SCENARIO_BYTES).map_err(|err| match err {
-                InputError::Io(reason) => ScenarioError::Read {
-                    file: file.clone(),
-                    reason,
+            router_config::input::read_capped(path, MAX_SCENARIO_BYTES).map_err(
+                |err| match err {
+                    InputError::Io(reason) => ScenarioError::Read {
+                        file: file.clone(),
+                        reason,
+                    },
+                    InputError::NotAFile { kind } => ScenarioError::NotAFile {
+                        file: file.clone(),
+                        kind,
+                    },
+                    InputError::TooLarge { limit } => ScenarioError::TooLarge {
+                        file: file.clone(),
+                        max: limit,
+                    },
                 },
-                InputError::NotAFile { kind } => ScenarioError::NotAFile {
-                    file: file.clone(),
-                    kind,
-                },
-                InputError::TooLarge { limit } => ScenarioError::TooLarge {
-                    file: file.clone(),
-                    max: limit,
-                },
-            })?;
+            )?;
         let text = String::from_utf8(bytes).map_err(|err| ScenarioError::Read {
             file: file.clone(),
             reason: std::io::Error::new(std::io::ErrorKind::InvalidData, err.utf8_error()),
@@ -649,7 +651,7 @@ pub(crate) fn strip_position(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::MAX_DP_SIZE;
+    use router_config::MAX_DP_SIZE;
 
     #[test]
     fn minimal_scenario_takes_the_documented_defaults() {

@@ -1,10 +1,10 @@
 //! `router-host replay`: compare worker-selection configs on a trace or a built-in workload.
 //!
-//! The routed side is the production host ([`crate::host::Host`]: loaded `.so` policies, the
+//! The routed side is the production host ([`router_policies::host::Host`]: loaded `.so` policies, the
 //! built-in default, session bindings, queue admission, load booking through dispatch and
 //! completion) on a simulated clock. The other side is one simulated engine per row
 //! ([`engine`]): continuous batching with a prefix cache that publishes block stored / evicted
-//! events, from which the host keeps its KV-overlap index ([`crate::kv_index`]), the way
+//! events, from which the host keeps its KV-overlap index ([`router_core::kv_index`]), the way
 //! a deployed router follows real engines' KV events.
 //!
 //! Modules: [`trace`] (Mooncake JSONL in and out, the ideal bound), [`synth`] (the embedded
@@ -22,10 +22,10 @@ pub mod trace;
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{ConfigError, RouterConfig};
-use crate::loader::SearchPath;
-use crate::model::ClusterError;
-use crate::router::{RouterOptions, StartupError};
+use router_config::{ConfigError, RouterConfig};
+use router_core::model::ClusterError;
+use router_policies::loader::SearchPath;
+use router_policies::router::{RouterOptions, StartupError};
 
 pub use engine::{EngineParams, EngineSpec, KvCapacity};
 pub use report::{ConfigReport, ReferenceReport, Report};
@@ -39,19 +39,19 @@ pub use trace::{TimeScaleError, TraceError, Workload, WorkloadRequest};
 pub const EXAMPLE_CONFIGS: &[(&str, &str)] = &[
     (
         "examples/replay/default.yaml",
-        include_str!("../../../examples/replay/default.yaml"),
+        include_str!("../../../../examples/replay/default.yaml"),
     ),
     (
         "examples/replay/two-tier.yaml",
-        include_str!("../../../examples/replay/two-tier.yaml"),
+        include_str!("../../../../examples/replay/two-tier.yaml"),
     ),
     (
         "examples/replay/two-tier-sticky.yaml",
-        include_str!("../../../examples/replay/two-tier-sticky.yaml"),
+        include_str!("../../../../examples/replay/two-tier-sticky.yaml"),
     ),
     (
         "examples/replay/round-robin.yaml",
-        include_str!("../../../examples/replay/round-robin.yaml"),
+        include_str!("../../../../examples/replay/round-robin.yaml"),
     ),
 ];
 

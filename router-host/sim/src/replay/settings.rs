@@ -8,9 +8,9 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::EngineParams;
-use crate::config::{PolicyClassConfig, RouterConfig};
-use crate::model::RequestRole;
-use crate::router::Router;
+use router_config::{PolicyClassConfig, RouterConfig};
+use router_core::model::RequestRole;
+use router_policies::router::Router;
 
 /// The settings one column ran with, after every default was applied.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -174,7 +174,7 @@ impl ColumnSettings {
             lines.push(format!("plugins: [{}]", paths.join(", ")));
         }
         let a = &self.aggregated;
-        if a.name == crate::config::DEFAULT_INSTANCE {
+        if a.name == router_config::DEFAULT_INSTANCE {
             lines.push("worker_selection: {aggregated: default}".to_owned());
         } else {
             lines.push(format!(
@@ -185,11 +185,15 @@ impl ColumnSettings {
             ));
         }
         // The implicit `default` instance's values are the `default_selector` line.
-        if !a.defaults.is_empty() && a.name != crate::config::DEFAULT_INSTANCE {
+        if !a.defaults.is_empty() && a.name != router_config::DEFAULT_INSTANCE {
             let mut text = format!("# {} ({}) defaults in force:", a.name, a.r#type);
             for (i, (name, default)) in a.defaults.iter().enumerate() {
                 let sep = if i == 0 { " " } else { ", " };
-                let _ = write!(text, "{sep}{name} = {}", crate::loader::printable(default));
+                let _ = write!(
+                    text,
+                    "{sep}{name} = {}",
+                    router_policies::loader::printable(default)
+                );
             }
             lines.push(text);
         }

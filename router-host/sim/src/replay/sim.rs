@@ -9,18 +9,18 @@ use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::RouterConfig;
-use crate::host::{Host, RouteError, Routed, SessionOutcome, Submitted, TicketId};
-use crate::loader::SearchPath;
-use crate::model::{Cluster, Request, Worker};
-use crate::router::{Router, RouterOptions};
-use crate::sessions::{DispatchOutcome, ManualClock};
+use router_config::RouterConfig;
+use router_core::model::{Cluster, Request, Worker};
+use router_core::sessions::{DispatchOutcome, ManualClock};
+use router_policies::host::{Host, RouteError, Routed, SessionOutcome, Submitted, TicketId};
+use router_policies::loader::SearchPath;
+use router_policies::router::{Router, RouterOptions};
 
 use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
 use super::trace::Workload;
 use super::ReplayError;
-use crate::fast_hash::FastMap;
-use crate::kv_index::RowMap;
+use router_core::fast_hash::FastMap;
+use router_core::kv_index::RowMap;
 
 /// Load samples kept per run before the interval doubles.
 const MAX_SAMPLES: usize = 2048;
@@ -134,7 +134,8 @@ pub fn run(
             source: Box::new(source),
         })?;
     let policy = {
-        let instance = router.instance(router.instance_for(crate::model::RequestRole::Aggregated));
+        let instance =
+            router.instance(router.instance_for(router_core::model::RequestRole::Aggregated));
         format!("{} ({})", instance.name, instance.type_name)
     };
     let settings =

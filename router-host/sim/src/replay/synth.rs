@@ -16,7 +16,7 @@
 //!   the same workload, byte for byte.
 
 use super::trace::{Workload, WorkloadRequest, MAX_TIMESTAMP_MS};
-use crate::rng::SplitMix64;
+use router_core::rng::SplitMix64;
 
 /// Generator knobs (the `replay` flags of the same names).
 #[derive(Debug, Clone, Copy, PartialEq)]

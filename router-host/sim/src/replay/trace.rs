@@ -12,8 +12,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::fast_hash::FastSet;
 use crate::scenario::strip_position;
+use router_core::fast_hash::FastSet;
 
 /// Tokens per `hash_ids` entry in the Mooncake traces (and the default `--trace-block-size`).
 pub const DEFAULT_TRACE_BLOCK_SIZE: u32 = 512;
@@ -145,7 +145,7 @@ impl Workload {
     /// Read a Mooncake-format JSONL file: a regular file (a FIFO would block, a device never
     /// end) of at most [`MAX_TRACE_BYTES`].
     pub fn from_jsonl_file(path: &Path, block_size: u32) -> Result<Workload, TraceError> {
-        use crate::input::InputError;
+        use router_config::input::InputError;
         let name = path.display().to_string();
         let refused = |message: String| TraceError {
             file: name.clone(),
@@ -153,7 +153,7 @@ impl Workload {
             field: None,
             message,
         };
-        let file = crate::input::open_regular(path).map_err(|err| match err {
+        let file = router_config::input::open_regular(path).map_err(|err| match err {
             InputError::Io(e) => refused(format!("cannot read: {e}")),
             other => refused(format!("{other}; give the JSONL file itself")),
         })?;
@@ -348,7 +348,7 @@ struct Line {
     session_id: Option<serde_json::Value>,
 }
 
-crate::input::objects_only!(Line);
+router_config::input::objects_only!(Line);
 
 type LineError = (Option<&'static str>, String);
 

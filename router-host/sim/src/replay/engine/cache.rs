@@ -1,7 +1,7 @@
 //! The prefix cache of an engine: block id -> slot with a reference count; unreferenced slots on
 //! an LRU list, evicted oldest first.
 
-use crate::fast_hash::FastMap;
+use router_core::fast_hash::FastMap;
 
 const NIL: u32 = u32::MAX;
 

@@ -1,8 +1,8 @@
 //! A request's life on an engine ([`Job`]) and what an engine reports back after a step
 //! ([`Outbox`]).
 
-use crate::host::RequestId;
-use crate::kv_index::KvEvent;
+use router_core::kv_index::KvEvent;
+use router_policies::host::RequestId;
 
 use crate::replay::trace::WorkloadRequest;
 

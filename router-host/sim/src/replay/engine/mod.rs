@@ -39,7 +39,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::trace::WorkloadRequest;
-use crate::kv_index::{KvEvent, KvEventKind};
+use router_core::kv_index::{KvEvent, KvEventKind};
 
 use cache::BlockCache;
 pub use job::{Job, Outbox};

@@ -111,7 +111,7 @@ fn arrival_cuts_a_decode_jump_at_the_step_in_progress() {
 /// conversation's last prompt and adds 1 to 3 blocks (the last one often partial); past 7
 /// blocks a conversation ends and a new one takes its place.
 fn conversations(turns: usize) -> Vec<WorkloadRequest> {
-    let mut rng = crate::rng::SplitMix64::new(7);
+    let mut rng = router_core::rng::SplitMix64::new(7);
     let mut next = move |n: u64| rng.below(n);
     let mut prompts: Vec<Vec<u64>> = vec![vec![0]; 5];
     let mut fresh = 1u64;
