@@ -24,7 +24,7 @@ pub const BLOCK_TOKENS: u64 = 16;
 pub const PREFILL_TOKENS_PER_REQUEST: f64 = 1024.0;
 
 /// Picks the eligible row with the lowest cost `active_requests + active_prefill_tokens / 1024
-/// - device overlap in blocks`, the lowest row on a tie; with `follow_target`, an eligible
+/// - the share of the prompt's blocks cached on the device`, the lowest row on a tie; with `follow_target`, an eligible
 /// advisory target (a soft session binding) first. It allocates nothing once its scratch has
 /// grown, so it can stand in for a policy in the no-allocation tests.
 #[derive(Default)]
@@ -127,11 +127,12 @@ impl Selector for Cheapest {
         let rows = std::mem::take(&mut scratch.rows);
         scratch.materialise(&rows, Inputs::CACHE | Inputs::LOAD, signals);
         let c = &scratch.columns;
+        let prompt_blocks = self.request_blocks(selection.request.isl_tokens).max(1) as f64;
         let mut best = (f64::INFINITY, rows[0]);
         for (i, &row) in rows.iter().enumerate() {
             let cost = c.active_requests[i] as f64
                 + c.active_prefill_tokens[i] as f64 / PREFILL_TOKENS_PER_REQUEST
-                - c.device[i];
+                - c.device[i] / prompt_blocks;
             if cost < best.0 {
                 best = (cost, row);
             }
