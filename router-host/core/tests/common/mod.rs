@@ -24,9 +24,11 @@ pub const BLOCK_TOKENS: u64 = 16;
 pub const PREFILL_TOKENS_PER_REQUEST: f64 = 1024.0;
 
 /// Picks the eligible row with the lowest cost `active_requests + active_prefill_tokens / 1024
-/// - the share of the prompt's blocks cached on the device`, the lowest row on a tie; with `follow_target`, an eligible
-/// advisory target (a soft session binding) first. It allocates nothing once its scratch has
-/// grown, so it can stand in for a policy in the no-allocation tests.
+/// - the share of the prompt's blocks cached on the device`, the lowest row on a tie. With
+/// `follow_target` it keeps to the advisory target (a soft session binding) when any of its
+/// rows is eligible, choosing among them (a worker-level target leaves the rank free). It
+/// allocates nothing once its scratch has grown, so it can stand in for a policy in the
+/// no-allocation tests.
 #[derive(Default)]
 pub struct Cheapest {
     pub follow_target: bool,
@@ -115,21 +117,23 @@ impl Selector for Cheapest {
             candidates,
             pick_ns: 0,
         };
-        if let (true, Some(target)) = (self.follow_target, selection.target) {
-            let bound = scratch.rows.iter().find(|r| {
-                r.worker_id == target.worker_id && target.dp_rank.is_none_or(|d| d == r.dp_rank)
-            });
-            if let Some(&row) = bound {
-                return Ok(decided(row));
-            }
-        }
         // Taken out and put back (a move, no allocation): `materialise` borrows the scratch.
         let rows = std::mem::take(&mut scratch.rows);
         scratch.materialise(&rows, Inputs::CACHE | Inputs::LOAD, signals);
+        let target = selection.target.filter(|_| self.follow_target);
+        let on_target = |r: &RowId| {
+            target.is_some_and(|t| {
+                r.worker_id == t.worker_id && t.dp_rank.is_none_or(|d| d == r.dp_rank)
+            })
+        };
+        let only_target = rows.iter().any(on_target);
         let c = &scratch.columns;
         let prompt_blocks = self.request_blocks(selection.request.isl_tokens).max(1) as f64;
         let mut best = (f64::INFINITY, rows[0]);
         for (i, &row) in rows.iter().enumerate() {
+            if only_target && !on_target(&row) {
+                continue;
+            }
             let cost = c.active_requests[i] as f64
                 + c.active_prefill_tokens[i] as f64 / PREFILL_TOKENS_PER_REQUEST
                 - c.device[i] / prompt_blocks;
