@@ -23,12 +23,12 @@ pub const BLOCK_TOKENS: u64 = 16;
 /// Prefill tokens that weigh as much as one active request in [`Cheapest`]'s cost.
 pub const PREFILL_TOKENS_PER_REQUEST: f64 = 1024.0;
 
-/// Picks the eligible row with the lowest cost `active_requests + active_prefill_tokens / 1024
-/// - the share of the prompt's blocks cached on the device`, the lowest row on a tie. With
-/// `follow_target` it keeps to the advisory target (a soft session binding) when any of its
-/// rows is eligible, choosing among them (a worker-level target leaves the rank free). It
-/// allocates nothing once its scratch has grown, so it can stand in for a policy in the
-/// no-allocation tests.
+/// Picks the eligible row with the lowest cost, the lowest row on a tie; the cost is
+/// `active_requests + active_prefill_tokens / 1024 - cached`, where `cached` is the share of the
+/// prompt's blocks the row holds on the device. With `follow_target` it keeps to the advisory
+/// target (a soft session binding) when any of its rows is eligible, choosing among them (a
+/// worker-level target leaves the rank free). It allocates nothing once its scratch has grown,
+/// so it can stand in for a policy in the no-allocation tests.
 #[derive(Default)]
 pub struct Cheapest {
     pub follow_target: bool,
