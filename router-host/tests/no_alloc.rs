@@ -1,5 +1,7 @@
-//! Steady-state selection allocates nothing on the host side, and neither does the rest of the
-//! request path (sessions, booking, hooks, completion) once a session is known.
+//! The router (the loaded policy set) allocates nothing on the host side in steady state: not
+//! in selection through the shipped two-tier plugin, not in its dispatch and completion hooks.
+//! The core's own request path (sessions, booking, release) is checked in router-core's
+//! `tests/no_alloc.rs`.
 //!
 //! A counting global allocator tallies allocations made by this thread while it is inside
 //! `Router::select`. Allocations inside a dynamically loaded plugin go through the plugin's own
@@ -8,10 +10,12 @@
 
 mod common;
 
+use abi_stable::std_types::RSlice;
+use plugin_api::abi::{opt_str, CompleteEvent, CompletionCode, DispatchEvent};
 use plugin_api::testing::{count_allocations, CountingAllocator};
 
 use router_host::config::RouterConfig;
-use router_host::host::{Host, OverlapSource};
+use router_host::host::OverlapSource;
 use router_host::loader::SearchPath;
 use router_host::model::{
     AffinityTarget, Cluster, Request, RowId, RowLoad, Signals, TierOverlap, Worker,
@@ -92,68 +96,83 @@ fn selection_through_the_two_tier_plugin_allocates_nothing_after_warm_up() {
     assert!(rows.len() > 16, "only {} distinct rows chosen", rows.len());
 }
 
-/// Overlap that varies with the request and the row, from a plain function (no allocation).
-struct Overlaps(u64);
-
-impl OverlapSource for Overlaps {
-    fn overlap(&self, row: RowId) -> TierOverlap {
-        TierOverlap {
-            device: ((self.0 * 17 + row.worker_id * 5 + u64::from(row.dp_rank)) % 40) as f64,
-            host: 0.0,
-            disk: 0.0,
-        }
-    }
-}
-
-/// The whole request path around selection: session lookup, selection, booking, the binding
-/// update, the policy's dispatch and completion hooks, release. With soft session affinity and
-/// sessions the table already knows, a steady stream of requests allocates nothing on the host.
+/// The router's side of the dispatch and completion hooks (the watched call into the plugin)
+/// allocates nothing either (a 10 s pick budget: slow picks on a busy machine must not
+/// quarantine the plugin, which would skip its hooks). The rest of the request path around them (sessions, booking,
+/// release) is the core's, checked in router-core's `tests/no_alloc.rs`.
 #[test]
-fn route_and_complete_with_known_sessions_allocate_nothing_after_warm_up() {
+fn dispatch_and_completion_hooks_through_the_two_tier_plugin_allocate_nothing() {
     let yaml = format!(
-        "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: t\n  instances:\n    - {{name: t, type: dynamo-two-tier-cost-fn, parameters: {{respect_soft_affinity: true, soft_affinity_load_gate: true}}}}\nsession_affinity: {{mode: soft, ttl_secs: 600}}\n",
+        "plugins: [{{path: {}}}]\nworker_selection:\n  aggregated: t\n  instances:\n    - {{name: t, type: dynamo-two-tier-cost-fn, pick_budget_us: 10000000, parameters: {{respect_soft_affinity: true, soft_affinity_load_gate: true}}}}\n",
         common::plugin("two_tier_cost_fn").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
     let router = Router::from_config(&config, &SearchPath::default()).unwrap();
     let cluster = Cluster::new((0..16).map(|w| Worker::new(w).with_ranks(0, 8)).collect()).unwrap();
-    let mut host = Host::new(router, cluster, &config);
+    let sessions: Vec<String> = (0..16).map(|i| format!("session-{i}")).collect();
     let requests: Vec<Request> = (0..64u64)
         .map(|i| Request {
             isl_tokens: 512 + i * 64,
-            session_id: (i % 4 != 0).then(|| format!("session-{}", i % 16)),
+            session_id: (i % 4 != 0).then(|| sessions[(i % 16) as usize].clone()),
             ..Default::default()
         })
         .collect();
-    // Some load stays booked so the decisions differ.
-    let mut held = Vec::new();
-    for n in 0..200u64 {
-        let routed = host.route(&requests[(n % 64) as usize], &Overlaps(n), false);
-        held.push(routed.unwrap().id);
-    }
-    let step = |n: u64, host: &mut Host| {
-        let routed = host
-            .route(&requests[(n % 64) as usize], &Overlaps(n), false)
+    let mut scratch = Scratch::default();
+    let mut decide = |n: u64| {
+        let request = &requests[(n % 64) as usize];
+        let decision = router
+            .select(&cluster, Selection::of(request), &Varying(n), &mut scratch)
             .unwrap();
-        host.complete(routed.id);
-        routed.decision.row
+        (request, decision.instance, decision.row)
     };
+    let hooks = |n: u64, request: &Request, instance, row| {
+        let session_id = opt_str(request.session_id.as_deref());
+        router.notify_dispatch(
+            instance,
+            &DispatchEvent {
+                request_id: n,
+                row,
+                session_id,
+                prompt_tokens: request.isl_tokens,
+                fallback: false,
+                extensions: RSlice::EMPTY,
+            },
+        );
+        router.notify_complete(
+            instance,
+            &CompleteEvent {
+                request_id: n,
+                row,
+                session_id,
+                outcome: CompletionCode::COMPLETED,
+                extensions: RSlice::EMPTY,
+            },
+        );
+    };
+    let t = router
+        .instances()
+        .iter()
+        .position(|i| i.name == "t")
+        .expect("the plugin's instance");
     for n in 0..1_000 {
-        step(n, &mut host);
+        let (request, instance, row) = decide(n);
+        hooks(n, request, instance, row);
     }
     let mut total = 0;
-    let mut rows = Vec::with_capacity(10_000);
     for n in 0..10_000 {
-        let (row, allocations) = count_allocations(|| step(n, &mut host));
-        rows.push(row);
+        let (request, instance, row) = decide(n);
+        assert_eq!(instance, t, "the hooks go to the plugin's instance");
+        let ((), allocations) = count_allocations(|| hooks(n, request, instance, row));
         total += allocations;
     }
-    assert_eq!(total, 0, "host allocations across 10,000 route + complete");
-    rows.sort();
-    rows.dedup();
-    assert!(rows.len() > 16, "only {} distinct rows chosen", rows.len());
-    for id in held {
-        assert!(host.complete(id));
-    }
-    assert_eq!(host.in_flight(), 0);
+    assert_eq!(
+        total, 0,
+        "host allocations across 10,000 dispatch + complete hooks"
+    );
+    // Hooks reach only an instance in service: it stayed in service throughout.
+    let instance = &router.instances()[t];
+    assert!(
+        !instance.is_poisoned() && !instance.is_quarantined() && !instance.is_hung(),
+        "the plugin left service, so its hooks were skipped"
+    );
 }
