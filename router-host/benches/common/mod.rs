@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
+use plugin_api::Columns;
 
 use router_host::config::RouterConfig;
 use router_host::host::{Host, NoOverlap};
@@ -439,19 +440,13 @@ impl OverlapSource for RequestOverlap<'_> {
         }
     }
 
-    fn overlap_columns(
-        &self,
-        rows: &[RowId],
-        device: &mut [f64],
-        host: &mut [f64],
-        disk: &mut [f64],
-    ) {
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
         self.compute();
         let scratch = self.scratch.borrow();
-        for (&row, device) in rows.iter().zip(device) {
+        for (&row, device) in rows.iter().zip(&mut out.device) {
             *device = self.blocks(&scratch.out, row);
         }
-        host.fill(0.0);
-        disk.fill(0.0);
+        out.host.fill(0.0);
+        out.disk.fill(0.0);
     }
 }

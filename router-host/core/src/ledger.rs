@@ -25,6 +25,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+use plugin_api::Columns;
+
 use crate::model::{RowId, RowLoad, MAX_ROWS};
 use crate::topology::{Slot, Topology};
 
@@ -208,20 +210,19 @@ impl Ledger {
         self.cell(slot).map_or_else(RowLoad::default, Cell::booked)
     }
 
-    /// The load of every row of `rows` into four columns as long as `rows` (as
+    /// The load of every row of `rows` into `out`'s load columns, each as long as `rows` (as
     /// [`Ledger::load`] row by row; idle for rows `topology` does not have). The hot loop of
     /// every decision: one worker lookup per change of worker, then a worker's ranks are
     /// consecutive slots.
     #[inline]
-    pub fn fill(
-        &self,
-        topology: &Topology,
-        rows: &[RowId],
-        available: &mut [bool],
-        active: &mut [u64],
-        prefill: &mut [u64],
-        decode: &mut [u64],
-    ) {
+    pub fn fill(&self, topology: &Topology, rows: &[RowId], out: &mut Columns) {
+        let Columns {
+            available,
+            active_requests: active,
+            active_prefill_tokens: prefill,
+            decode_blocks: decode,
+            ..
+        } = out;
         // Columns cut to one length up front: the loop then has no bounds checks on them, and
         // the rare row outside its run's cells is served out of line (as a zipped loop with the
         // fallback inline it was about 48 instructions a row, `docs/performance.md`, "What the
@@ -379,34 +380,26 @@ mod tests {
             .collect();
         assert_eq!(expected[5].active_requests, 40, "the observation is read");
         let n = rows.len();
-        let (mut available, mut active, mut prefill, mut decode) =
-            (vec![false; n], vec![9; n], vec![9; n], vec![9; n]);
-        ledger.fill(
-            &topology,
-            &rows,
-            &mut available,
-            &mut active,
-            &mut prefill,
-            &mut decode,
-        );
+        let mut out = Columns {
+            available: vec![false; n],
+            active_requests: vec![9; n],
+            active_prefill_tokens: vec![9; n],
+            decode_blocks: vec![9; n],
+            ..Columns::default()
+        };
+        ledger.fill(&topology, &rows, &mut out);
         for (i, load) in expected.iter().enumerate() {
             let got = RowLoad {
-                available: available[i],
-                active_requests: active[i],
-                active_prefill_tokens: prefill[i],
-                decode_blocks: decode[i],
+                available: out.available[i],
+                active_requests: out.active_requests[i],
+                active_prefill_tokens: out.active_prefill_tokens[i],
+                decode_blocks: out.decode_blocks[i],
             };
             assert_eq!(got, *load, "row {i} ({:?})", rows[i]);
         }
-        let mut short = vec![9; 3];
-        ledger.fill(
-            &topology,
-            &rows,
-            &mut available,
-            &mut active,
-            &mut short,
-            &mut decode,
-        );
+        out.active_prefill_tokens = vec![9; 3];
+        ledger.fill(&topology, &rows, &mut out);
+        let short = out.active_prefill_tokens;
         let first: Vec<u64> = expected[..3]
             .iter()
             .map(|l| l.active_prefill_tokens)

@@ -2,6 +2,8 @@
 
 use std::collections::HashMap;
 
+use plugin_api::Columns;
+
 pub use plugin_api::{AffinityTarget, Role, RowId};
 
 /// One engine process and its data-parallel ranks `dp_start .. dp_start + dp_size`.
@@ -243,16 +245,12 @@ impl Default for RowLoad {
     }
 }
 
-/// Fill load columns one row at a time (the default of [`Signals::load_columns`]).
-pub fn load_columns_by_row(
-    rows: &[RowId],
-    available: &mut [bool],
-    active: &mut [u64],
-    prefill: &mut [u64],
-    decode: &mut [u64],
-    load: impl Fn(RowId) -> RowLoad,
-) {
-    let columns = available.iter_mut().zip(active).zip(prefill).zip(decode);
+/// Fill the load columns of `out` one row at a time (the default of [`Signals::load_columns`]).
+pub fn load_columns_by_row(rows: &[RowId], out: &mut Columns, load: impl Fn(RowId) -> RowLoad) {
+    let columns = (out.available.iter_mut())
+        .zip(&mut out.active_requests)
+        .zip(&mut out.active_prefill_tokens)
+        .zip(&mut out.decode_blocks);
     for (&row, (((available, active), prefill), decode)) in rows.iter().zip(columns) {
         let l = load(row);
         (*available, *active, *prefill, *decode) = (
@@ -264,15 +262,16 @@ pub fn load_columns_by_row(
     }
 }
 
-/// Fill overlap columns one row at a time (the default of [`OverlapSource::overlap_columns`]).
+/// Fill the overlap columns of `out` one row at a time (the default of
+/// [`OverlapSource::overlap_columns`]).
 pub fn overlap_columns_by_row(
     rows: &[RowId],
-    device: &mut [f64],
-    host: &mut [f64],
-    disk: &mut [f64],
+    out: &mut Columns,
     overlap: impl Fn(RowId) -> TierOverlap,
 ) {
-    let columns = device.iter_mut().zip(host).zip(disk);
+    let columns = (out.device.iter_mut())
+        .zip(&mut out.host)
+        .zip(&mut out.disk);
     for (&row, ((device, host), disk)) in rows.iter().zip(columns) {
         let o = overlap(row);
         (*device, *host, *disk) = (o.device, o.host, o.disk);
@@ -313,17 +312,11 @@ pub trait OverlapSource {
         false
     }
 
-    /// The overlap of every row of `rows` into three columns as long as `rows`. The default asks
-    /// [`OverlapSource::overlap`] row by row; a source that computes all rows at once overrides
-    /// it.
-    fn overlap_columns(
-        &self,
-        rows: &[RowId],
-        device: &mut [f64],
-        host: &mut [f64],
-        disk: &mut [f64],
-    ) {
-        overlap_columns_by_row(rows, device, host, disk, |row| self.overlap(row));
+    /// The overlap of every row of `rows` into `out`'s overlap columns (`device`, `host`,
+    /// `disk`, each as long as `rows`). The default asks [`OverlapSource::overlap`] row by row;
+    /// a source that computes all rows at once overrides it.
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
+        overlap_columns_by_row(rows, out, |row| self.overlap(row));
     }
 
     /// How many blocks each row of `rows` holds on each tier (`out[t]` for tier `t` in
@@ -341,19 +334,12 @@ pub trait OverlapSource {
 pub trait Signals: OverlapSource {
     fn load(&self, row: RowId) -> RowLoad;
 
-    /// The load of every row of `rows` into four columns as long as `rows`. The default asks
-    /// [`Signals::load`] row by row; a source that can walk its table in row order overrides it.
-    fn load_columns(
-        &self,
-        rows: &[RowId],
-        available: &mut [bool],
-        active: &mut [u64],
-        prefill: &mut [u64],
-        decode: &mut [u64],
-    ) {
-        load_columns_by_row(rows, available, active, prefill, decode, |row| {
-            self.load(row)
-        });
+    /// The load of every row of `rows` into `out`'s load columns (`available`,
+    /// `active_requests`, `active_prefill_tokens`, `decode_blocks`, each as long as `rows`). The
+    /// default asks [`Signals::load`] row by row; a source that can walk its table in row order
+    /// overrides it.
+    fn load_columns(&self, rows: &[RowId], out: &mut Columns) {
+        load_columns_by_row(rows, out, |row| self.load(row));
     }
 
     /// The KV capacity in blocks of every row of `rows` into `out`, made as long as `rows`

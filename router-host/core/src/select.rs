@@ -6,7 +6,10 @@
 //! fallback) are in `docs/routing-contract.md`.
 
 use plugin_api::abi::{CompleteEvent, DispatchEvent, PickFailure, PickFailureKind};
-use plugin_api::{Columns, Explanation, Inputs};
+use plugin_api::{
+    Columns, Explanation, Inputs, KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS,
+    KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
+};
 
 use crate::eligibility::EligibilityError;
 use crate::ledger::Charge;
@@ -230,13 +233,37 @@ pub struct Scratch {
     /// The rows handed to the policy (after narrowing).
     pub narrowed: Vec<RowId>,
     /// The columns lent to the policy.
-    pub columns: Columns,
-    /// The `kv_capacity_blocks` extra column, sent with the LOAD columns; empty when no row's
-    /// capacity is known (then it is not sent).
-    pub kv_capacity: Vec<f64>,
-    /// The indexed-blocks extra columns (device, host, disk), sent with the LOAD columns; empty
-    /// when the overlap does not come from a KV index (then they are not sent).
-    pub kv_indexed: [Vec<f64>; 3],
+    pub columns: RowColumns,
+}
+
+/// Every per-row input a policy can be lent, by name: the candidate view's columns and the extra
+/// columns. Adding a column is a field here, the fill in the source that knows the value
+/// ([`Signals`] or [`crate::model::OverlapSource`]), and for an extra column its entry in
+/// [`RowColumns::extra`].
+#[derive(Debug, Default)]
+pub struct RowColumns {
+    /// The columns of the ABI's candidate view: ids, overlap (CACHE) and load (LOAD).
+    pub view: Columns,
+    /// `kv_capacity_blocks`, sent with the LOAD columns; empty when no row's capacity is known
+    /// (then it is not sent).
+    pub kv_capacity_blocks: Vec<f64>,
+    /// `kv_indexed_{device,host,disk}_blocks`, sent with the LOAD columns; empty when the
+    /// overlap does not come from a KV index (then they are not sent).
+    pub kv_indexed_blocks: [Vec<f64>; 3],
+}
+
+impl RowColumns {
+    /// The extra columns by their ABI names, in the order they are sent; an empty one is not
+    /// sent.
+    pub fn extra(&self) -> [(&'static str, &[f64]); 4] {
+        let [device, host, disk] = &self.kv_indexed_blocks;
+        [
+            (KV_CAPACITY_BLOCKS, &self.kv_capacity_blocks),
+            (KV_INDEXED_DEVICE_BLOCKS, device),
+            (KV_INDEXED_HOST_BLOCKS, host),
+            (KV_INDEXED_DISK_BLOCKS, disk),
+        ]
+    }
 }
 
 impl Scratch {
@@ -255,7 +282,7 @@ impl Scratch {
         inputs: Inputs,
         signals: &S,
     ) {
-        let c = &mut self.columns;
+        let c = &mut self.columns.view;
         c.worker_id.clear();
         c.dp_rank.clear();
         c.worker_id.extend(rows.iter().map(|r| r.worker_id));
@@ -269,7 +296,7 @@ impl Scratch {
         fill(&mut c.host, cache);
         fill(&mut c.disk, cache);
         if cache > 0 {
-            signals.overlap_columns(rows, &mut c.device, &mut c.host, &mut c.disk);
+            signals.overlap_columns(rows, c);
         }
         let load = if inputs.contains(Inputs::LOAD) {
             rows.len()
@@ -280,19 +307,14 @@ impl Scratch {
         fill(&mut c.active_requests, load);
         fill(&mut c.active_prefill_tokens, load);
         fill(&mut c.decode_blocks, load);
+        let extra = &mut self.columns;
         if load > 0 {
-            signals.load_columns(
-                rows,
-                &mut c.available,
-                &mut c.active_requests,
-                &mut c.active_prefill_tokens,
-                &mut c.decode_blocks,
-            );
-            signals.kv_capacity_column(rows, &mut self.kv_capacity);
-            signals.kv_indexed_columns(rows, &mut self.kv_indexed);
+            signals.load_columns(rows, &mut extra.view);
+            signals.kv_capacity_column(rows, &mut extra.kv_capacity_blocks);
+            signals.kv_indexed_columns(rows, &mut extra.kv_indexed_blocks);
         } else {
-            self.kv_capacity.clear();
-            self.kv_indexed.iter_mut().for_each(Vec::clear);
+            extra.kv_capacity_blocks.clear();
+            extra.kv_indexed_blocks.iter_mut().for_each(Vec::clear);
         }
     }
 }

@@ -26,10 +26,7 @@ use plugin_api::abi::{
     opt_str, CompleteEvent, DispatchEvent, ExtraColumn, RawAffinityTarget, RawExplanation,
     RawRequestContext,
 };
-use plugin_api::{
-    Explanation, KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS,
-    KV_INDEXED_HOST_BLOCKS,
-};
+use plugin_api::Explanation;
 use router_core::ledger::Charge;
 pub use router_core::select::{
     Decision, InstanceId, Pick, PolicyFailure, PrefillBooking, Scratch, SelectError, Selection,
@@ -322,16 +319,10 @@ impl Router {
             priority: request.priority,
             extensions: RSlice::EMPTY,
         };
-        let mut view = scratch.columns.view(instance.inputs);
+        let mut view = scratch.columns.view.view(instance.inputs);
         // Each extra column is filled (with the LOAD columns) only when the host knows it: the
         // capacity when some worker's is known, the indexed blocks when a KV index answers.
-        let [device, host, disk] = &scratch.kv_indexed;
-        let named = [
-            (KV_CAPACITY_BLOCKS, &scratch.kv_capacity),
-            (KV_INDEXED_DEVICE_BLOCKS, device),
-            (KV_INDEXED_HOST_BLOCKS, host),
-            (KV_INDEXED_DISK_BLOCKS, disk),
-        ];
+        let named = scratch.columns.extra();
         let mut extra = [ExtraColumn {
             name: RStr::from_str(""),
             values: RSlice::EMPTY,

@@ -7,6 +7,8 @@ use crossbeam_utils::sync::ShardedLock;
 
 use crate::kv_index::KvIndex;
 use crate::ledger::Ledger;
+use plugin_api::Columns;
+
 use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
 
@@ -23,14 +25,8 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
         self.source.overlap(row)
     }
 
-    fn overlap_columns(
-        &self,
-        rows: &[RowId],
-        device: &mut [f64],
-        host: &mut [f64],
-        disk: &mut [f64],
-    ) {
-        self.source.overlap_columns(rows, device, host, disk);
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
+        self.source.overlap_columns(rows, out);
     }
 
     fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
@@ -47,22 +43,12 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
         })
     }
 
-    fn load_columns(
-        &self,
-        rows: &[RowId],
-        available: &mut [bool],
-        active: &mut [u64],
-        prefill: &mut [u64],
-        decode: &mut [u64],
-    ) {
+    fn load_columns(&self, rows: &[RowId], out: &mut Columns) {
         if self.source.overrides_load() {
-            load_columns_by_row(rows, available, active, prefill, decode, |row| {
-                self.load(row)
-            });
+            load_columns_by_row(rows, out, |row| self.load(row));
             return;
         }
-        self.ledger
-            .fill(self.topology, rows, available, active, prefill, decode);
+        self.ledger.fill(self.topology, rows, out);
     }
 
     fn kv_capacity_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
@@ -154,13 +140,10 @@ impl OverlapSource for IndexOverlap<'_> {
         })
     }
 
-    fn overlap_columns(
-        &self,
-        rows: &[RowId],
-        device: &mut [f64],
-        host: &mut [f64],
-        disk: &mut [f64],
-    ) {
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
+        let Columns {
+            device, host, disk, ..
+        } = out;
         self.with_walk(|b| {
             for (slot, device) in self.topology.slots(rows).zip(device.iter_mut()) {
                 *device = blocks_in(&b.held, slot);

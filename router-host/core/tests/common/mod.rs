@@ -127,7 +127,7 @@ impl Selector for Cheapest {
             })
         };
         let only_target = rows.iter().any(on_target);
-        let c = &scratch.columns;
+        let c = &scratch.columns.view;
         let prompt_blocks = self.request_blocks(selection.request.isl_tokens).max(1) as f64;
         let mut best = (f64::INFINITY, rows[0]);
         for (i, &row) in rows.iter().enumerate() {
