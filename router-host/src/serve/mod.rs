@@ -28,6 +28,7 @@ pub mod proxy;
 pub mod request;
 pub mod segments;
 pub mod state;
+mod stop;
 #[cfg(test)]
 mod test_tokenizers;
 pub mod tokenize;
@@ -45,36 +46,11 @@ use axum::routing::{get, post};
 
 pub use errors::{ApiError, ServeError};
 pub use state::{Generation, ServeOptions, Upstream};
+pub use stop::Stop;
 
 use health::HealthTable;
 use metrics::Metrics;
 use state::Current;
-
-/// A stop signal many tasks can wait on.
-#[derive(Debug, Clone)]
-pub struct Stop(Arc<tokio::sync::watch::Sender<bool>>);
-
-impl Default for Stop {
-    fn default() -> Self {
-        Stop(Arc::new(tokio::sync::watch::channel(false).0))
-    }
-}
-
-impl Stop {
-    pub fn cancel(&self) {
-        self.0.send_replace(true);
-    }
-
-    pub fn is_cancelled(&self) -> bool {
-        *self.0.borrow()
-    }
-
-    pub async fn cancelled(&self) {
-        let mut rx = self.0.subscribe();
-        // The sender lives as long as `self`: `wait_for` ends only once the flag is set.
-        let _ = rx.wait_for(|stopped| *stopped).await;
-    }
-}
 
 /// Shared by every handler and background task.
 pub struct App {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use super::metrics::KvMetrics;
 use super::state::{Current, Generation};
-use super::Stop;
+use super::stop::Stop;
 
 /// What one subscriber is: its row and settings (a change restarts it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
