@@ -19,6 +19,7 @@
 pub mod accept;
 pub mod coalesce;
 pub mod errors;
+pub mod failure;
 pub mod health;
 pub mod kv_events;
 pub mod lifecycle;
@@ -44,7 +45,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-pub use errors::{ApiError, ServeError};
+pub use errors::ApiError;
+pub use failure::ServeError;
 pub use state::{Generation, ServeOptions, Upstream};
 pub use stop::Stop;
 

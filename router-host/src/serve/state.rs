@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use super::errors::ServeError;
+use super::failure::ServeError;
 use super::request::Endpoint;
 use super::tokenize::LocalTokenizer;
 use super::upstream::UpstreamClient;
@@ -101,8 +101,8 @@ pub async fn call_engine(
     limit: u64,
 ) -> Result<Answer, AnswerError> {
     let response = request.send().await.map_err(|err| AnswerError::Send {
-        local: super::errors::is_local_resource(&err),
-        message: super::proxy::error_chain(&err),
+        local: super::failure::is_local_resource(&err),
+        message: super::failure::error_chain(&err),
     })?;
     let url = response.url().to_string();
     let status = response.status();
@@ -165,7 +165,7 @@ pub async fn call_engine(
             Err(err) => {
                 return Err(AnswerError::Body {
                     url,
-                    message: super::proxy::error_chain(&err),
+                    message: super::failure::error_chain(&err),
                 })
             }
         }

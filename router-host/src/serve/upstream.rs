@@ -147,8 +147,8 @@ impl UpstreamClient {
             .send()
             .await
             .map_err(|err| {
-                let text = super::proxy::error_chain(&err);
-                if super::errors::is_local_resource(&err) {
+                let text = super::failure::error_chain(&err);
+                if super::failure::is_local_resource(&err) {
                     SendError::LocalResources(text)
                 } else if err.is_connect() {
                     SendError::Connect(text)
@@ -160,7 +160,7 @@ impl UpstreamClient {
         let headers = response.headers().clone();
         let body = response
             .bytes_stream()
-            .map(|chunk| chunk.map_err(|err| BodyError(super::proxy::error_chain(&err))));
+            .map(|chunk| chunk.map_err(|err| BodyError(super::failure::error_chain(&err))));
         Ok(UpstreamResponse {
             status,
             headers,
@@ -278,7 +278,7 @@ impl Http1Pool {
             })?
             .map_err(|err| {
                 let text = format!("connect to {host}:{port}: {err}");
-                if super::errors::is_local_resource_io(&err) {
+                if super::failure::is_local_resource_io(&err) {
                     SendError::LocalResources(text)
                 } else {
                     SendError::Connect(text)
@@ -370,7 +370,7 @@ impl Http1Pool {
 }
 
 fn failed<T>(err: TrySendError<T>) -> SendError {
-    SendError::Request(super::proxy::error_chain(&err.into_error()))
+    SendError::Request(super::failure::error_chain(&err.into_error()))
 }
 
 /// Send `request` on `conn` and wait for the response head, driving the connection meanwhile.
@@ -407,7 +407,7 @@ impl Relayed {
                 },
                 Poll::Ready(Some(Err(err))) => {
                     self.conn = None;
-                    return Poll::Ready(Some(Err(BodyError(super::proxy::error_chain(&err)))));
+                    return Poll::Ready(Some(Err(BodyError(super::failure::error_chain(&err)))));
                 }
                 Poll::Ready(None) => {
                     if let Some(mut conn) = self.conn.take() {

@@ -18,20 +18,6 @@ pub(super) struct UpstreamFailure {
     pub(super) status: StatusCode,
 }
 
-pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
-}
-
 /// Request headers forwarded to the engine.
 const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate"];
 

@@ -13,7 +13,6 @@ mod route;
 mod tokens;
 
 pub use forward::decision_headers;
-pub(crate) use forward::error_chain;
 
 use forward::{
     respond, retryable_status, send, UpstreamFailure, LOCAL_FAILURE, LOCAL_RESOURCE_LOG,
