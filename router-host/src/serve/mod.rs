@@ -25,6 +25,7 @@ pub mod kv_events;
 pub mod lifecycle;
 pub mod metrics;
 pub mod offload;
+pub mod prompt;
 pub mod proxy;
 pub mod request;
 pub mod segments;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::failure::ServeError;
-use super::request::Endpoint;
+use super::prompt::Endpoint;
 use super::tokenize::LocalTokenizer;
 use super::upstream::UpstreamClient;
 use crate::config::{RouterConfig, ServeConfig, TokenizerConfig};

@@ -16,7 +16,7 @@ use futures_util::{StreamExt, TryStreamExt};
 use serde_json::{json, Map, Value};
 
 use super::errors::ApiError;
-use super::request::{content_text, Parsed, Prompt};
+use super::prompt::{content_text, Parsed, Prompt};
 use super::state::AnswerError;
 
 /// Token ids of a prompt, and what the engine says about its context length.
