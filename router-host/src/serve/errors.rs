@@ -8,6 +8,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 pub use super::failure::{is_local_resource, is_local_resource_io, ServeError};
+use super::tokenize::TokenizeError;
 
 /// The `type` of an OpenAI-style error body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +171,21 @@ impl ApiError {
                 "code": self.code,
             }
         })
+    }
+}
+
+/// A prompt that could not be tokenized, as the client is told: a `413` for one the engine
+/// refused as too large, else a `400`.
+impl From<TokenizeError> for ApiError {
+    fn from(err: TokenizeError) -> Self {
+        match err {
+            TokenizeError::TooLarge(message) => ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                kind: ErrorKind::TooLarge,
+                ..ApiError::bad_request("prompt_too_large", message)
+            },
+            other => ApiError::bad_request("tokenization_failed", other.to_string()),
+        }
     }
 }
 

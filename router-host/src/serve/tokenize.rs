@@ -15,7 +15,6 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt};
 use serde_json::{json, Map, Value};
 
-use super::errors::ApiError;
 use super::prompt::{content_text, Parsed, Prompt};
 use super::state::AnswerError;
 
@@ -54,17 +53,6 @@ pub enum TokenizeError {
 }
 
 impl TokenizeError {
-    pub fn into_api(self) -> ApiError {
-        match self {
-            TokenizeError::TooLarge(message) => ApiError {
-                status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                kind: super::errors::ErrorKind::TooLarge,
-                ..ApiError::bad_request("prompt_too_large", message)
-            },
-            other => ApiError::bad_request("tokenization_failed", other.to_string()),
-        }
-    }
-
     /// The error of prompt `index` of `parsed`, named as such when the request has several.
     fn of_prompt(self, index: usize, parsed: &Parsed) -> TokenizeError {
         if parsed.prompt_count() == 1 {

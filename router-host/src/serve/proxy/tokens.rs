@@ -57,7 +57,7 @@ pub(super) async fn tokens_for(
         } else {
             tokenize()
         };
-        return tokens.map(Some).map_err(TokenizeError::into_api);
+        return tokens.map(Some).map_err(ApiError::from);
     }
     let Some(upstream) = app.tokenizer_upstream(generation) else {
         app.metrics.tokenize_fallbacks.inc();
@@ -74,7 +74,9 @@ pub(super) async fn tokens_for(
     };
     match tokenize::remote_all(&target, parsed, timeout).await {
         Ok(tokens) => Ok(Some(tokens)),
-        Err(err @ (TokenizeError::Invalid(_) | TokenizeError::TooLarge(_))) => Err(err.into_api()),
+        Err(err @ (TokenizeError::Invalid(_) | TokenizeError::TooLarge(_))) => {
+            Err(ApiError::from(err))
+        }
         Err(TokenizeError::Unavailable(message)) => {
             app.metrics.tokenize_fallbacks.inc();
             tracing::warn!(
