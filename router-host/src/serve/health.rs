@@ -17,9 +17,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use super::state::{
-    call_engine, AnswerError, Generation, Upstream, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT,
-};
+use super::engine_calls::{call_engine, AnswerError, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT};
+use super::state::{Generation, Upstream};
 use super::App;
 use crate::model::RowId;
 

@@ -18,6 +18,7 @@
 
 pub mod accept;
 pub mod coalesce;
+pub mod engine_calls;
 pub mod errors;
 pub mod failure;
 pub mod health;

@@ -15,8 +15,8 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt};
 use serde_json::{json, Map, Value};
 
+use super::engine_calls::AnswerError;
 use super::prompt::{content_text, Parsed, Prompt};
-use super::state::AnswerError;
 
 /// Token ids of a prompt, and what the engine says about its context length.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,7 +120,7 @@ pub struct TokenizeTarget<'a> {
     pub worker: u64,
     /// Where refused answers are counted (`None`: not counted).
     pub metrics: Option<&'a super::metrics::Metrics>,
-    /// The most bytes of an answer read (`state::tokenize_answer_limit`).
+    /// The most bytes of an answer read (`engine_calls::tokenize_answer_limit`).
     pub answer_limit: u64,
     /// Turns for calls to this engine (`None`: unbounded).
     pub turns: Option<&'a tokio::sync::Semaphore>,
@@ -148,7 +148,9 @@ pub async fn remote(
         base,
         worker: 0,
         metrics: None,
-        answer_limit: super::state::tokenize_answer_limit(crate::config::DEFAULT_MAX_BODY_BYTES),
+        answer_limit: super::engine_calls::tokenize_answer_limit(
+            crate::config::DEFAULT_MAX_BODY_BYTES,
+        ),
         turns: None,
     };
     remote_to(&target, body, timeout).await
@@ -169,7 +171,7 @@ pub async fn remote_to(
                     TokenizeError::Unavailable(format!(
                         "POST {url}: no turn among the engine's {} /tokenize calls in flight \
                          within {} ms",
-                        super::state::TOKENIZE_IN_FLIGHT_PER_ENGINE,
+                        super::engine_calls::TOKENIZE_IN_FLIGHT_PER_ENGINE,
                         timeout.as_millis()
                     ))
                 })?
@@ -183,7 +185,7 @@ pub async fn remote_to(
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .body(body.to_string())
         .timeout(timeout);
-    let answer = super::state::call_engine(
+    let answer = super::engine_calls::call_engine(
         target.metrics,
         target.worker,
         "tokenize",

@@ -352,12 +352,12 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
         let url = format!("{}/v1/models", upstream.base);
         let timeout = generation.serve.timeouts.tokenize;
         let request = generation.client.get(&url).timeout(timeout);
-        let answer = super::state::call_engine(
+        let answer = super::engine_calls::call_engine(
             Some(&app.metrics),
             upstream.id,
             "models",
             request,
-            super::state::MODELS_ANSWER_LIMIT,
+            super::engine_calls::MODELS_ANSWER_LIMIT,
         )
         .await;
         match answer {

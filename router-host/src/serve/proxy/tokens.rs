@@ -69,7 +69,9 @@ pub(super) async fn tokens_for(
         base: &upstream.base,
         worker: upstream.id,
         metrics: Some(&app.metrics),
-        answer_limit: crate::serve::state::tokenize_answer_limit(generation.serve.max_body_bytes),
+        answer_limit: crate::serve::engine_calls::tokenize_answer_limit(
+            generation.serve.max_body_bytes,
+        ),
         turns: Some(&upstream.tokenize_turns),
     };
     match tokenize::remote_all(&target, parsed, timeout).await {
