@@ -29,6 +29,7 @@ pub mod offload;
 pub mod prompt;
 pub mod proxy;
 pub mod request;
+pub mod scrape;
 pub mod segments;
 pub mod state;
 mod stop;
@@ -307,7 +308,10 @@ impl Server {
         let health = Arc::new(HealthTable::default());
         health.sync(&generation.upstreams);
         let current = Arc::new(Current::new(generation));
-        let metrics = Metrics::new(current.clone(), health.clone());
+        let metrics = Metrics::new(Box::new(scrape::StateCollector {
+            current: current.clone(),
+            health: health.clone(),
+        }));
         let app = Arc::new(App {
             current,
             options,

@@ -1,17 +1,16 @@
 //! `GET /metrics`: Prometheus (OpenMetrics text) metrics of the proxy.
 //!
 //! Two kinds: counters and histograms the request path updates as things happen ([`Metrics`]),
-//! and values read from the current configuration at scrape time (`StateCollector`: booked
-//! load per row, queue depth, per-instance policy counters, engine health). The names and labels
-//! are listed in docs/serve.md.
+//! and values read from the current configuration at scrape time (the collector
+//! [`Metrics::new`] is given: serve's `scrape::StateCollector`, booked load per row, queue
+//! depth, per-instance policy counters, engine health). The names and labels are listed in
+//! docs/serve.md.
 //!
 //! Here: [`Metrics`], the registry and the request path's counters; `labels.rs` holds the label
-//! sets, `kv.rs` what KV-event ingestion counts ([`KvMetrics`]), `scrape.rs` the values read
-//! at scrape time.
+//! sets, `kv.rs` what KV-event ingestion counts ([`KvMetrics`]).
 
 mod kv;
 mod labels;
-mod scrape;
 
 pub use kv::KvMetrics;
 pub use labels::{
@@ -20,18 +19,14 @@ pub use labels::{
     UpstreamLabels,
 };
 
-use std::sync::Arc;
-
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use scrape::StateCollector;
+use prometheus_client::collector::Collector;
 
-use super::health::HealthTable;
-use super::state::Current;
 use super::upstream::ConnectionUse;
 
 type HistogramFamily<S> = Family<S, Histogram, fn() -> Histogram>;
@@ -91,7 +86,9 @@ impl std::fmt::Debug for Metrics {
 }
 
 impl Metrics {
-    pub fn new(current: Arc<Current>, health: Arc<HealthTable>) -> Metrics {
+    /// The request path's metrics, then the values `scrape` reads at scrape time (serve's is
+    /// `scrape::StateCollector`, which knows the configuration and the health table).
+    pub fn new(scrape: Box<dyn Collector>) -> Metrics {
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -242,7 +239,7 @@ impl Metrics {
              mid-stream, by reason (body: its body broke off; idle: stream_idle_ms passed)",
             stream_error_events.clone(),
         );
-        registry.register_collector(Box::new(StateCollector { current, health }));
+        registry.register_collector(scrape);
         Metrics {
             registry,
             requests,

@@ -1,5 +1,8 @@
 //! The values read at scrape time from the configuration serving now: booked load per row,
 //! queue depth, per-instance policy counters, engine health.
+//!
+//! The server hands it to `Metrics::new`. It lives beside `metrics`, not in it, because it
+//! reads the configuration and the health table, and those record into `Metrics`.
 
 use std::sync::Arc;
 
@@ -14,9 +17,9 @@ use crate::serve::state::Current;
 
 /// Values read at scrape time from the configuration serving now.
 #[derive(Debug)]
-pub(super) struct StateCollector {
-    pub(super) current: Arc<Current>,
-    pub(super) health: Arc<HealthTable>,
+pub struct StateCollector {
+    pub current: Arc<Current>,
+    pub health: Arc<HealthTable>,
 }
 
 fn family<L: EncodeLabelSet, M: EncodeMetric>(
