@@ -32,6 +32,7 @@ pub mod request;
 pub mod scrape;
 pub mod segments;
 pub mod state;
+pub mod status;
 mod stop;
 #[cfg(test)]
 mod test_tokenizers;
@@ -179,7 +180,7 @@ impl App {
         let app = self.clone();
         tokio::spawn(async move {
             let generation = app.current.load();
-            health::probe_round(&app, &generation).await;
+            health::probe_round(&app.health, &app.metrics, &generation).await;
         });
         Ok(number)
     }
@@ -267,12 +268,26 @@ fn routes(app: Arc<App>) -> axum::Router {
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/models", get(proxy::models))
-        .route("/health", get(health::alive))
-        .route("/ready", get(health::ready))
+        .route("/health", get(status::alive))
+        .route("/ready", get(status::ready))
         .route("/metrics", get(metrics_endpoint))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(app)
+}
+
+/// Probe forever, every `serve.health.interval` of the generation serving now.
+async fn probe_loop(app: Arc<App>) {
+    loop {
+        let generation = app.current.load();
+        let interval = generation.serve.health.interval;
+        health::probe_round(&app.health, &app.metrics, &generation).await;
+        drop(generation);
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = app.stopping.cancelled() => return,
+        }
+    }
 }
 
 /// Re-evaluate queues on a timer too: a class's `max_queue_wait_ms` ends a wait even when no
@@ -328,7 +343,7 @@ impl Server {
             offload: offload::Offload::for_current_runtime(),
         });
         let generation = app.current.load();
-        health::probe_round(&app, &generation).await;
+        health::probe_round(&app.health, &app.metrics, &generation).await;
         tracing::info!(
             open_files,
             max_connections = generation.serve.max_connections.unwrap_or(max_connections),
@@ -358,7 +373,7 @@ impl Server {
     /// flight, at most `serve.timeouts.shutdown_ms`.
     pub async fn run(self) -> Result<(), ServeError> {
         let app = self.app;
-        let prober = tokio::spawn(health::probe_loop(app.clone()));
+        let prober = tokio::spawn(probe_loop(app.clone()));
         let ticker = tokio::spawn(queue_ticker(app.clone()));
         app.kv_subscribers
             .sync(&app.current.load(), &app.current, &app.metrics.kv);

@@ -307,7 +307,7 @@ async fn proxy(
                 app.metrics.upstream_error(row.worker_id, failure.kind);
                 if failure.kind == "connect" {
                     health::mark(
-                        app,
+                        &app.health,
                         generation,
                         row.worker_id,
                         false,
