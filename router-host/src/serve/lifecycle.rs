@@ -22,10 +22,10 @@ use futures_util::Stream;
 use plugin_api::abi::CompletionCode;
 use prometheus_client::metrics::gauge::Gauge;
 
+use super::app::App;
 use super::coalesce::Coalesce;
 use super::state::Generation;
 use super::upstream::{BodyError, BodyStream};
-use super::App;
 use crate::host::{OwedHook, RequestId, Routed, Ticket};
 use crate::model::RowId;
 

@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use super::App;
+use super::app::App;
 
 /// `GET /health`: the proxy is alive.
 pub async fn alive() -> Response {

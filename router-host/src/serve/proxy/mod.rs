@@ -31,12 +31,12 @@ use futures_util::StreamExt;
 use plugin_api::abi::CompletionCode;
 use router_core::blocks::{BlockHasher, Tenant};
 
+use super::app::App;
 use super::errors::ApiError;
 use super::health;
 use super::lifecycle::Flight;
 use super::request::{self, Endpoint};
 use super::state::Generation;
-use super::App;
 use crate::model::Request;
 
 /// `POST /v1/completions`.

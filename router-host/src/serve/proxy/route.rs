@@ -10,11 +10,11 @@ use crate::eligibility::EligibilityError;
 use crate::host::{RouteError, Routed, SessionOutcome, Submitted};
 use crate::model::Request;
 use crate::router::SelectError;
+use crate::serve::app::App;
 use crate::serve::errors::ApiError;
 use crate::serve::lifecycle::{DecisionInfo, Queued};
 use crate::serve::request::Endpoint;
 use crate::serve::state::Generation;
-use crate::serve::App;
 
 /// Why a request was not routed, as the client is told.
 pub(super) fn route_error(err: RouteError) -> ApiError {

@@ -3,11 +3,11 @@
 
 use axum::body::Bytes;
 
+use crate::serve::app::App;
 use crate::serve::errors::ApiError;
 use crate::serve::request::{self, Endpoint, Parsed, Prompt};
 use crate::serve::state::Generation;
 use crate::serve::tokenize::{self, TokenizeError, Tokens};
-use crate::serve::App;
 
 /// The bytes of text a prompt gives the tokenizer (chat: its messages' contents, plus a little
 /// per message for the template); 0 for token ids.
