@@ -5,8 +5,9 @@ use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 
+use super::relay::Relay;
 use crate::model::RowId;
-use crate::serve::lifecycle::{DecisionInfo, Flight, Relay};
+use crate::serve::lifecycle::{DecisionInfo, Flight};
 use crate::serve::request::Endpoint;
 use crate::serve::state::{Generation, Upstream};
 use crate::serve::upstream::UpstreamResponse;

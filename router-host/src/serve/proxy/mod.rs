@@ -6,9 +6,11 @@
 //!
 //! Here: the handlers and `proxy()`, one request from its body to the engine's answer;
 //! `tokens.rs` tokenizes the prompt, `route.rs` routes it through admission, `forward.rs`
-//! sends it to the engine and relays the answer.
+//! sends it to the engine and answers with the engine's status and headers, `relay.rs` streams
+//! its body.
 
 mod forward;
+mod relay;
 mod route;
 mod tokens;
 
