@@ -21,13 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::{self, Connection, SendRequest};
 use hyper::client::conn::TrySendError;
+use hyper::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -319,7 +319,7 @@ impl Http1Pool {
         let uri: Uri = target
             .parse()
             .map_err(|err| SendError::Request(format!("{url}: {err}")))?;
-        let mut request = axum::http::Request::new(Full::new(body));
+        let mut request = hyper::Request::new(Full::new(body));
         *request.method_mut() = Method::POST;
         *request.uri_mut() = uri;
         *request.headers_mut() = headers;
@@ -376,8 +376,8 @@ fn failed<T>(err: TrySendError<T>) -> SendError {
 /// Send `request` on `conn` and wait for the response head, driving the connection meanwhile.
 async fn exchange(
     conn: &mut Conn,
-    request: axum::http::Request<Full<Bytes>>,
-) -> Result<axum::http::Response<Incoming>, TrySendError<axum::http::Request<Full<Bytes>>>> {
+    request: hyper::Request<Full<Bytes>>,
+) -> Result<hyper::Response<Incoming>, TrySendError<hyper::Request<Full<Bytes>>>> {
     let mut response = std::pin::pin!(conn.sender.try_send_request(request));
     std::future::poll_fn(|cx| {
         conn.drive(cx);
