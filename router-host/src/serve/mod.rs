@@ -4,17 +4,26 @@
 //! prompt (`tokenize.rs`), turns the tokens into block ids with the core's one rule, routes it
 //! with `RoutingCore::submit_indexed` (sessions, admission, the policy call and booking are the
 //! core's), forwards the body unchanged to the chosen engine and relays the answer byte for byte
-//! (`proxy.rs`), mapping the request's edges onto the core with guards that cannot leak
+//! (`proxy/`), mapping the request's edges onto the core with guards that cannot leak
 //! (`lifecycle.rs`). Engine health and observed load come from a periodic probe (`health.rs`);
 //! `/metrics` is in `metrics.rs`; one loaded configuration is a [`state::Generation`], swapped
 //! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
 //!
-//! Files: `request.rs` (the OpenAI bodies), `errors.rs` (start-up errors and the OpenAI-style
-//! error bodies), `state.rs` (generations), `upstream.rs` (the client that sends completions to
-//! engines, on connections the request's own task drives), `coalesce.rs` (the relayed body's
-//! ready chunks joined into one write), `offload.rs` (which calls run on the async worker and which under
-//! `block_in_place`), `accept.rs` (client connections: the cap, shedding, header timeouts), and this file (the
-//! server, reload, shutdown).
+//! The modules in two layers; a lower one never imports a higher one.
+//!
+//! - The HTTP front end: this file (the axum router, the server, shutdown), `accept.rs`
+//!   (client connections: the cap, shedding, header timeouts), `proxy/` (the OpenAI endpoints,
+//!   and the engine's body relayed as the response), `request.rs` (the OpenAI bodies parsed and
+//!   checked), `errors.rs` (the OpenAI-style error answers), `status.rs` (`/health`, `/ready`).
+//! - Below it, nothing HTTP-server specific: `app.rs` (what handlers and tasks share; reload),
+//!   `state.rs` (generations), `prompt.rs` (what a request asks of an engine), `tokenize.rs`
+//!   with `segments.rs` and `words.rs`, `lifecycle.rs` (a request's edges on the core),
+//!   `upstream.rs` (the client that sends completions to engines, on connections the request's
+//!   own task drives), `coalesce.rs` (the relayed body's ready chunks joined into one write),
+//!   `engine_calls.rs` (the router's own bounded calls to engines), `health.rs`, `metrics/` and
+//!   `scrape.rs` (the values read at scrape time), `kv_events/`, `offload.rs` (which calls run
+//!   on the async worker and which under `block_in_place`), `failure.rs` (start-up and reload
+//!   errors, cause chains), `stop.rs`.
 
 pub mod accept;
 mod app;
