@@ -33,6 +33,8 @@ pub mod errors;
 pub mod failure;
 pub mod health;
 pub mod kv_events;
+#[cfg(test)]
+mod layers;
 pub mod lifecycle;
 pub mod metrics;
 pub mod offload;
