@@ -6,7 +6,7 @@
 //! core's), forwards the body unchanged to the chosen engine and relays the answer byte for byte
 //! (`proxy/`), mapping the request's edges onto the core with guards that cannot leak
 //! (`lifecycle.rs`). Engine health and observed load come from a periodic probe (`health.rs`);
-//! `/metrics` is in `metrics.rs`; one loaded configuration is a [`state::Generation`], swapped
+//! `/metrics` is in `metrics/`; one loaded configuration is a [`state::Generation`], swapped
 //! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
 //!
 //! The modules in two layers; a lower one never imports a higher one.
