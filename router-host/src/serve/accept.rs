@@ -19,7 +19,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::App;
+use super::app::App;
 use crate::log_limit::LogLimit;
 
 /// Descriptors kept out of the client connections' share for the listener, the probes and

@@ -11,7 +11,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use axum::body::Bytes;
+use bytes::Bytes;
 use futures_util::Stream;
 
 /// The most bytes joined into one piece.

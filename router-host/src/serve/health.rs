@@ -7,20 +7,15 @@
 //! metrics and `vllm:cache_config_info`'s `block_size` checked against the worker's: an engine
 //! that caches blocks of another size is made unavailable, with an error naming the worker
 //! (docs/engines.md).
-//! Also the proxy's own `/health` (alive) and `/ready` (configured and an engine healthy).
+//! The proxy's own `/health` and `/ready` answers are in `status.rs`.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::RwLock;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-
-use super::state::{
-    call_engine, AnswerError, Generation, Upstream, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT,
-};
-use super::App;
+use super::engine_calls::{call_engine, AnswerError, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT};
+use super::metrics::Metrics;
+use super::state::{Generation, Upstream};
 use crate::model::RowId;
 
 #[derive(Debug, Clone)]
@@ -103,7 +98,8 @@ impl HealthTable {
         rows
     }
 
-    fn last_error(&self, id: u64) -> Option<String> {
+    /// The error of the last failed probe of engine `id`, if any.
+    pub fn last_error(&self, id: u64) -> Option<String> {
         self.read().get(&id).and_then(|e| e.last_error.clone())
     }
 
@@ -157,8 +153,14 @@ impl HealthTable {
 }
 
 /// Mark one engine healthy or not, in the table and in `generation`'s routing core.
-pub fn mark(app: &App, generation: &Generation, id: u64, healthy: bool, error: Option<String>) {
-    let changed = app.health.set(id, healthy, error.clone());
+pub fn mark(
+    table: &HealthTable,
+    generation: &Generation,
+    id: u64,
+    healthy: bool,
+    error: Option<String>,
+) {
+    let changed = table.set(id, healthy, error.clone());
     if changed {
         let _ = generation
             .host
@@ -297,11 +299,16 @@ enum Probe {
     Local(String),
 }
 
-async fn probe(app: &App, client: &reqwest::Client, u: &Upstream, timeout: Duration) -> Probe {
+async fn probe(
+    router_metrics: &Metrics,
+    client: &reqwest::Client,
+    u: &Upstream,
+    timeout: Duration,
+) -> Probe {
     let url = format!("{}/health", u.base);
     let request = client.get(&url).timeout(timeout);
     match call_engine(
-        Some(&app.metrics),
+        Some(router_metrics),
         u.id,
         "health",
         request,
@@ -318,14 +325,14 @@ async fn probe(app: &App, client: &reqwest::Client, u: &Upstream, timeout: Durat
 }
 
 async fn scrape(
-    app: &App,
+    router_metrics: &Metrics,
     client: &reqwest::Client,
     u: &Upstream,
     timeout: Duration,
 ) -> Option<String> {
     let request = client.get(format!("{}/metrics", u.base)).timeout(timeout);
     let answer = match call_engine(
-        Some(&app.metrics),
+        Some(router_metrics),
         u.id,
         "metrics",
         request,
@@ -336,7 +343,7 @@ async fn scrape(
         Ok(answer) => answer,
         Err(err) => {
             if err.is_local() {
-                app.metrics.local_resource_error("probe");
+                router_metrics.local_resource_error("probe");
             }
             return None;
         }
@@ -350,12 +357,14 @@ async fn scrape(
 static LOCAL_PROBE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
 /// Probe every engine of `generation` once, concurrently.
-pub async fn probe_round(app: &App, generation: &Generation) {
+pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, generation: &Generation) {
     let health = generation.serve.health;
     let probes = generation.upstreams.iter().map(|u| async move {
-        let result = probe(app, &generation.client, u, health.timeout).await;
+        let result = probe(router_metrics, &generation.client, u, health.timeout).await;
         let load = match (&result, health.scrape_load) {
-            (Probe::Healthy, true) => scrape(app, &generation.client, u, health.timeout).await,
+            (Probe::Healthy, true) => {
+                scrape(router_metrics, &generation.client, u, health.timeout).await
+            }
             _ => None,
         };
         (u, result, load)
@@ -366,7 +375,7 @@ pub async fn probe_round(app: &App, generation: &Generation) {
             Probe::Unhealthy(err) => Err(err),
             Probe::Local(err) => {
                 // The engine keeps the state it had; its load is unknown until the next probe.
-                app.metrics.local_resource_error("probe");
+                router_metrics.local_resource_error("probe");
                 if let Some(left_out) = LOCAL_PROBE_LOG.check() {
                     tracing::error!(
                         worker = u.id,
@@ -392,8 +401,8 @@ pub async fn probe_round(app: &App, generation: &Generation) {
                     .find(|w| w.id == u.id)
                     .map_or(generation.config.block_size, |w| w.block_size);
                 if let Some(err) = block_size_error(u.id, &u.base, configured, &metrics) {
-                    if app.health.is_healthy(u.id)
-                        || app.health.last_error(u.id).as_deref() != Some(err.as_str())
+                    if table.is_healthy(u.id)
+                        || table.last_error(u.id).as_deref() != Some(err.as_str())
                     {
                         tracing::error!(worker = u.id, url = %u.base, "{err}");
                     }
@@ -406,8 +415,8 @@ pub async fn probe_round(app: &App, generation: &Generation) {
                     .map(|(r, v)| (*r, *v))
                     .collect();
                 usage.sort_by_key(|r| r.0);
-                app.health.set_kv_usage(u.id, usage);
-                learn_kv_capacity(app, generation, u, &metrics);
+                table.set_kv_usage(u.id, usage);
+                learn_kv_capacity(table, generation, u, &metrics);
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -417,7 +426,7 @@ pub async fn probe_round(app: &App, generation: &Generation) {
                 }
             }
             None => {
-                app.health.set_kv_usage(u.id, Vec::new());
+                table.set_kv_usage(u.id, Vec::new());
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -428,22 +437,27 @@ pub async fn probe_round(app: &App, generation: &Generation) {
             }
         }
         match result {
-            Ok(()) => mark(app, generation, u.id, true, None),
-            Err(err) => mark(app, generation, u.id, false, Some(err)),
+            Ok(()) => mark(table, generation, u.id, true, None),
+            Err(err) => mark(table, generation, u.id, false, Some(err)),
         }
-        sync_flag(generation, u.id, app.health.is_healthy(u.id));
+        sync_flag(generation, u.id, table.is_healthy(u.id));
     }
 }
 
 /// Give the core worker `u`'s KV capacity from its engine (the smallest `num_gpu_blocks` of its
 /// ranks), unless the configuration sets `total_kv_blocks`: what the operator wrote wins, and
 /// an engine that reports another capacity is logged (once per value it reports).
-fn learn_kv_capacity(app: &App, generation: &Generation, u: &Upstream, metrics: &EngineMetrics) {
+fn learn_kv_capacity(
+    table: &HealthTable,
+    generation: &Generation,
+    u: &Upstream,
+    metrics: &EngineMetrics,
+) {
     let Some(blocks) = engine_kv_capacity(metrics, u.dp_size) else {
         return;
     };
     let configured = configured_kv_capacity(generation, u.id);
-    let changed = app.health.see_kv_capacity(u.id, configured, blocks);
+    let changed = table.see_kv_capacity(u.id, configured, blocks);
     if let Some(configured) = configured {
         if changed && configured != blocks {
             tracing::warn!(
@@ -506,133 +520,6 @@ fn sync_flag(generation: &Generation, id: u64, healthy: bool) {
     if available.is_some_and(|available| available != healthy) {
         let _ = core.set_worker_state(id, Some(healthy), None, None);
     }
-}
-
-/// Probe forever, every `serve.health.interval` of the generation serving now.
-pub async fn probe_loop(app: Arc<App>) {
-    loop {
-        let generation = app.current.load();
-        let interval = generation.serve.health.interval;
-        probe_round(&app, &generation).await;
-        drop(generation);
-        tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
-            _ = app.stopping.cancelled() => return,
-        }
-    }
-}
-
-/// `GET /health`: the proxy is alive.
-pub async fn alive() -> Response {
-    (
-        StatusCode::OK,
-        [("content-type", "application/json")],
-        r#"{"status":"ok"}"#,
-    )
-        .into_response()
-}
-
-/// `GET /ready`: a configuration is loaded and at least one engine is healthy.
-/// What `/ready` says about the policy instances of one configuration.
-struct PolicyStates {
-    /// One object per instance: name, type, origin, the roles it serves, its state and why.
-    instances: Vec<serde_json::Value>,
-    /// Names of the instances out of service (poisoned, quarantined or hung).
-    out_of_service: Vec<String>,
-    /// Roles whose instance is out of service with nothing to fall back to (`on_error: fail`):
-    /// every request of the role fails, so the router is not ready.
-    unservable_roles: Vec<&'static str>,
-}
-
-fn policy_states(router: &crate::router::Router) -> PolicyStates {
-    use crate::config::OnError;
-    use crate::instance::InstanceState;
-    use crate::model::RequestRole;
-    let mut states = PolicyStates {
-        instances: Vec::new(),
-        out_of_service: Vec::new(),
-        unservable_roles: Vec::new(),
-    };
-    for (id, instance) in router.instances().iter().enumerate() {
-        let roles: Vec<&'static str> = RequestRole::ALL
-            .into_iter()
-            .filter(|role| router.instance_for(*role) == id)
-            .map(RequestRole::as_str)
-            .collect();
-        let state = instance.state();
-        // The built-in default (index 0) is the fallback: it has none of its own.
-        let falls_back = instance.on_error == OnError::Fallback && id != 0;
-        let serving = match (state, falls_back) {
-            (InstanceState::InService, _) => "self",
-            (_, true) => "fallback",
-            (_, false) => "none",
-        };
-        if state != InstanceState::InService {
-            states.out_of_service.push(instance.name.clone());
-            if !falls_back {
-                states.unservable_roles.extend(roles.iter().copied());
-            }
-        }
-        // The library the instance runs (after a reload of a replaced file: the new one).
-        let plugin = router
-            .catalog()
-            .libraries()
-            .iter()
-            .find(|l| l.path.as_os_str() == instance.origin.as_str())
-            .map(|l| serde_json::json!({"name": l.plugin_name, "version": l.plugin_version}));
-        states.instances.push(serde_json::json!({
-            "instance": instance.name,
-            "policy": instance.type_name,
-            "origin": instance.origin,
-            "plugin": plugin,
-            "roles": roles,
-            "state": state.as_str(),
-            "reason": instance.state_reason(),
-            "serving": serving,
-        }));
-    }
-    states
-}
-
-pub async fn ready(State(app): State<Arc<App>>) -> Response {
-    let generation = app.current.load();
-    let engines: Vec<serde_json::Value> = app
-        .health
-        .snapshot()
-        .into_iter()
-        .map(|(id, url, healthy)| {
-            serde_json::json!({
-                "worker": id,
-                "url": url,
-                "healthy": healthy,
-                "error": app.health.last_error(id),
-            })
-        })
-        .collect();
-    let policies = policy_states(generation.host.router());
-    let ready = app.health.any_healthy()
-        && !app.stopping.is_cancelled()
-        && policies.unservable_roles.is_empty();
-    let body = serde_json::json!({
-        "ready": ready,
-        "degraded": !policies.out_of_service.is_empty(),
-        "config_generation": generation.number,
-        "engines": engines,
-        "policies": policies.instances,
-        "out_of_service": policies.out_of_service,
-        "unservable_roles": policies.unservable_roles,
-    });
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (
-        status,
-        [("content-type", "application/json")],
-        body.to_string(),
-    )
-        .into_response()
 }
 
 #[cfg(test)]

@@ -4,30 +4,48 @@
 //! prompt (`tokenize.rs`), turns the tokens into block ids with the core's one rule, routes it
 //! with `RoutingCore::submit_indexed` (sessions, admission, the policy call and booking are the
 //! core's), forwards the body unchanged to the chosen engine and relays the answer byte for byte
-//! (`proxy.rs`), mapping the request's edges onto the core with guards that cannot leak
+//! (`proxy/`), mapping the request's edges onto the core with guards that cannot leak
 //! (`lifecycle.rs`). Engine health and observed load come from a periodic probe (`health.rs`);
-//! `/metrics` is in `metrics.rs`; one loaded configuration is a [`state::Generation`], swapped
+//! `/metrics` is in `metrics/`; one loaded configuration is a [`state::Generation`], swapped
 //! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
 //!
-//! Files: `request.rs` (the OpenAI bodies), `errors.rs` (start-up errors and the OpenAI-style
-//! error bodies), `state.rs` (generations), `upstream.rs` (the client that sends completions to
-//! engines, on connections the request's own task drives), `coalesce.rs` (the relayed body's
-//! ready chunks joined into one write), `offload.rs` (which calls run on the async worker and which under
-//! `block_in_place`), `accept.rs` (client connections: the cap, shedding, header timeouts), and this file (the
-//! server, reload, shutdown).
+//! The modules in two layers; a lower one never imports a higher one.
+//!
+//! - The HTTP front end: this file (the axum router, the server, shutdown), `accept.rs`
+//!   (client connections: the cap, shedding, header timeouts), `proxy/` (the OpenAI endpoints,
+//!   and the engine's body relayed as the response), `request.rs` (the OpenAI bodies parsed and
+//!   checked), `errors.rs` (the OpenAI-style error answers), `status.rs` (`/health`, `/ready`).
+//! - Below it, nothing HTTP-server specific: `app.rs` (what handlers and tasks share; reload),
+//!   `state.rs` (generations), `prompt.rs` (what a request asks of an engine), `tokenize.rs`
+//!   with `segments.rs` and `words.rs`, `lifecycle.rs` (a request's edges on the core),
+//!   `upstream.rs` (the client that sends completions to engines, on connections the request's
+//!   own task drives), `coalesce.rs` (the relayed body's ready chunks joined into one write),
+//!   `engine_calls.rs` (the router's own bounded calls to engines), `health.rs`, `metrics/` and
+//!   `scrape.rs` (the values read at scrape time), `kv_events/`, `offload.rs` (which calls run
+//!   on the async worker and which under `block_in_place`), `failure.rs` (start-up and reload
+//!   errors, cause chains), `stop.rs`.
 
 pub mod accept;
+mod app;
 pub mod coalesce;
+pub mod engine_calls;
 pub mod errors;
+pub mod failure;
 pub mod health;
 pub mod kv_events;
+#[cfg(test)]
+mod layers;
 pub mod lifecycle;
 pub mod metrics;
 pub mod offload;
+pub mod prompt;
 pub mod proxy;
 pub mod request;
+pub mod scrape;
 pub mod segments;
 pub mod state;
+pub mod status;
+mod stop;
 #[cfg(test)]
 mod test_tokenizers;
 pub mod tokenize;
@@ -43,166 +61,15 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-pub use errors::{ApiError, ServeError};
+pub use app::App;
+pub use errors::ApiError;
+pub use failure::ServeError;
 pub use state::{Generation, ServeOptions, Upstream};
+pub use stop::Stop;
 
 use health::HealthTable;
 use metrics::Metrics;
 use state::Current;
-
-/// A stop signal many tasks can wait on.
-#[derive(Debug, Clone)]
-pub struct Stop(Arc<tokio::sync::watch::Sender<bool>>);
-
-impl Default for Stop {
-    fn default() -> Self {
-        Stop(Arc::new(tokio::sync::watch::channel(false).0))
-    }
-}
-
-impl Stop {
-    pub fn cancel(&self) {
-        self.0.send_replace(true);
-    }
-
-    pub fn is_cancelled(&self) -> bool {
-        *self.0.borrow()
-    }
-
-    pub async fn cancelled(&self) {
-        let mut rx = self.0.subscribe();
-        // The sender lives as long as `self`: `wait_for` ends only once the flag is set.
-        let _ = rx.wait_for(|stopped| *stopped).await;
-    }
-}
-
-/// Shared by every handler and background task.
-pub struct App {
-    pub(crate) current: Arc<Current>,
-    options: ServeOptions,
-    pub(crate) metrics: Metrics,
-    pub(crate) health: Arc<HealthTable>,
-    /// Requests booked and not yet finished, across generations.
-    pub(crate) flights: AtomicUsize,
-    pub(crate) stopping: Stop,
-    /// Held while a reload swaps its configuration in (not while it loads).
-    reload_lock: tokio::sync::Mutex<()>,
-    /// The number of the configuration serving now.
-    generations: AtomicU64,
-    /// Reloads started, and which of them was swapped in last.
-    reloads_started: AtomicU64,
-    swapped_reload: AtomicU64,
-    tokenizer_turn: AtomicUsize,
-    /// KV-event subscribers, one per `(worker, rank)` with `kv_events` (`kv_events/`).
-    pub(crate) kv_subscribers: kv_events::Subscribers,
-    /// Where routing decisions run (`offload.rs`): for the whole process, across reloads.
-    pub(crate) offload: offload::Offload,
-}
-
-impl std::fmt::Debug for App {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("App")
-            .field("current", &self.current)
-            .field("flights", &self.flights)
-            .finish_non_exhaustive()
-    }
-}
-
-impl App {
-    /// The engine to ask for remote tokenization: the healthy ones in turn.
-    pub(crate) fn tokenizer_upstream<'g>(
-        &self,
-        generation: &'g Generation,
-    ) -> Option<&'g Upstream> {
-        let healthy: Vec<&Upstream> = generation
-            .upstreams
-            .iter()
-            .filter(|u| self.health.is_healthy(u.id))
-            .collect();
-        if healthy.is_empty() {
-            return None;
-        }
-        let turn = self.tokenizer_turn.fetch_add(1, Ordering::Relaxed);
-        Some(healthy[turn % healthy.len()])
-    }
-
-    /// Read the YAML again, build a new generation off the request path and swap it in.
-    /// A configuration that fails keeps the running one; the error is logged and counted.
-    ///
-    /// Loading runs outside the reload lock: a load that never returns (a plugin's `create`
-    /// hung; the watchdog reports it) must not hold up every reload after it. Only the swap is
-    /// one at a time, and a load that finishes after a later-started one was swapped in is
-    /// discarded (it read an older file).
-    async fn reload(self: &Arc<Self>) -> Result<u64, ServeError> {
-        let started = self.reloads_started.fetch_add(1, Ordering::SeqCst) + 1;
-        let options = self.options.clone();
-        let previous = self.current.load();
-        self.metrics.reloads_loading.inc();
-        let loading = tokio::task::spawn_blocking(move || {
-            // Numbered when swapped in.
-            Generation::load(&options, 0, Some(&previous))
-        })
-        .await;
-        self.metrics.reloads_loading.dec();
-        let loaded = loading
-            .map_err(|err| ServeError::ReloadTask(err.to_string()))
-            .and_then(|r| r);
-        let _one_at_a_time = self.reload_lock.lock().await;
-        let swapped = self.swapped_reload.load(Ordering::SeqCst);
-        if started < swapped {
-            let serving = self.current.load().number;
-            self.metrics.reload("superseded");
-            tracing::warn!(
-                reload = started,
-                serving,
-                "a reload finished after a later one was swapped in; discarded"
-            );
-            return Err(ServeError::ReloadSuperseded { started, serving });
-        }
-        let mut next = match loaded {
-            Ok(next) => next,
-            Err(err) => {
-                self.metrics.reload("error");
-                tracing::error!(
-                    error = %err,
-                    serving = self.current.load().number,
-                    "reload failed; still serving the running configuration"
-                );
-                return Err(err);
-            }
-        };
-        let number = self.generations.load(Ordering::SeqCst) + 1;
-        next.number = number;
-        self.health.sync(&next.upstreams);
-        self.health.apply(&next);
-        let next = Arc::new(next);
-        let previous = self.current.swap(next.clone());
-        self.generations.store(number, Ordering::SeqCst);
-        self.swapped_reload.store(started, Ordering::SeqCst);
-        self.kv_subscribers
-            .sync(&next, &self.current, &self.metrics.kv);
-        self.metrics.reload("ok");
-        if next.serve.listen != previous.serve.listen && self.options.listen.is_none() {
-            tracing::warn!(
-                listening = %previous.serve.listen,
-                configured = %next.serve.listen,
-                "serve.listen changed; the socket stays where it is until a restart"
-            );
-        }
-        tracing::info!(
-            config = number,
-            workers = next.upstreams.len(),
-            still_in_flight_on_previous = previous.host.in_flight(),
-            "configuration reloaded"
-        );
-        let app = self.clone();
-        tokio::spawn(async move {
-            let generation = app.current.load();
-            health::probe_round(&app, &generation).await;
-        });
-        Ok(number)
-    }
-}
 
 /// A handle on a running server: reload, shut down, look inside.
 #[derive(Debug, Clone)]
@@ -286,12 +153,26 @@ fn routes(app: Arc<App>) -> axum::Router {
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/models", get(proxy::models))
-        .route("/health", get(health::alive))
-        .route("/ready", get(health::ready))
+        .route("/health", get(status::alive))
+        .route("/ready", get(status::ready))
         .route("/metrics", get(metrics_endpoint))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(app)
+}
+
+/// Probe forever, every `serve.health.interval` of the generation serving now.
+async fn probe_loop(app: Arc<App>) {
+    loop {
+        let generation = app.current.load();
+        let interval = generation.serve.health.interval;
+        health::probe_round(&app.health, &app.metrics, &generation).await;
+        drop(generation);
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = app.stopping.cancelled() => return,
+        }
+    }
 }
 
 /// Re-evaluate queues on a timer too: a class's `max_queue_wait_ms` ends a wait even when no
@@ -327,7 +208,10 @@ impl Server {
         let health = Arc::new(HealthTable::default());
         health.sync(&generation.upstreams);
         let current = Arc::new(Current::new(generation));
-        let metrics = Metrics::new(current.clone(), health.clone());
+        let metrics = Metrics::new(Box::new(scrape::StateCollector {
+            current: current.clone(),
+            health: health.clone(),
+        }));
         let app = Arc::new(App {
             current,
             options,
@@ -344,7 +228,7 @@ impl Server {
             offload: offload::Offload::for_current_runtime(),
         });
         let generation = app.current.load();
-        health::probe_round(&app, &generation).await;
+        health::probe_round(&app.health, &app.metrics, &generation).await;
         tracing::info!(
             open_files,
             max_connections = generation.serve.max_connections.unwrap_or(max_connections),
@@ -374,7 +258,7 @@ impl Server {
     /// flight, at most `serve.timeouts.shutdown_ms`.
     pub async fn run(self) -> Result<(), ServeError> {
         let app = self.app;
-        let prober = tokio::spawn(health::probe_loop(app.clone()));
+        let prober = tokio::spawn(probe_loop(app.clone()));
         let ticker = tokio::spawn(queue_ticker(app.clone()));
         app.kv_subscribers
             .sync(&app.current.load(), &app.current, &app.metrics.kv);

@@ -25,7 +25,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
-use super::Generation;
+use super::state::Generation;
 
 /// The inline permits of one server's runtime.
 #[derive(Debug)]

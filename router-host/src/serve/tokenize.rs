@@ -15,9 +15,8 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt};
 use serde_json::{json, Map, Value};
 
-use super::errors::ApiError;
-use super::request::{content_text, Parsed, Prompt};
-use super::state::AnswerError;
+use super::engine_calls::AnswerError;
+use super::prompt::{content_text, Parsed, Prompt};
 
 /// Token ids of a prompt, and what the engine says about its context length.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,17 +53,6 @@ pub enum TokenizeError {
 }
 
 impl TokenizeError {
-    pub fn into_api(self) -> ApiError {
-        match self {
-            TokenizeError::TooLarge(message) => ApiError {
-                status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                kind: super::errors::ErrorKind::TooLarge,
-                ..ApiError::bad_request("prompt_too_large", message)
-            },
-            other => ApiError::bad_request("tokenization_failed", other.to_string()),
-        }
-    }
-
     /// The error of prompt `index` of `parsed`, named as such when the request has several.
     fn of_prompt(self, index: usize, parsed: &Parsed) -> TokenizeError {
         if parsed.prompt_count() == 1 {
@@ -132,7 +120,7 @@ pub struct TokenizeTarget<'a> {
     pub worker: u64,
     /// Where refused answers are counted (`None`: not counted).
     pub metrics: Option<&'a super::metrics::Metrics>,
-    /// The most bytes of an answer read (`state::tokenize_answer_limit`).
+    /// The most bytes of an answer read (`engine_calls::tokenize_answer_limit`).
     pub answer_limit: u64,
     /// Turns for calls to this engine (`None`: unbounded).
     pub turns: Option<&'a tokio::sync::Semaphore>,
@@ -160,7 +148,9 @@ pub async fn remote(
         base,
         worker: 0,
         metrics: None,
-        answer_limit: super::state::tokenize_answer_limit(crate::config::DEFAULT_MAX_BODY_BYTES),
+        answer_limit: super::engine_calls::tokenize_answer_limit(
+            crate::config::DEFAULT_MAX_BODY_BYTES,
+        ),
         turns: None,
     };
     remote_to(&target, body, timeout).await
@@ -181,7 +171,7 @@ pub async fn remote_to(
                     TokenizeError::Unavailable(format!(
                         "POST {url}: no turn among the engine's {} /tokenize calls in flight \
                          within {} ms",
-                        super::state::TOKENIZE_IN_FLIGHT_PER_ENGINE,
+                        super::engine_calls::TOKENIZE_IN_FLIGHT_PER_ENGINE,
                         timeout.as_millis()
                     ))
                 })?
@@ -195,7 +185,7 @@ pub async fn remote_to(
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .body(body.to_string())
         .timeout(timeout);
-    let answer = super::state::call_engine(
+    let answer = super::engine_calls::call_engine(
         target.metrics,
         target.worker,
         "tokenize",

@@ -21,13 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::{self, Connection, SendRequest};
 use hyper::client::conn::TrySendError;
+use hyper::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -147,8 +147,8 @@ impl UpstreamClient {
             .send()
             .await
             .map_err(|err| {
-                let text = super::proxy::error_chain(&err);
-                if super::errors::is_local_resource(&err) {
+                let text = super::failure::error_chain(&err);
+                if super::failure::is_local_resource(&err) {
                     SendError::LocalResources(text)
                 } else if err.is_connect() {
                     SendError::Connect(text)
@@ -160,7 +160,7 @@ impl UpstreamClient {
         let headers = response.headers().clone();
         let body = response
             .bytes_stream()
-            .map(|chunk| chunk.map_err(|err| BodyError(super::proxy::error_chain(&err))));
+            .map(|chunk| chunk.map_err(|err| BodyError(super::failure::error_chain(&err))));
         Ok(UpstreamResponse {
             status,
             headers,
@@ -278,7 +278,7 @@ impl Http1Pool {
             })?
             .map_err(|err| {
                 let text = format!("connect to {host}:{port}: {err}");
-                if super::errors::is_local_resource_io(&err) {
+                if super::failure::is_local_resource_io(&err) {
                     SendError::LocalResources(text)
                 } else {
                     SendError::Connect(text)
@@ -319,7 +319,7 @@ impl Http1Pool {
         let uri: Uri = target
             .parse()
             .map_err(|err| SendError::Request(format!("{url}: {err}")))?;
-        let mut request = axum::http::Request::new(Full::new(body));
+        let mut request = hyper::Request::new(Full::new(body));
         *request.method_mut() = Method::POST;
         *request.uri_mut() = uri;
         *request.headers_mut() = headers;
@@ -370,14 +370,14 @@ impl Http1Pool {
 }
 
 fn failed<T>(err: TrySendError<T>) -> SendError {
-    SendError::Request(super::proxy::error_chain(&err.into_error()))
+    SendError::Request(super::failure::error_chain(&err.into_error()))
 }
 
 /// Send `request` on `conn` and wait for the response head, driving the connection meanwhile.
 async fn exchange(
     conn: &mut Conn,
-    request: axum::http::Request<Full<Bytes>>,
-) -> Result<axum::http::Response<Incoming>, TrySendError<axum::http::Request<Full<Bytes>>>> {
+    request: hyper::Request<Full<Bytes>>,
+) -> Result<hyper::Response<Incoming>, TrySendError<hyper::Request<Full<Bytes>>>> {
     let mut response = std::pin::pin!(conn.sender.try_send_request(request));
     std::future::poll_fn(|cx| {
         conn.drive(cx);
@@ -407,7 +407,7 @@ impl Relayed {
                 },
                 Poll::Ready(Some(Err(err))) => {
                     self.conn = None;
-                    return Poll::Ready(Some(Err(BodyError(super::proxy::error_chain(&err)))));
+                    return Poll::Ready(Some(Err(BodyError(super::failure::error_chain(&err)))));
                 }
                 Poll::Ready(None) => {
                     if let Some(mut conn) = self.conn.take() {

@@ -2,7 +2,7 @@
 //! (docs/serve.md, "KV-cache events").
 //!
 //! One subscriber task per `(worker, rank)` with `kv_events` configured (`subscriber.rs`); the
-//! wire format is decoded in `decode.rs` and turned into router block ids in `ingest.rs`. The
+//! wire format is decoded in `decode/` and turned into router block ids in `ingest/`. The
 //! set of subscribers follows the configuration: [`Subscribers::sync`] on start and on every
 //! reload starts the new ones and stops those whose worker or settings are gone; a subscriber
 //! whose settings are unchanged keeps running and seeds the reloaded core with its blocks.
@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use super::metrics::KvMetrics;
 use super::state::{Current, Generation};
-use super::Stop;
+use super::stop::Stop;
 
 /// What one subscriber is: its row and settings (a change restarts it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

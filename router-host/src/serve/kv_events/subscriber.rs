@@ -25,7 +25,7 @@ use crate::serve::metrics::{
     KvKindLabels, KvMetrics, RowLabels, RowTierLabels, RowTierReasonLabels,
 };
 use crate::serve::state::Current;
-use crate::serve::Stop;
+use crate::serve::stop::Stop;
 
 /// First and longest wait between connection attempts (each wait is shortened by up to a
 /// fifth at random, so that rows restarted together do not reconnect in lockstep).

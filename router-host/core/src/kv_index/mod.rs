@@ -1,0 +1,182 @@
+//! The host's KV-overlap index, maintained only from the engines' cache events.
+//!
+//! Real engines publish "block stored" and "block removed" events; the router keeps an index of
+//! which worker holds which block and, per request, counts the leading run of the prompt's blocks
+//! each worker holds. This is that index (used today by `replay`, whose simulated engines publish
+//! the events): one global map `block id -> bitset of
+//! rows holding it`, so one walk over the prompt's blocks answers every row at once (each step
+//! ANDs the surviving rows with the block's holders; a row drops out at the first block it lacks).
+//! Cost per request: one hash lookup per block of the longest overlap, independent of the number
+//! of rows up to 64 (one word per 64 rows beyond that).
+//!
+//! On a large index each hash lookup is a cache miss or two, and the walk's lookups were most of
+//! a routing decision. Engines store a prompt's blocks in order, so each slot also remembers the
+//! block stored after it (`SlotInfo`): along a cached prompt the walk follows those hints
+//! through slot data that lies mostly in sequence, and hashes only where a hint does not match.
+//! Before the hint it tries the slots next to the current one, whose addresses it knows without
+//! waiting for the current slot's data: a prompt's blocks are often in consecutive slots.
+//!
+//! Engines that offload KV to host memory or disk report those tiers too. Each slot then also
+//! has a host and a disk bitset (allocated on the first offload event, so a device-only index
+//! costs nothing more), and a row's overlap per tier follows what an engine can reuse: the
+//! leading run on the device, then the blocks after it that the row holds on the host or the
+//! device, then the blocks after those held on any tier ([`KvIndex::overlaps_by_tier`]).
+//!
+//! Here: the events, tiers and [`KvIndex`]'s layout; `slots.rs` keeps the slot table and its
+//! hints, `update.rs` applies events, `query.rs` answers holdings and overlaps.
+
+mod query;
+mod slots;
+#[cfg(test)]
+mod tests;
+mod update;
+
+use crate::model::RowId;
+
+use crate::fast_hash::FastMap;
+
+/// A cache event for one row (its slot, see `crate::topology`; replay numbers rows
+/// `worker_id * dp_size + dp_rank`, which is the same numbering for its fixed cluster).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvEvent {
+    pub row: u32,
+    pub kind: KvEventKind,
+    pub block: u64,
+    pub tier: Tier,
+}
+
+impl KvEvent {
+    /// An event on the device tier (what engines without offloading report).
+    pub fn on_device(row: u32, kind: KvEventKind, block: u64) -> Self {
+        KvEvent {
+            row,
+            kind,
+            block,
+            tier: Tier::Device,
+        }
+    }
+}
+
+crate::spelled_enum! {
+    /// Where a row holds a block: the engine's device memory, or an offload tier behind it.
+    /// Spelled as in metrics and logs.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum Tier {
+        /// GPU (or, on a CPU engine, its main KV cache): vLLM's `"GPU"` medium.
+        Device = "device",
+        /// Host memory an offload connector copies blocks to: vLLM's `"CPU"`.
+        Host = "host",
+        /// Local or remote storage behind that: vLLM's `"STORAGE"`.
+        Disk = "disk",
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KvEventKind {
+    /// The block's KV was computed and registered in the engine's prefix cache (device tier).
+    Stored,
+    /// The block left the engine's cache.
+    Evicted,
+}
+
+/// Which rows hold which blocks, from events only.
+#[derive(Debug, Clone)]
+pub struct KvIndex {
+    rows: usize,
+    words: usize,
+    slots: FastMap<u64, u32>,
+    /// `words` bitset words per slot: the rows holding the slot's block on the device.
+    masks: Vec<u64>,
+    /// `2 * words` per slot (host, then disk) once an offload tier was reported; empty before.
+    offload: Vec<u64>,
+    /// Whether `offload` is allocated (a row reported a block off the device).
+    has_offload: bool,
+    /// Per slot: its block and a successor hint (see [`SlotInfo`]).
+    info: Vec<SlotInfo>,
+    /// Per row: the slot of its last `Stored` event, or [`NO_SLOT`].
+    last_stored: Vec<u32>,
+    /// Per row: how many blocks it holds on each tier (in [`Tier::ALL`] order), kept with the
+    /// bitsets so that a policy can read what a row's cache holds without a scan.
+    held: Vec<[u64; 3]>,
+    free: Vec<u32>,
+    events: u64,
+}
+
+/// No slot.
+const NO_SLOT: u32 = u32::MAX;
+
+/// What a slot holds, plus a hint for the walk: the block a row stored right after this one
+/// (`next_block` in slot `next_slot`). Engines store a prompt's blocks in order, so along a cached
+/// prompt the hint names the next block's slot and the walk skips the hash lookup, reading only
+/// slot data that lies mostly in sequence. A hint is used only after checking that its slot is in
+/// use and holds the very block being looked up, so a stale hint costs a comparison and the
+/// lookup, never a different answer.
+#[derive(Debug, Clone, Copy)]
+struct SlotInfo {
+    block: u64,
+    /// `false` once the slot is freed (until it is reused).
+    live: bool,
+    next_block: u64,
+    next_slot: u32,
+}
+
+impl KvIndex {
+    pub fn new(rows: usize) -> Self {
+        KvIndex {
+            rows,
+            words: rows.div_ceil(64).max(1),
+            slots: FastMap::default(),
+            masks: Vec::new(),
+            offload: Vec::new(),
+            has_offload: false,
+            info: Vec::new(),
+            last_stored: vec![NO_SLOT; rows],
+            held: vec![[0; 3]; rows],
+            free: Vec::new(),
+            events: 0,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Distinct blocks held by at least one row.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Events applied so far.
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+}
+
+/// Maps the replay's rows (`worker_id` 0..workers, `dp_rank` 0..dp_size) to dense indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowMap {
+    pub workers: u32,
+    pub dp_size: u32,
+}
+
+impl RowMap {
+    pub fn rows(&self) -> usize {
+        self.workers as usize * self.dp_size as usize
+    }
+
+    pub fn index(&self, row: RowId) -> Option<usize> {
+        (row.worker_id < u64::from(self.workers) && row.dp_rank < self.dp_size)
+            .then(|| row.worker_id as usize * self.dp_size as usize + row.dp_rank as usize)
+    }
+
+    pub fn row(&self, index: usize) -> RowId {
+        RowId {
+            worker_id: (index / self.dp_size as usize) as u64,
+            dp_rank: (index % self.dp_size as usize) as u32,
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! What the index answers: blocks held per row and tier, and the leading overlap of a
+//! prompt's blocks on every row at once (the walk).
+
+use super::{KvIndex, Tier, NO_SLOT};
+
+impl KvIndex {
+    /// Whether any row ever reported a block off the device.
+    pub fn has_offload_tiers(&self) -> bool {
+        self.has_offload
+    }
+
+    /// Blocks `row` holds on `tier` (0 for a row the index does not know). Constant time: the
+    /// count is kept as events arrive.
+    pub fn held_by(&self, row: u32, tier: Tier) -> u64 {
+        self.held_by_tier(row)[tier as usize]
+    }
+
+    /// Blocks `row` holds on each tier, in [`Tier::ALL`] order.
+    pub fn held_by_tier(&self, row: u32) -> [u64; 3] {
+        self.held.get(row as usize).copied().unwrap_or([0; 3])
+    }
+
+    /// (row, block) pairs held on the device, over all rows.
+    pub fn holdings(&self) -> u64 {
+        self.holdings_in(Tier::Device)
+    }
+
+    /// (row, block) pairs held on `tier`, over all rows.
+    pub fn holdings_in(&self, tier: Tier) -> u64 {
+        if tier != Tier::Device && !self.has_offload {
+            return 0;
+        }
+        let words = self.tier_words(tier);
+        self.slots
+            .values()
+            .map(|&slot| {
+                words[self.word_at(slot, tier, 0)..][..self.words]
+                    .iter()
+                    .map(|w| u64::from(w.count_ones()))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Whether `row` holds `block` on the device.
+    pub fn holds(&self, row: u32, block: u64) -> bool {
+        self.holds_in(row, block, Tier::Device)
+    }
+
+    /// Whether `row` holds `block` on `tier`.
+    pub fn holds_in(&self, row: u32, block: u64, tier: Tier) -> bool {
+        let row = row as usize;
+        if row >= self.rows || (tier != Tier::Device && !self.has_offload) {
+            return false;
+        }
+        self.slots.get(&block).is_some_and(|&slot| {
+            self.tier_words(tier)[self.word_at(slot, tier, row / 64)] & (1 << (row % 64)) != 0
+        })
+    }
+
+    /// `out[row]` = how many leading blocks of `blocks` row holds. `alive` is scratch.
+    pub fn overlaps(&self, blocks: &[u64], out: &mut Vec<u32>, alive: &mut Vec<u64>) {
+        out.clear();
+        out.resize(self.rows, 0);
+        // Up to 128 rows the surviving-rows bitset lives in registers and the per-block work is
+        // unrolled (the same code, with the word count known).
+        match self.words {
+            1 => self.walk(blocks, out, &mut [!0; 1]),
+            2 => self.walk(blocks, out, &mut [!0; 2]),
+            words => {
+                alive.clear();
+                alive.resize(words, !0);
+                self.walk(blocks, out, alive);
+            }
+        }
+    }
+
+    /// Per row, the prompt's leading blocks it can reuse, by the tier they come from:
+    /// `device[row]` leading blocks on the device; then `host[row]` more held on the host (or
+    /// on the device: a block after the device run is reused from where an offload connector
+    /// loads it); then `disk[row]` more held on any tier. `device` is what [`Self::overlaps`]
+    /// gives. Without offload tiers `host` and `disk` are left empty (read as zeros) and the
+    /// walk is the device-only one. `alive` is scratch.
+    pub fn overlaps_by_tier(
+        &self,
+        blocks: &[u64],
+        device: &mut Vec<u32>,
+        host: &mut Vec<u32>,
+        disk: &mut Vec<u32>,
+        alive: &mut Vec<u64>,
+    ) {
+        if !self.has_offload {
+            host.clear();
+            disk.clear();
+            return self.overlaps(blocks, device, alive);
+        }
+        for out in [&mut *device, &mut *host, &mut *disk] {
+            out.clear();
+            out.resize(self.rows, 0);
+        }
+        let words = self.words;
+        alive.clear();
+        alive.resize(3 * words, !0);
+        if !self.rows.is_multiple_of(64) {
+            for level in 0..3 {
+                alive[level * words + words - 1] = (1u64 << (self.rows % 64)) - 1;
+            }
+        }
+        // Three nested runs: on the device; on the device or host; on any tier. `host` and
+        // `disk` hold the second and third run until the differences at the end.
+        let mut runs = [&mut device[..], &mut host[..], &mut disk[..]];
+        let mut depth = 0u32;
+        let mut previous = NO_SLOT;
+        for &block in blocks {
+            let slot = match self.successor(previous, block) {
+                Some(slot) => slot,
+                None => match self.slots.get(&block) {
+                    Some(&slot) => slot,
+                    None => break,
+                },
+            };
+            previous = slot;
+            let on_device = &self.masks[slot as usize * words..][..words];
+            let offload = &self.offload[slot as usize * 2 * words..][..2 * words];
+            let mut any = 0;
+            for w in 0..words {
+                let near = on_device[w] | offload[w];
+                let held = [on_device[w], near, near | offload[words + w]];
+                for (level, (run, held)) in runs.iter_mut().zip(held).enumerate() {
+                    let alive = &mut alive[level * words + w];
+                    let mut dropped = *alive & !held;
+                    while dropped != 0 {
+                        let bit = dropped.trailing_zeros() as usize;
+                        run[w * 64 + bit] = depth;
+                        dropped &= dropped - 1;
+                    }
+                    *alive &= held;
+                }
+                any |= alive[2 * words + w];
+            }
+            if any == 0 {
+                break;
+            }
+            depth += 1;
+        }
+        for (level, run) in runs.iter_mut().enumerate() {
+            for w in 0..words {
+                let mut bits = alive[level * words + w];
+                while bits != 0 {
+                    let bit = bits.trailing_zeros() as usize;
+                    run[w * 64 + bit] = depth;
+                    bits &= bits - 1;
+                }
+            }
+        }
+        for ((device, host), disk) in device.iter().zip(host.iter_mut()).zip(disk.iter_mut()) {
+            *disk -= *host;
+            *host -= *device;
+        }
+    }
+
+    /// [`KvIndex::overlaps`] with `alive` (one word per 64 rows) set to all ones.
+    #[inline(always)]
+    fn walk(&self, blocks: &[u64], out: &mut [u32], alive: &mut [u64]) {
+        let words = alive.len();
+        if !self.rows.is_multiple_of(64) {
+            alive[words - 1] = (1u64 << (self.rows % 64)) - 1;
+        }
+        let mut depth = 0;
+        let mut previous = NO_SLOT;
+        for &block in blocks {
+            let slot = match self.successor(previous, block) {
+                Some(slot) => slot,
+                None => match self.slots.get(&block) {
+                    Some(&slot) => slot,
+                    None => break,
+                },
+            };
+            previous = slot;
+            let mask = &self.masks[slot as usize * words..][..words];
+            // Rows that held every earlier block but not this one stop here. Past the first
+            // blocks of a prompt that is rare (the survivors hold the rest too), so one test
+            // over every word comes first.
+            let dropped = alive
+                .iter()
+                .zip(mask)
+                .fold(0, |dropped, (&alive, &held)| dropped | (alive & !held));
+            if dropped != 0 {
+                let mut any = 0;
+                for (w, (alive, &held)) in alive.iter_mut().zip(mask).enumerate() {
+                    let mut dropped = *alive & !held;
+                    while dropped != 0 {
+                        let bit = dropped.trailing_zeros() as usize;
+                        out[w * 64 + bit] = depth as u32;
+                        dropped &= dropped - 1;
+                    }
+                    *alive &= held;
+                    any |= *alive;
+                }
+                if any == 0 {
+                    return;
+                }
+            }
+            depth += 1;
+        }
+        // The survivors hold the first `depth` blocks.
+        for (w, &alive) in alive.iter().enumerate() {
+            let mut bits = alive;
+            while bits != 0 {
+                let bit = bits.trailing_zeros() as usize;
+                out[w * 64 + bit] = depth as u32;
+                bits &= bits - 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,231 @@
+use super::*;
+
+fn stored(row: u32, block: u64) -> KvEvent {
+    KvEvent::on_device(row, KvEventKind::Stored, block)
+}
+
+fn event(row: u32, kind: KvEventKind, block: u64, tier: Tier) -> KvEvent {
+    KvEvent {
+        row,
+        kind,
+        block,
+        tier,
+    }
+}
+
+#[test]
+fn leading_runs_per_row_across_word_boundaries() {
+    for rows in [3usize, 64, 70, 130] {
+        let mut index = KvIndex::new(rows);
+        let last = rows as u32 - 1;
+        for b in [1, 2, 3] {
+            index.apply(&stored(0, b));
+            index.apply(&stored(last, b));
+        }
+        index.apply(&stored(1, 1));
+        index.apply(&stored(1, 3)); // not leading: 2 missing
+        let (mut out, mut alive) = (Vec::new(), Vec::new());
+        index.overlaps(&[1, 2, 3, 4], &mut out, &mut alive);
+        assert_eq!(out.len(), rows);
+        assert_eq!(
+            (out[0], out[1], out[last as usize]),
+            (3, 1, 3),
+            "rows {rows}"
+        );
+        if rows > 3 {
+            assert_eq!(out[2], 0);
+        }
+        index.apply(&event(0, KvEventKind::Evicted, 2, Tier::Device));
+        index.overlaps(&[1, 2, 3, 4], &mut out, &mut alive);
+        assert_eq!((out[0], out[last as usize]), (1, 3));
+        assert!(!index.holds(0, 2) && index.holds(last, 2));
+    }
+}
+
+/// The walk (hints, their fallbacks, slot reuse, every word count) against the definition:
+/// per row, the number of leading blocks it holds.
+#[test]
+fn overlaps_match_a_naive_reference_under_random_events() {
+    use std::collections::HashSet;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for rows in [1usize, 5, 64, 70, 128, 130] {
+        let mut index = KvIndex::new(rows);
+        let mut held: Vec<HashSet<u64>> = vec![HashSet::new(); rows];
+        // Prompts over a small block alphabet: shared prefixes, repeats, reuse of freed slots.
+        let prompts: Vec<Vec<u64>> = (0..24)
+            .map(|p| {
+                let mut blocks: Vec<u64> = (0..next(4)).map(|i| 1000 + i).collect();
+                blocks.extend((0..2 + next(10)).map(|_| next(60)));
+                if p % 5 == 0 {
+                    blocks.push(blocks[0]);
+                }
+                blocks
+            })
+            .collect();
+        let (mut out, mut alive) = (Vec::new(), Vec::new());
+        for step in 0..3_000 {
+            let row = next(rows as u64) as u32;
+            let prompt = &prompts[next(prompts.len() as u64) as usize];
+            match next(3) {
+                // Store a leading run in order, as an engine does (skipping held blocks).
+                0 | 1 => {
+                    for &block in &prompt[..=next(prompt.len() as u64) as usize] {
+                        if held[row as usize].insert(block) {
+                            index.apply(&stored(row, block));
+                        }
+                    }
+                }
+                // Evict some blocks of the prompt.
+                _ => {
+                    for &block in prompt.iter().filter(|_| next(2) == 0) {
+                        if held[row as usize].remove(&block) {
+                            index.apply(&event(row, KvEventKind::Evicted, block, Tier::Device));
+                        }
+                    }
+                }
+            }
+            let query = &prompts[next(prompts.len() as u64) as usize];
+            index.overlaps(query, &mut out, &mut alive);
+            for (r, set) in held.iter().enumerate() {
+                let expected = query.iter().take_while(|b| set.contains(b)).count();
+                assert_eq!(
+                    out[r] as usize, expected,
+                    "rows {rows}, step {step}, row {r}"
+                );
+            }
+        }
+        let pairs: usize = held.iter().map(HashSet::len).sum();
+        assert_eq!(index.holdings(), pairs as u64);
+    }
+}
+
+#[test]
+fn evicting_the_last_holder_frees_the_block() {
+    let mut index = KvIndex::new(2);
+    index.apply(&stored(0, 9));
+    index.apply(&stored(1, 9));
+    for row in [0, 1] {
+        index.apply(&event(row, KvEventKind::Evicted, 9, Tier::Device));
+    }
+    assert!(index.is_empty());
+    index.apply(&stored(1, 10));
+    assert_eq!(index.len(), 1);
+    assert!(index.holds(1, 10));
+}
+
+/// The per-tier runs against the definition, under random stores and evictions on every
+/// tier, with rows added past a word boundary midway and rows or single tiers cleared.
+#[test]
+fn overlaps_by_tier_match_a_naive_reference() {
+    use std::collections::HashSet;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for (rows, grown) in [(1usize, 3usize), (5, 70), (64, 130), (70, 70)] {
+        let mut index = KvIndex::new(rows);
+        let mut rows = rows;
+        // held[row][tier]
+        let mut held: Vec<[HashSet<u64>; 3]> = vec![Default::default(); grown];
+        let prompts: Vec<Vec<u64>> = (0..16)
+            .map(|_| (0..3 + next(8)).map(|i| i * 7 + next(3)).collect())
+            .collect();
+        let (mut device, mut host, mut disk, mut alive) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for step in 0..2_000 {
+            if step == 1_000 {
+                index.ensure_rows(grown);
+                rows = grown;
+            }
+            let row = next(rows as u64) as u32;
+            let tier = Tier::ALL[next(3) as usize];
+            let t = tier as usize;
+            let prompt = &prompts[next(prompts.len() as u64) as usize];
+            match next(7) {
+                0..=3 => {
+                    for &block in &prompt[..=next(prompt.len() as u64) as usize] {
+                        if held[row as usize][t].insert(block) {
+                            index.apply(&event(row, KvEventKind::Stored, block, tier));
+                        }
+                    }
+                }
+                4 | 5 => {
+                    for &block in prompt.iter().filter(|_| next(2) == 0) {
+                        if held[row as usize][t].remove(&block) {
+                            index.apply(&event(row, KvEventKind::Evicted, block, tier));
+                        }
+                    }
+                }
+                _ if next(4) == 0 => {
+                    let n: usize = held[row as usize].iter().map(HashSet::len).sum();
+                    assert_eq!(index.clear_row(row), n as u64);
+                    held[row as usize].iter_mut().for_each(HashSet::clear);
+                }
+                _ => {
+                    let n = held[row as usize][t].len() as u64;
+                    assert_eq!(index.clear_row_tier(row, tier), n, "step {step}");
+                    held[row as usize][t].clear();
+                }
+            }
+            let query = &prompts[next(prompts.len() as u64) as usize];
+            index.overlaps_by_tier(query, &mut device, &mut host, &mut disk, &mut alive);
+            for (r, sets) in held.iter().enumerate().take(rows) {
+                let on = |tiers: &[usize], b: &u64| tiers.iter().any(|&t| sets[t].contains(b));
+                let run = |tiers: &[usize]| query.iter().take_while(|b| on(tiers, b)).count();
+                let (d, dh, all) = (run(&[0]), run(&[0, 1]), run(&[0, 1, 2]));
+                let got = |v: &Vec<u32>| v.get(r).copied().unwrap_or(0) as usize;
+                assert_eq!(
+                    (got(&device), got(&host), got(&disk)),
+                    (d, dh - d, all - dh),
+                    "rows {rows}, step {step}, row {r}"
+                );
+                for (t, tier) in Tier::ALL.into_iter().enumerate() {
+                    assert_eq!(
+                        index.held_by(r as u32, tier),
+                        sets[t].len() as u64,
+                        "step {step}"
+                    );
+                }
+                for (t, tier) in Tier::ALL.into_iter().enumerate().filter(|_| step % 16 == 0) {
+                    for b in query {
+                        assert_eq!(index.holds_in(r as u32, *b, tier), sets[t].contains(b));
+                    }
+                }
+            }
+        }
+        for (t, tier) in Tier::ALL.into_iter().enumerate() {
+            let pairs: usize = held.iter().map(|sets| sets[t].len()).sum();
+            assert_eq!(index.holdings_in(tier), pairs as u64, "{tier:?}");
+        }
+        let distinct: HashSet<u64> = held.iter().flatten().flatten().copied().collect();
+        assert_eq!(index.len(), distinct.len());
+    }
+}
+
+#[test]
+fn a_device_only_index_has_no_offload_columns() {
+    let mut index = KvIndex::new(2);
+    index.apply(&stored(0, 1));
+    // An eviction from a tier never stored changes nothing and allocates nothing.
+    index.apply(&event(0, KvEventKind::Evicted, 1, Tier::Host));
+    assert!(!index.has_offload_tiers());
+    let (mut device, mut host, mut disk, mut alive) = (vec![9], vec![9], vec![9], Vec::new());
+    index.overlaps_by_tier(&[1, 2], &mut device, &mut host, &mut disk, &mut alive);
+    assert_eq!((device, host, disk), (vec![1, 0], vec![], vec![]));
+    // A block kept only on the host keeps its slot after the device copy goes.
+    index.apply(&event(1, KvEventKind::Stored, 1, Tier::Host));
+    index.apply(&event(0, KvEventKind::Evicted, 1, Tier::Device));
+    assert_eq!(index.len(), 1);
+    assert!(index.holds_in(1, 1, Tier::Host) && !index.holds(0, 1));
+    index.apply(&event(1, KvEventKind::Evicted, 1, Tier::Host));
+    assert!(index.is_empty());
+}

@@ -1,0 +1,391 @@
+//! The OpenAI endpoints: read and check the body, tokenize the prompt, turn its tokens into
+//! block ids, route it through the core (`submit_indexed`: sessions, admission, the policy,
+//! booking), forward the body (unchanged, or with the prompt as its ids under
+//! `serve.forward_token_ids`) to the chosen engine and relay its answer byte for byte.
+//! The routing rules are the core's; this file only maps HTTP onto them.
+//!
+//! Here: the handlers and `proxy()`, one request from its body to the engine's answer;
+//! `tokens.rs` tokenizes the prompt, `route.rs` routes it through admission, `forward.rs`
+//! sends it to the engine and answers with the engine's status and headers, `relay.rs` streams
+//! its body.
+
+mod forward;
+mod relay;
+mod route;
+mod tokens;
+
+pub use forward::decision_headers;
+
+use forward::{
+    respond, retryable_status, send, UpstreamFailure, LOCAL_FAILURE, LOCAL_RESOURCE_LOG,
+};
+use route::{admit, decision_info, record_decision};
+use tokens::{estimate_tokens, tokens_for, with_token_ids};
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use plugin_api::abi::CompletionCode;
+use router_core::blocks::{BlockHasher, Tenant};
+
+use super::app::App;
+use super::errors::ApiError;
+use super::health;
+use super::lifecycle::Flight;
+use super::request::{self, Endpoint};
+use super::state::Generation;
+use crate::model::Request;
+
+/// `POST /v1/completions`.
+pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, Endpoint::Completions, headers, body).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(app, Endpoint::ChatCompletions, headers, body).await
+}
+
+async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let received = Instant::now();
+    let generation = app.current.load();
+    match proxy(&app, &generation, endpoint, &headers, body, received).await {
+        Ok(response) => response,
+        Err(err) => {
+            app.metrics.request(endpoint.label(), err.outcome());
+            tracing::info!(
+                endpoint = endpoint.label(),
+                status = err.status.as_u16(),
+                code = err.code,
+                error = %err.message,
+                "request refused"
+            );
+            err.into_response()
+        }
+    }
+}
+
+static BODY_TIMEOUT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
+
+/// Read the body, refusing one over `limit` bytes with 413. A body a little over the limit is
+/// read to its end first (so the client, still sending, gets the answer rather than a reset);
+/// one far over it is cut off.
+async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let discard_up_to = limit.saturating_mul(4).max(64 * 1024 * 1024);
+    if declared.is_some_and(|n| n > discard_up_to) {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut stream = body.into_data_stream();
+    let mut buffer: Vec<u8> =
+        Vec::with_capacity(usize::try_from(declared.unwrap_or(0).min(limit)).unwrap_or(0));
+    let mut seen: u64 = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|err| {
+            ApiError::bad_request("body_read_failed", format!("cannot read the body: {err}"))
+        })?;
+        seen = seen.saturating_add(chunk.len() as u64);
+        if seen > discard_up_to {
+            return Err(ApiError::too_large(limit));
+        }
+        if seen <= limit {
+            buffer.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(Bytes::from(buffer))
+}
+
+async fn proxy(
+    app: &Arc<App>,
+    generation: &Arc<Generation>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    received: Instant,
+) -> Result<Response, ApiError> {
+    let serve = &generation.serve;
+    let body_read = serve.timeouts.body_read;
+    let bytes =
+        match tokio::time::timeout(body_read, read_body(headers, body, serve.max_body_bytes)).await
+        {
+            Ok(read) => read?,
+            Err(_elapsed) => {
+                app.metrics.client_timeout("body");
+                if let Some(left_out) = BODY_TIMEOUT_LOG.check() {
+                    tracing::warn!(
+                        body_read_ms = body_read.as_millis() as u64,
+                        similar_lines_left_out = left_out,
+                        "client request body too slow; answered 408 and closed \
+                     (serve.timeouts.body_read_ms)"
+                    );
+                }
+                return Err(ApiError::body_timeout(body_read));
+            }
+        };
+    let parsed = request::parse(endpoint, &bytes)?;
+    let session = request::session_id(headers, &parsed.body, serve)?;
+
+    let tokenize_started = Instant::now();
+    let tokens = tokens_for(app, generation, &parsed).await?;
+    let tokenize_time = tokenize_started.elapsed();
+    app.metrics.stage("tokenize", tokenize_time.as_secs_f64());
+    // Each prompt's ids, in order (none when it could not be tokenized).
+    let (ids, max_model_len): (Vec<Vec<u32>>, Option<u64>) = match tokens {
+        Some(tokens) => {
+            let max_model_len = tokens.iter().filter_map(|t| t.max_model_len).min();
+            (tokens.into_iter().map(|t| t.ids).collect(), max_model_len)
+        }
+        None => (Vec::new(), None),
+    };
+    let lengths: Vec<u64> = parsed
+        .prompts()
+        .enumerate()
+        .map(|(i, prompt)| match ids.get(i) {
+            Some(ids) if !ids.is_empty() => ids.len() as u64,
+            _ => estimate_tokens(prompt),
+        })
+        .collect();
+    // The engine prefills every prompt of a batch: all of them are booked.
+    let isl = lengths.iter().fold(0u64, |sum, &n| sum.saturating_add(n));
+    // The limits hold per prompt, as vLLM checks them.
+    for (limit, what) in [
+        (serve.max_prompt_tokens, "serve.max_prompt_tokens"),
+        (max_model_len, "the engine's max_model_len"),
+    ] {
+        let Some(limit) = limit else { continue };
+        let Some((index, &n)) = lengths.iter().enumerate().find(|&(_, &n)| n > limit) else {
+            continue;
+        };
+        let message = if lengths.len() == 1 {
+            format!("the prompt has {n} tokens, over the limit of {limit} ({what})")
+        } else {
+            format!(
+                "prompt {index} has {n} tokens, over the limit of {limit} ({what}); the batch's \
+                 {} prompts count from 0",
+                lengths.len()
+            )
+        };
+        return Err(ApiError::bad_request("prompt_too_long", message).param(
+            if endpoint == Endpoint::Completions {
+                "prompt"
+            } else {
+                "messages"
+            },
+        ));
+    }
+    // An adapter's KV is its own: vLLM keys its blocks with the adapter's name.
+    let lora = Some(parsed.model.as_str()).filter(|m| serve.lora_adapters.iter().any(|a| a == m));
+    let tenant = Tenant {
+        lora,
+        cache_salt: parsed.cache_salt.as_deref(),
+    };
+    let hasher = BlockHasher::new(generation.config.block_size, tenant)
+        .map_err(|err| ApiError::internal(err.to_string()))?;
+    // The core's `Request` carries one block chain, so a batch is routed by its first prompt's
+    // blocks: a batch's shared preamble is in its first prompt, and the others' own overlap is
+    // not credited. `isl` above still counts every prompt.
+    let mut blocks = Vec::new();
+    hasher.prompt_blocks(ids.first().map_or(&[][..], Vec::as_slice), &mut blocks);
+    let expected_output_tokens = parsed
+        .body
+        .get("max_completion_tokens")
+        .or_else(|| parsed.body.get("max_tokens"))
+        .and_then(serde_json::Value::as_u64);
+
+    let bytes = if serve.forward_token_ids {
+        with_token_ids(endpoint, &parsed, &ids).unwrap_or(bytes)
+    } else {
+        bytes
+    };
+
+    let attempts = 1 + serve.retries as usize;
+    let mut excluded: Vec<u64> = Vec::new();
+    let mut last_failure: Option<UpstreamFailure> = None;
+    for attempt in 0..attempts {
+        let allowed = (!excluded.is_empty()).then(|| {
+            generation
+                .upstreams
+                .iter()
+                .map(|u| u.id)
+                .filter(|id| !excluded.contains(id))
+                .collect::<Vec<_>>()
+        });
+        let request = Request {
+            blocks: blocks.clone(),
+            isl_tokens: isl,
+            session_id: session.clone(),
+            allowed_worker_ids: allowed,
+            expected_output_tokens,
+            ..Request::default()
+        };
+        let decide_started = Instant::now();
+        let routed = match admit(app, generation, request, endpoint).await {
+            Ok(routed) => routed,
+            // Retrying, and no other row is left: the client gets the upstream failure.
+            Err(err) if attempt > 0 && err.status == StatusCode::SERVICE_UNAVAILABLE => {
+                if let Some(failure) = last_failure {
+                    return Err(ApiError::upstream(failure.status, failure.message));
+                }
+                return Err(err);
+            }
+            Err(err) => return Err(err),
+        };
+        let decide_time = decide_started.elapsed().saturating_sub(routed.queued_for);
+        app.metrics.stage("decide", decide_time.as_secs_f64());
+        let info = decision_info(generation, &routed);
+        record_decision(app, generation, &routed, &info);
+        let row = info.row;
+        let flight = Flight::new(
+            app.clone(),
+            generation.clone(),
+            &routed,
+            info,
+            endpoint.label(),
+            received,
+        );
+        let Some(upstream) = generation.upstream(row.worker_id) else {
+            flight.release_uncounted(CompletionCode::FAILED);
+            return Err(ApiError::internal(format!(
+                "worker {} has no upstream URL",
+                row.worker_id
+            )));
+        };
+        let overhead = received.elapsed().saturating_sub(routed.queued_for);
+        app.metrics.stage("total", overhead.as_secs_f64());
+        let last = attempt + 1 == attempts;
+        let sent = send(generation, upstream, row, endpoint, headers, bytes.clone()).await;
+        if let Ok(response) = &sent {
+            app.metrics.upstream_connection(response.connection);
+        }
+        match sent {
+            Ok(response) if retryable_status(response.status) && !last => {
+                app.metrics.upstream_error(row.worker_id, "status");
+                app.metrics.retries.inc();
+                flight.retried(&format!(
+                    "engine {} answered {}",
+                    row.worker_id, response.status
+                ));
+                excluded.push(row.worker_id);
+            }
+            Ok(response) => return Ok(respond(generation, response, flight)),
+            // The router's own descriptors or ports ran out: the engine is not at fault, and
+            // another row would fail the same way.
+            Err(failure) if failure.kind == LOCAL_FAILURE => {
+                app.metrics.local_resource_error("upstream_connect");
+                if let Some(left_out) = LOCAL_RESOURCE_LOG.check() {
+                    tracing::error!(
+                        worker = row.worker_id,
+                        error = %failure.message,
+                        similar_lines_left_out = left_out,
+                        "cannot connect to the engine: the router ran out of file descriptors, \
+                         local ports or memory; the engine is not marked unhealthy \
+                         (router_local_resource_errors_total)"
+                    );
+                }
+                // Counted and logged once, by `handle`, as the 503 it answers.
+                flight.release_uncounted(CompletionCode::CANCELLED);
+                return Err(ApiError::local_resources(format!(
+                    "the router is out of local resources (file descriptors, ports or memory) \
+                     and cannot reach an engine now; retry later: {}",
+                    failure.message
+                )));
+            }
+            Err(failure) => {
+                app.metrics.upstream_error(row.worker_id, failure.kind);
+                if failure.kind == "connect" {
+                    health::mark(
+                        &app.health,
+                        generation,
+                        row.worker_id,
+                        false,
+                        Some(failure.message.clone()),
+                    );
+                }
+                if last {
+                    tracing::warn!(worker = row.worker_id, error = %failure.message, "upstream failed");
+                    flight.release_uncounted(CompletionCode::FAILED);
+                    return Err(ApiError::upstream(failure.status, failure.message));
+                }
+                app.metrics.retries.inc();
+                flight.retried(&failure.message);
+                excluded.push(row.worker_id);
+                last_failure = Some(failure);
+            }
+        }
+    }
+    Err(ApiError::internal("no attempt was made"))
+}
+
+/// `GET /v1/models`: `serve.models` when configured, else the first healthy engine's list.
+pub async fn models(State(app): State<Arc<App>>) -> Response {
+    let generation = app.current.load();
+    let label = Endpoint::Models.label();
+    if !generation.serve.models.is_empty() {
+        let data: Vec<serde_json::Value> = generation
+            .serve
+            .models
+            .iter()
+            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "router-host"}))
+            .collect();
+        app.metrics.request(label, "completed");
+        let body = serde_json::json!({"object": "list", "data": data}).to_string();
+        return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+    }
+    let mut last_error = String::from("no engine is healthy");
+    for upstream in &generation.upstreams {
+        if !app.health.is_healthy(upstream.id) {
+            continue;
+        }
+        let url = format!("{}/v1/models", upstream.base);
+        let timeout = generation.serve.timeouts.tokenize;
+        let request = generation.client.get(&url).timeout(timeout);
+        let answer = super::engine_calls::call_engine(
+            Some(&app.metrics),
+            upstream.id,
+            "models",
+            request,
+            super::engine_calls::MODELS_ANSWER_LIMIT,
+        )
+        .await;
+        match answer {
+            Ok(answer) if answer.status.is_success() => {
+                app.metrics.request(label, "completed");
+                let mut response = Response::new(Body::from(answer.body));
+                if let Some(content_type) = answer.content_type {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, content_type);
+                }
+                return response;
+            }
+            Ok(answer) => last_error = format!("GET {url}: {}", answer.status),
+            Err(err) => {
+                if err.is_local() {
+                    app.metrics.local_resource_error("models");
+                }
+                last_error = format!("GET {url}: {err}");
+            }
+        }
+    }
+    let err = ApiError::unavailable(
+        "no_healthy_worker",
+        format!("cannot list models: {last_error}"),
+    );
+    app.metrics.request(label, err.outcome());
+    err.into_response()
+}

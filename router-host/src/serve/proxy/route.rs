@@ -1,0 +1,202 @@
+//! Routing through the core and admission, as the client sees it: the queue wait, the
+//! errors, and the decision recorded in the metrics and the logs.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use router_core::sessions::SessionError;
+
+use crate::eligibility::EligibilityError;
+use crate::host::{RouteError, Routed, SessionOutcome, Submitted};
+use crate::model::Request;
+use crate::router::SelectError;
+use crate::serve::app::App;
+use crate::serve::errors::ApiError;
+use crate::serve::lifecycle::{DecisionInfo, Queued};
+use crate::serve::request::Endpoint;
+use crate::serve::state::Generation;
+
+/// Why a request was not routed, as the client is told.
+pub(super) fn route_error(err: RouteError) -> ApiError {
+    match err {
+        RouteError::Select(SelectError::Eligibility(e)) => {
+            let code = match e {
+                EligibilityError::AllOverloaded => "all_workers_overloaded",
+                _ => "no_eligible_worker",
+            };
+            ApiError::unavailable(code, format!("no worker can take the request: {e}"))
+        }
+        RouteError::Select(e @ SelectError::Policy { .. }) => {
+            ApiError::unavailable("policy_failed", format!("routing failed: {e}"))
+        }
+        // `session_affinity.store.on_unavailable: refuse` (docs/replicas.md).
+        RouteError::Session(e @ SessionError::StoreUnavailable { .. }) => ApiError::unavailable(
+            "session_store_unavailable",
+            format!("the session binding store cannot be reached, and this router refuses requests that carry a session meanwhile: {e}"),
+        ),
+        RouteError::Session(e) => {
+            ApiError::bad_request("invalid_session_id", format!("session: {e}"))
+        }
+        e @ RouteError::QueueTimeout { .. } => {
+            ApiError::queue_timeout(e.to_string(), Duration::from_secs(1))
+        }
+        e @ RouteError::WorkerRemoved { .. } => {
+            ApiError::unavailable("worker_removed", e.to_string())
+        }
+        e @ RouteError::EvaluationStalled { .. } => {
+            ApiError::unavailable("policy_stalled", e.to_string())
+        }
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+/// Dispatch through admission: at once, or after waiting in the class's queue up to its
+/// `max_queue_wait_ms` (else `serve.timeouts.queue_ms`); 429 past that.
+pub(super) async fn admit(
+    app: &Arc<App>,
+    generation: &Arc<Generation>,
+    request: Request,
+    endpoint: Endpoint,
+) -> Result<Routed, ApiError> {
+    let core = generation.host.core();
+    let wait = generation
+        .config
+        .policy_class(request.policy_class.as_deref().unwrap_or("default"))
+        .and_then(|c| c.max_queue_wait)
+        .unwrap_or(generation.serve.timeouts.queue);
+    // The decision may wait: on a shared session store (a network round trip), or on a policy
+    // that hangs (the watchdog takes the instance out of service, but cannot give its thread
+    // back). `offload.rs` decides where it runs so that one stuck call never stops the server
+    // (tests/serve_hangs.rs).
+    let submitted = app
+        .offload
+        .decide(generation, || core.submit_indexed(request, true))
+        .await;
+    let ticket = match submitted {
+        Ok(Submitted::Dispatched(routed)) => return Ok(routed),
+        Ok(Submitted::Queued(ticket)) => ticket,
+        Err(err) => return Err(route_error(err)),
+    };
+    let started = Instant::now();
+    let mut queued = Queued::new(app.clone(), generation.clone(), ticket, endpoint.label());
+    let waited = match queued.ticket() {
+        Some(ticket) => tokio::time::timeout(wait, ticket).await,
+        None => return Err(ApiError::internal("queued request has no ticket")),
+    };
+    let outcome = match waited {
+        Ok(outcome) => outcome,
+        Err(_elapsed) if queued.cancel() => {
+            app.metrics.queue_outcome("timeout");
+            app.metrics
+                .queue_wait
+                .observe(started.elapsed().as_secs_f64());
+            return Err(ApiError::queue_timeout(
+                format!(
+                    "waited {} ms in the admission queue without a free row; retry later",
+                    wait.as_millis()
+                ),
+                Duration::from_secs(1),
+            ));
+        }
+        // Being dispatched at this moment: its outcome is moments away, unless the policy call
+        // deciding it hung. Past the core's stall limit it is given up: the core releases
+        // whatever it gets, and the client hears why.
+        Err(_elapsed) => {
+            let stall = core.drain_stall();
+            let Some(ticket) = queued.ticket() else {
+                return Err(ApiError::internal("queued request has no ticket"));
+            };
+            match tokio::time::timeout(stall, &mut *ticket).await {
+                Ok(outcome) => outcome,
+                Err(_elapsed) => match core.abandon(ticket) {
+                    Some(outcome) => Some(outcome),
+                    None => {
+                        queued.disarm();
+                        app.metrics.queue_outcome("stalled");
+                        app.metrics
+                            .queue_wait
+                            .observe(started.elapsed().as_secs_f64());
+                        let stall_ms = u64::try_from(stall.as_millis()).unwrap_or(u64::MAX);
+                        return Err(route_error(RouteError::EvaluationStalled { stall_ms }));
+                    }
+                },
+            }
+        }
+    };
+    queued.disarm();
+    app.metrics
+        .queue_wait
+        .observe(started.elapsed().as_secs_f64());
+    match outcome {
+        Some(Ok(routed)) => {
+            app.metrics.queue_outcome("admitted");
+            Ok(routed)
+        }
+        Some(Err(err)) => {
+            let timeout = matches!(err, RouteError::QueueTimeout { .. });
+            app.metrics
+                .queue_outcome(if timeout { "timeout" } else { "failed" });
+            Err(route_error(err))
+        }
+        None => Err(ApiError::internal("the queued request's outcome was lost")),
+    }
+}
+
+pub(super) fn decision_info(generation: &Generation, routed: &Routed) -> DecisionInfo {
+    let d = &routed.decision;
+    let router = generation.host.router();
+    let session = match &routed.session {
+        None => "-".to_owned(),
+        Some(SessionOutcome::Dispatched(o)) => o.as_str().to_owned(),
+        Some(SessionOutcome::HardBindingGone) => "hard_binding_gone".to_owned(),
+        Some(SessionOutcome::NotRecorded(_)) => "not_recorded".to_owned(),
+    };
+    DecisionInfo {
+        row: d.row,
+        instance: router.instance(d.instance).name.clone(),
+        policy: router.instance(d.decided_by).type_name.clone(),
+        reason: d
+            .explanation
+            .as_ref()
+            .map(|e| e.reason.clone())
+            .filter(|r| !r.is_empty())
+            .unwrap_or_else(|| "none".to_owned()),
+        fallback: d.fallback.as_ref().map(ToString::to_string),
+        session,
+        queued: routed.queued_for,
+    }
+}
+
+pub(super) fn record_decision(
+    app: &App,
+    generation: &Generation,
+    routed: &Routed,
+    info: &DecisionInfo,
+) {
+    app.metrics
+        .decisions
+        .get_or_create(&crate::serve::metrics::DecisionLabels {
+            instance: info.instance.clone(),
+            policy: info.policy.clone(),
+            reason: info.reason.clone(),
+            fallback: info.fallback.is_some().to_string(),
+        })
+        .inc();
+    if info.session != "-" {
+        app.metrics.session(&info.session);
+    }
+    if let Some(e) = &routed.decision.explanation {
+        tracing::debug!(
+            worker = info.row.worker_id,
+            dp_rank = info.row.dp_rank,
+            instance = %info.instance,
+            reason = %e.reason,
+            fields = ?e.fields,
+            labels = ?e.labels,
+            candidates = routed.decision.candidates,
+            pick_ns = routed.decision.pick_ns,
+            config = generation.number,
+            "decision explained"
+        );
+    }
+}
