@@ -94,19 +94,13 @@ impl Host {
         )
     }
 
-    /// A host on the wall clock for a configuration that replaces `previous` (`serve`'s reload),
-    /// sharing the previous host's session table when both keep bindings in this process with
-    /// the same mode, TTL and cap: a reload then keeps every session binding and the in-flight
-    /// counts of requests still running on the previous configuration. When the table cannot be
-    /// shared, the router and cluster are handed back (the caller builds the host anew; bindings in a shared store outlive
-    /// the process anyway).
-    pub fn reusing_sessions_of(
-        router: Router,
-        cluster: Cluster,
-        config: &RouterConfig,
-        previous: &Host,
-    ) -> Result<Self, (Router, Cluster)> {
-        let reusable = match (
+    /// The session table of `previous` when a configuration that replaces it (`serve`'s
+    /// reload) keeps bindings in this process with the same mode, TTL and cap: a host built
+    /// on it ([`Host::with_table`]) keeps every session binding and the in-flight counts of
+    /// requests still running on the previous configuration. `None` when the table cannot be
+    /// shared (bindings in a shared store outlive the process anyway).
+    pub fn reusable_table(config: &RouterConfig, previous: &Host) -> Option<Arc<SessionTable>> {
+        match (
             &config.session_affinity,
             &config.session_store,
             &previous.sessions,
@@ -116,20 +110,30 @@ impl Host {
                     && table.ttl() == a.ttl
                     && table.max_bindings() == a.max_bindings =>
             {
-                table.clone()
+                Some(table.clone())
             }
-            _ => return Err((router, cluster)),
-        };
-        let store = reusable.clone() as Arc<dyn SessionStore>;
-        Ok(Self::assemble(
+            _ => None,
+        }
+    }
+
+    /// A host on the wall clock whose bindings live in `table`, an in-process table kept from
+    /// a previous host ([`Host::reusable_table`]).
+    pub fn with_table(
+        router: Router,
+        cluster: Cluster,
+        config: &RouterConfig,
+        table: Arc<SessionTable>,
+    ) -> Self {
+        let store = table.clone() as Arc<dyn SessionStore>;
+        Self::assemble(
             router,
             cluster,
             config,
             Arc::new(SystemClock),
             Some(store),
-            Some(reusable),
+            Some(table),
             0,
-        ))
+        )
     }
 
     /// Whether this host's bindings live in `other`'s table (a reload that kept them).

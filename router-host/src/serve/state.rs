@@ -123,7 +123,7 @@ impl Generation {
     /// host, load a local tokenizer. Blocking (file I/O, `dlopen`): run it off the request path.
     ///
     /// On a reload, `previous` is the running generation: the new one keeps its session table
-    /// when the settings allow ([`Host::reusing_sessions_of`]), so a reload forgets no binding. (Its
+    /// when the settings allow ([`Host::reusable_table`]), so a reload forgets no binding. (Its
     /// KV index is seeded by the KV-event subscribers, `kv_events/`.)
     pub fn load(
         options: &ServeOptions,

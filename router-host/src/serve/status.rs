@@ -32,8 +32,8 @@ struct PolicyStates {
 
 fn policy_states(router: &crate::router::Router) -> PolicyStates {
     use crate::config::OnError;
-    use crate::model::RequestRole;
     use crate::instance::InstanceState;
+    use crate::model::RequestRole;
     let mut states = PolicyStates {
         instances: Vec::new(),
         out_of_service: Vec::new(),

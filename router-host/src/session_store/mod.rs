@@ -26,7 +26,7 @@ use router_core::sessions::SessionStore;
 /// process's table, or a Redis/Valkey shared with other replicas (connected here, bounded by the
 /// store timeout; an unreachable store starts in an outage and reconnects by itself), returned
 /// beside the host for its metrics. On a reload, `previous` is the running host: its in-process
-/// table is kept when the settings allow ([`Host::reusing_sessions_of`]).
+/// table is kept when the settings allow ([`Host::reusable_table`]).
 ///
 /// # Errors
 /// [`StoreError`] when the store's URL cannot be used or its thread cannot start.
@@ -36,13 +36,9 @@ pub fn live_host(
     config: &RouterConfig,
     previous: Option<&Host>,
 ) -> Result<(Host, Option<Arc<RedisStore>>), StoreError> {
-    let (router, cluster) = match previous {
-        Some(previous) => match Host::reusing_sessions_of(router, cluster, config, previous) {
-            Ok(host) => return Ok((host, None)),
-            Err(handed_back) => handed_back,
-        },
-        None => (router, cluster),
-    };
+    if let Some(table) = previous.and_then(|previous| Host::reusable_table(config, previous)) {
+        return Ok((Host::with_table(router, cluster, config, table), None));
+    }
     match (&config.session_affinity, &config.session_store) {
         (Some(a), SessionStoreConfig::Redis(redis)) => {
             let store = Arc::new(RedisStore::start(
