@@ -9,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use router_host::config::RouterConfig;
 use router_host::host::Host;
 use router_host::loader::SearchPath;
-use router_host::router::Router;
+use router_host::policy_set::PolicySet;
 use router_host::scenario::{self, Scenario};
 
 fn config() -> &'static RouterConfig {
@@ -29,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
         }
     };
     let cfg = config();
-    let router = Router::from_config(cfg, &SearchPath::default()).expect("built-in router");
+    let router = PolicySet::from_config(cfg, &SearchPath::default()).expect("built-in router");
     let mut host = Host::new(router, scenario.cluster.clone(), cfg);
     let outcomes = scenario::run(&mut host, &scenario);
     assert_eq!(outcomes.len(), scenario.requests.len());

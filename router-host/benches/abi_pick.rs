@@ -88,7 +88,7 @@ struct Fixture {
 fn fixture() -> Fixture {
     let config = common::two_tier_config("{}", "");
     // Leaked so the borrowed policy object can outlive the closures criterion keeps.
-    let router: &'static router_host::router::Router =
+    let router: &'static router_host::policy_set::PolicySet =
         Box::leak(Box::new(common::two_tier_router(&config)));
     let instance =
         router.instance(router.instance_for(router_host::model::RequestRole::Aggregated));

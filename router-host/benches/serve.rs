@@ -35,11 +35,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use engine::{workers_yaml, Engine, Router};
+use engine::{workers_yaml, Engine, TestRouter};
 
 // ---- what engine.rs takes from tests/common ------------------------------------------------
 
-/// A scratch directory removed when dropped (engine.rs's `Router` keeps its config in one).
+/// A scratch directory removed when dropped (engine.rs's `TestRouter` keeps its config in one).
 pub struct TempDir(PathBuf);
 
 impl std::ops::Deref for TempDir {
@@ -172,7 +172,7 @@ async fn start_bare_proxy(engines: &[&Engine]) -> BareProxy {
 
 /// What requests go through: `serve`, or the floor.
 enum Front {
-    Serve(Router),
+    Serve(TestRouter),
     Bare(BareProxy),
 }
 
@@ -595,7 +595,7 @@ fn main() {
             Front::Bare(router_rt.block_on(start_bare_proxy(&[&engines[0], &engines[1]])))
         } else {
             let yaml = setup_yaml(setup, &[&engines[0], &engines[1]]);
-            Front::Serve(router_rt.block_on(Router::start(&setup.replace('/', "-"), &yaml)))
+            Front::Serve(router_rt.block_on(TestRouter::start(&setup.replace('/', "-"), &yaml)))
         };
         let via_urls: Vec<Arc<str>> = vec![Arc::from(router.url("/v1/completions"))];
         let nodelay = std::env::var("ROUTER_BENCH_SERVE_NODELAY").as_deref() == Ok("1");

@@ -13,7 +13,9 @@
 pub use router_config as config;
 pub use router_config::input;
 pub use router_core::{eligibility, fast_hash, kv_index, log_limit, model, rng, sessions};
-pub use router_policies::{builtin, catalog, host, instance, loader, plugin_log, router, watchdog};
+pub use router_policies::{
+    builtin, catalog, host, instance, loader, plugin_log, policy_set, watchdog,
+};
 pub use router_sim::{replay, scenario};
 
 pub mod serve;

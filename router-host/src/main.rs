@@ -22,7 +22,7 @@ use router_host::host::Host;
 use router_host::loader::{
     open_library_with, printable, PermissionBypass, PolicyTypeDoc, SearchPath, Verify,
 };
-use router_host::router::{OnHang, Router, RouterOptions};
+use router_host::policy_set::{OnHang, PolicySet, PolicySetOptions};
 use router_host::scenario::{self, Scenario};
 
 #[derive(Parser)]
@@ -246,18 +246,21 @@ fn serve(args: &ConfigArgs, listen: Option<std::net::SocketAddr>) -> anyhow::Res
     Ok(ExitCode::SUCCESS)
 }
 
-fn load(args: &ConfigArgs) -> anyhow::Result<(RouterConfig, Router)> {
-    load_with(args, RouterOptions::default())
+fn load(args: &ConfigArgs) -> anyhow::Result<(RouterConfig, PolicySet)> {
+    load_with(args, PolicySetOptions::default())
 }
 
 /// `select` and `replay` exit with this status when a policy call hangs (docs/reliability.md): the run has
 /// one thread, and it is the one stuck in the plugin.
 pub(crate) const EXIT_HUNG: i32 = 3;
 
-fn load_with(args: &ConfigArgs, options: RouterOptions) -> anyhow::Result<(RouterConfig, Router)> {
+fn load_with(
+    args: &ConfigArgs,
+    options: PolicySetOptions,
+) -> anyhow::Result<(RouterConfig, PolicySet)> {
     let config = RouterConfig::from_file(&args.config)?;
     let search = SearchPath::new(args.plugin_dirs.clone(), Some(&args.config));
-    let router = Router::from_config_with(&config, &search, options)
+    let router = PolicySet::from_config_with(&config, &search, options)
         .with_context(|| format!("config {}", args.config.display()))?;
     Ok((config, router))
 }
@@ -451,7 +454,7 @@ fn print_type(out: &mut impl Write, doc: &PolicyTypeDoc) -> std::io::Result<()> 
 fn select(args: &ConfigArgs, scenario_file: &Path) -> anyhow::Result<ExitCode> {
     // One thread decides every request: if a policy call hangs, the watchdog ends the process
     // (naming the instance and the call) rather than letting it wait forever.
-    let options = RouterOptions {
+    let options = PolicySetOptions {
         on_hang: OnHang::Exit { code: EXIT_HUNG },
     };
     let (config, router) = match load_with(args, options) {

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 
 use router_host::loader::LoadError;
+use router_host::policy_set::{OnHang, PolicySet, PolicySetOptions, StartupError};
 use router_host::replay::engine::EngineSpec;
 use router_host::replay::synth::{self, SynthParams};
 use router_host::replay::trace::{Workload, DEFAULT_TRACE_BLOCK_SIZE};
 use router_host::replay::{
     plot, prepare_file, prepare_text, replay, ReplayError, RunConfig, Setup, EXAMPLE_CONFIGS,
 };
-use router_host::router::{OnHang, Router, RouterOptions, StartupError};
 
 /// Replay a trace (or the built-in multi-turn workload) through one or more router configs on
 /// simulated engines, and compare cache reuse, latency, load balance and decision cost.
@@ -188,7 +188,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
         plugin_dirs: args.plugin_dirs.clone(),
         // One thread replays everything: a hung policy call ends the process, naming the
         // instance and the call, instead of waiting forever.
-        router_options: RouterOptions {
+        router_options: PolicySetOptions {
             on_hang: OnHang::Exit {
                 code: crate::EXIT_HUNG,
             },
@@ -209,7 +209,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     // Every plugin loaded and every instance created now, so a config that cannot start fails
     // before the ones given before it have run (the replay builds its own routers again).
     for (choice, config) in chosen.iter().zip(&configs) {
-        if let Err(err) = Router::from_config(&config.router, &config.search) {
+        if let Err(err) = PolicySet::from_config(&config.router, &config.search) {
             return Err(startup_error(choice, config, err));
         }
     }

@@ -17,7 +17,7 @@ use router_host::host::{Host, NoOverlap, Submitted};
 use router_host::kv_index::KvEventKind;
 use router_host::loader::{open_library, LoadError, SearchPath, Verify};
 use router_host::model::{Cluster, Request, RowId, Worker};
-use router_host::router::Router;
+use router_host::policy_set::PolicySet;
 
 const MANIFEST_DIR: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -148,7 +148,7 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
         path.display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     let mut sized = Worker::new(1);
     sized.total_kv_blocks = Some(4);
     let cluster = Cluster::new(vec![sized, Worker::new(2)]).unwrap();
@@ -262,7 +262,7 @@ fn a_plugin_built_against_1_1_gets_its_dispatch_and_completion_hooks() {
         common::plugin("fixture_probe").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
     let host = Host::new(router, cluster, &config);
     let request = |session: &str| Request {

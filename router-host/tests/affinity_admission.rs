@@ -12,7 +12,7 @@ use router_host::config::RouterConfig;
 use router_host::host::{Host, NoOverlap, SessionOutcome, Submitted};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, Worker};
-use router_host::router::Router;
+use router_host::policy_set::PolicySet;
 use router_host::scenario::{self, Outcome, Scenario};
 use router_host::sessions::{DispatchOutcome, ManualClock};
 
@@ -31,13 +31,13 @@ fn config(yaml_body: &str) -> RouterConfig {
 
 fn host_with_clock(yaml_body: &str, workers: Vec<Worker>, clock: Arc<ManualClock>) -> Host {
     let config = config(yaml_body);
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     Host::with_clock(router, Cluster::new(workers).unwrap(), &config, clock)
 }
 
 fn run(yaml_body: &str, scenario_json: &str) -> Vec<Outcome> {
     let config = config(yaml_body);
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     let scenario = Scenario::from_json_str(scenario_json, "test.json").expect("valid scenario");
     let mut host = Host::new(router, scenario.cluster.clone(), &config);
     scenario::run(&mut host, &scenario)

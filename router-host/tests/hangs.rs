@@ -22,7 +22,7 @@ use router_host::config::RouterConfig;
 use router_host::host::{Host, NoOverlap, RouteError, Submitted};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
-use router_host::router::{Decision, PolicyFailure, Router, Scratch, Selection};
+use router_host::policy_set::{Decision, PolicyFailure, PolicySet, Scratch, Selection};
 use router_host::watchdog::Call;
 
 /// How long anything here may take before the test gives up: far more than a hang threshold of
@@ -47,8 +47,9 @@ fn config(name: &str, parameters: &str) -> RouterConfig {
     RouterConfig::from_yaml_str(&yaml, None).expect("valid config")
 }
 
-fn router(name: &str, parameters: &str) -> Router {
-    Router::from_config(&config(name, parameters), &SearchPath::default()).expect("router starts")
+fn policy_set(name: &str, parameters: &str) -> PolicySet {
+    PolicySet::from_config(&config(name, parameters), &SearchPath::default())
+        .expect("router starts")
 }
 
 fn cluster() -> Cluster {
@@ -63,7 +64,7 @@ fn request(id: u64) -> Request {
     }
 }
 
-fn select(router: &Router, id: u64, explain: bool) -> Decision {
+fn select(router: &PolicySet, id: u64, explain: bool) -> Decision {
     let request = request(id);
     let selection = if explain {
         Selection::of(&request).explained()
@@ -76,7 +77,7 @@ fn select(router: &Router, id: u64, explain: bool) -> Decision {
 }
 
 /// The instance serving the aggregated role.
-fn configured(router: &Router) -> usize {
+fn configured(router: &PolicySet) -> usize {
     router.instance_for(router_host::model::RequestRole::Aggregated)
 }
 
@@ -154,7 +155,7 @@ fn assert_hang_logged_once(name: &str, call: &str) {
 #[test]
 fn a_pick_that_never_returns_marks_the_instance_hung_and_later_requests_fall_back() {
     logs();
-    let router = Arc::new(router("stuck-pick", "at: pick, after: 1"));
+    let router = Arc::new(policy_set("stuck-pick", "at: pick, after: 1"));
     let x = configured(&router);
     // The first pick returns: the policy decides.
     let d = select(&router, 1, false);
@@ -199,7 +200,7 @@ fn a_pick_that_never_returns_marks_the_instance_hung_and_later_requests_fall_bac
 #[test]
 fn an_explain_that_never_returns_marks_the_instance_hung() {
     logs();
-    let router = Arc::new(router("stuck-explain", "at: explain"));
+    let router = Arc::new(policy_set("stuck-explain", "at: explain"));
     let x = configured(&router);
     let stuck = std::thread::spawn({
         let router = router.clone();
@@ -232,9 +233,9 @@ fn an_explain_that_never_returns_marks_the_instance_hung() {
 /// A host whose instance `x` hangs in `hook`, and the thread stuck in it (for request id 7).
 fn host_stuck_in(hook: &str) -> (Arc<Host>, usize, JoinHandle<()>) {
     let config = config(&format!("stuck-{hook}"), &format!("at: {hook}"));
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     let host = Arc::new(Host::new(router, cluster(), &config));
-    let x = configured(host.router());
+    let x = configured(host.policy_set());
     let stuck = std::thread::spawn({
         let host = host.clone();
         move || {
@@ -244,7 +245,7 @@ fn host_stuck_in(hook: &str) -> (Arc<Host>, usize, JoinHandle<()>) {
         }
     });
     wait_for("the instance is marked hung", || {
-        host.router().instance(x).is_hung()
+        host.policy_set().instance(x).is_hung()
     });
     assert!(!stuck.is_finished());
     (host, x, stuck)
@@ -258,7 +259,12 @@ fn a_hook_that_never_returns_marks_the_instance_hung_and_is_not_called_again() {
         ("complete", Call::OnComplete),
     ] {
         let (host, x, stuck) = host_stuck_in(hook);
-        let hang = host.router().instance(x).hang().cloned().expect("recorded");
+        let hang = host
+            .policy_set()
+            .instance(x)
+            .hang()
+            .cloned()
+            .expect("recorded");
         assert_eq!((hang.call, hang.request), (call, Some(7)), "{hook}");
         // The fixture blocks in every call of that hook: a request that gets through both hooks'
         // places proves neither is called any more (and that no lock is held by the stuck one).
@@ -283,7 +289,7 @@ fn a_hook_that_never_returns_marks_the_instance_hung_and_is_not_called_again() {
             LOWEST
         };
         assert_eq!(d.row, idle, "{hook}");
-        let stats = host.router().instance(x).stats.snapshot();
+        let stats = host.policy_set().instance(x).stats.snapshot();
         assert_eq!(
             (stats.picks, stats.fallbacks, stats.hangs),
             (1, 1, 1),
@@ -307,12 +313,12 @@ fn a_pick_that_never_returns_in_a_queue_drain_does_not_stop_the_queue() {
         common::plugin("fixture_faulty").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     let mut worker = Worker::new(7);
     worker.max_num_batched_tokens = Some(1000);
     let cluster = Cluster::new(vec![worker]).expect("cluster");
     let host = Arc::new(Host::new(router, cluster, &config));
-    let x = configured(host.router());
+    let x = configured(host.policy_set());
     let core = host.core();
     let sized = |isl| Request {
         isl_tokens: isl,
@@ -340,7 +346,7 @@ fn a_pick_that_never_returns_in_a_queue_drain_does_not_stop_the_queue() {
         move || host.core().drain(false)
     });
     wait_for("the instance is marked hung", || {
-        host.router().instance(x).is_hung()
+        host.policy_set().instance(x).is_hung()
     });
     let served = std::thread::spawn({
         let host = host.clone();
@@ -386,7 +392,7 @@ fn serve_yaml(instance: &str, kind: &str, workers: &str) -> String {
 /// Write `yaml` and start a reload of it in the background; return once a log line holds both
 /// `needles` (logged from inside its `create`: the reload has read the file by then).
 async fn reload_in_background(
-    router: &common::engine::Router,
+    router: &common::engine::TestRouter,
     yaml: &str,
     needles: [&str; 2],
 ) -> tokio::task::JoinHandle<Result<u64, router_host::serve::ServeError>> {
@@ -428,7 +434,7 @@ fn a_reload_stuck_in_create_does_not_hold_up_the_next_reload() {
         let engine = common::engine::Engine::start(1).await;
         let workers = common::engine::workers_yaml(&[&engine]);
         let first = serve_yaml("first", "type: default", &workers);
-        let router = common::engine::Router::start("hangs_reload", &first).await;
+        let router = common::engine::TestRouter::start("hangs_reload", &first).await;
         let hangs = "type: hangs, parameters: {at: create}, hang_after_ms: 100";
         let stuck_yaml = serve_yaml("stuck-reload", hangs, &workers);
         let needles = ["instance=stuck-reload ", "policy instance hung"];
@@ -481,7 +487,7 @@ fn a_reload_that_finishes_after_a_later_one_is_discarded() {
         let engine = common::engine::Engine::start(1).await;
         let workers = common::engine::workers_yaml(&[&engine]);
         let first = serve_yaml("first", "type: default", &workers);
-        let router = common::engine::Router::start("hangs_superseded", &first).await;
+        let router = common::engine::TestRouter::start("hangs_superseded", &first).await;
         let slow = "type: slow-create, parameters: {sleep_ms: 5000}, hang_after_ms: 600000";
         let slow_yaml = serve_yaml("slow-reload", slow, &workers);
         let needles = ["slow create started", "slow-reload"];
@@ -517,7 +523,7 @@ fn a_constructor_that_never_returns_is_reported() {
     let config = config("stuck-create", "at: create");
     // Startup itself is what blocks; the host (library default) only reports it.
     let starting = std::thread::spawn(move || {
-        let _ = Router::from_config(&config, &SearchPath::default());
+        let _ = PolicySet::from_config(&config, &SearchPath::default());
     });
     wait_for("the hang in create is logged", || {
         !log_lines_with("instance=stuck-create ").is_empty()

@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::child::{self, ServeChild};
-use common::engine::{metric_value, workers_yaml, Engine, Router};
+use common::engine::{metric_value, workers_yaml, Engine, TestRouter};
 
 /// A connection that sent the start of a request head and nothing more.
 fn half_sent(addr: std::net::SocketAddr) -> Option<TcpStream> {
@@ -231,7 +231,7 @@ async fn a_slowloris_head_is_cut_at_header_read_ms() {
         "block_size: 16\n{}serve:\n  timeouts: {{header_read_ms: 500}}\n",
         workers_yaml(&[&e1])
     );
-    let router = Router::start("hostile_slowloris", &yaml).await;
+    let router = TestRouter::start("hostile_slowloris", &yaml).await;
     let addr = router.addr;
     let started = Instant::now();
     let closed = tokio::task::spawn_blocking(move || {
@@ -273,7 +273,7 @@ async fn a_body_that_never_arrives_gets_408_at_body_read_ms() {
         "block_size: 16\n{}serve:\n  timeouts: {{body_read_ms: 500}}\n",
         workers_yaml(&[&e1])
     );
-    let router = Router::start("hostile_slow_body", &yaml).await;
+    let router = TestRouter::start("hostile_slow_body", &yaml).await;
     let addr = router.addr;
     let answer = tokio::task::spawn_blocking(move || {
         let mut stream = TcpStream::connect(addr).expect("connect");

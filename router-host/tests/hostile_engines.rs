@@ -16,7 +16,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use common::child::{self, ServeChild};
-use common::engine::{client, metric_value, post as post_json, Router};
+use common::engine::{client, metric_value, post as post_json, TestRouter};
 use futures_util::StreamExt;
 use serde_json::json;
 
@@ -334,7 +334,7 @@ async fn a_redirect_from_an_engine_is_never_followed() {
         ..Behaviour::default()
     })
     .await;
-    let router = Router::start("hostile_redirect", &workers(&[engine])).await;
+    let router = TestRouter::start("hostile_redirect", &workers(&[engine])).await;
     let http = client();
     let response = post_json(
         &http,
@@ -368,7 +368,7 @@ async fn a_413_from_tokenize_is_a_clean_413() {
         ..Behaviour::default()
     })
     .await;
-    let router = Router::start("hostile_tokenize_413", &workers(&[engine])).await;
+    let router = TestRouter::start("hostile_tokenize_413", &workers(&[engine])).await;
     let http = client();
     let response = post_json(
         &http,
@@ -400,7 +400,7 @@ async fn a_stream_cut_by_the_engine_ends_with_an_error_event() {
         ..Behaviour::default()
     })
     .await;
-    let router = Router::start("hostile_cut_stream", &workers(&[engine])).await;
+    let router = TestRouter::start("hostile_cut_stream", &workers(&[engine])).await;
     let http = client();
     let response = post_json(
         &http,
@@ -447,7 +447,7 @@ async fn an_endless_models_answer_is_cut_at_the_limit() {
         ..Behaviour::default()
     })
     .await;
-    let router = Router::start("hostile_models", &workers(&[engine])).await;
+    let router = TestRouter::start("hostile_models", &workers(&[engine])).await;
     let response = client()
         .get(router.url("/v1/models"))
         .send()
@@ -494,7 +494,7 @@ async fn a_tokenize_burst_leaves_at_most_the_idle_cap_open() {
         ..Behaviour::default()
     })
     .await;
-    let router = Router::start("hostile_tokenize_burst", &workers(&[engine])).await;
+    let router = TestRouter::start("hostile_tokenize_burst", &workers(&[engine])).await;
     let http = client();
     let url = router.url("/v1/completions");
     let burst = (0..100).map(|i| {
@@ -535,7 +535,7 @@ async fn a_failed_request_is_counted_once() {
         "block_size: 16\n{}serve:\n  retries: 0\n  timeouts: {{response_ms: 200}}\n",
         common::engine::workers_yaml(&[&engine])
     );
-    let router = Router::start("hostile_counted_once", &yaml).await;
+    let router = TestRouter::start("hostile_counted_once", &yaml).await;
     let response = post_json(
         &client(),
         &router.url("/v1/completions"),

@@ -13,7 +13,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{client, eventually, Engine, Router};
+use common::engine::{client, eventually, Engine, TestRouter};
 use rmpv::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -111,7 +111,13 @@ impl Hostile {
 
 /// A `serve` with one worker whose events come from `hostile`; `worker` and `kv` are extra
 /// YAML lines of the worker and of its `kv_events`.
-async fn router(test: &str, engine: &Engine, hostile: &Hostile, worker: &str, kv: &str) -> Router {
+async fn router(
+    test: &str,
+    engine: &Engine,
+    hostile: &Hostile,
+    worker: &str,
+    kv: &str,
+) -> TestRouter {
     let yaml = format!(
         "block_size: 4\nserve:\n  health:\n    interval_ms: 200\n  tokenizer: remote\n\
          workers:\n  - id: 1\n    url: {}\n{worker}    kv_events:\n      endpoint: {}\n      \
@@ -119,21 +125,21 @@ async fn router(test: &str, engine: &Engine, hostile: &Hostile, worker: &str, kv
         engine.url(),
         hostile.endpoint()
     );
-    Router::start(test, &yaml).await
+    TestRouter::start(test, &yaml).await
 }
 
-fn connected(router: &Router) -> f64 {
+fn connected(router: &TestRouter) -> f64 {
     router.metric("router_kv_subscriber_connected{worker=\"1\",dp_rank=\"0\"}")
 }
 
-fn protocol_errors(router: &Router, kind: &str) -> f64 {
+fn protocol_errors(router: &TestRouter, kind: &str) -> f64 {
     router.metric(&format!(
         "router_kv_protocol_errors_total{{worker=\"1\",dp_rank=\"0\",kind=\"{kind}\"}}"
     ))
 }
 
 /// `serve` answers HTTP.
-async fn alive(router: &Router) {
+async fn alive(router: &TestRouter) {
     let response = tokio::time::timeout(WAIT, client().get(router.url("/metrics")).send())
         .await
         .expect("serve answers in time")
@@ -161,7 +167,7 @@ fn reset_peak_rss() {
 
 /// After a violation: the subscriber counted `kind`, dropped the connection (gauge 0) and,
 /// once accepted again, is subscribed (gauge 1); `serve` answers throughout.
-async fn dropped_and_back(router: &Router, hostile: &Hostile, kind: &str) -> TcpStream {
+async fn dropped_and_back(router: &TestRouter, hostile: &Hostile, kind: &str) -> TcpStream {
     assert!(
         eventually(WAIT, || protocol_errors(router, kind) >= 1.0).await,
         "no protocol error of kind {kind}:\n{}",

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use router_host::config::RouterConfig;
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, NoSignals, Request, RowId, Worker};
-use router_host::router::{PolicyFailure, Router, Scratch, Selection, StartupError};
+use router_host::policy_set::{PolicyFailure, PolicySet, Scratch, Selection, StartupError};
 
 /// The fallback breaks ties on the lowest row ([`LOWEST`] on the idle rows below), as it did
 /// before `spread` became the default.
@@ -24,11 +24,11 @@ fn config_with(plugins: &[PathBuf], instances: &str) -> RouterConfig {
     RouterConfig::from_yaml_str(&yaml, None).expect("valid config")
 }
 
-fn start(plugins: &[PathBuf], instances: &str) -> Result<Router, StartupError> {
-    Router::from_config(&config_with(plugins, instances), &SearchPath::default())
+fn start(plugins: &[PathBuf], instances: &str) -> Result<PolicySet, StartupError> {
+    PolicySet::from_config(&config_with(plugins, instances), &SearchPath::default())
 }
 
-fn faulty(instance: &str) -> Result<Router, StartupError> {
+fn faulty(instance: &str) -> Result<PolicySet, StartupError> {
     start(&[common::plugin("fixture_faulty")], instance)
 }
 
@@ -49,7 +49,7 @@ fn cluster() -> Cluster {
     Cluster::new(vec![Worker::new(9), Worker::new(7)]).unwrap()
 }
 
-fn pick(router: &Router) -> Result<router_host::router::Decision, String> {
+fn pick(router: &PolicySet) -> Result<router_host::policy_set::Decision, String> {
     router
         .select(
             &cluster(),
@@ -213,7 +213,7 @@ fn repeatedly_slow_explains_quarantine_the_instance_to_its_fallback() {
     )
     .unwrap();
     let x = position(&router, "x");
-    let explained = |router: &Router| {
+    let explained = |router: &PolicySet| {
         router
             .select(
                 &cluster(),
@@ -429,10 +429,10 @@ fn private_copy(
     (scratch, copy)
 }
 
-fn load_one(path: &Path, extra: &str) -> Result<Router, String> {
+fn load_one(path: &Path, extra: &str) -> Result<PolicySet, String> {
     let yaml = format!("plugins:\n  - path: {}\n{extra}", path.display());
     let config = RouterConfig::from_yaml_str(&yaml, None).map_err(|e| e.to_string())?;
-    Router::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
+    PolicySet::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
 }
 
 /// A plugin that logs on every pick cannot flood the host's log: past its budget per window its
@@ -572,13 +572,13 @@ fn a_file_listed_twice_is_checked_for_each_entry() {
         p = path.display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let err = Router::from_config(&config, &SearchPath::default()).unwrap_err();
+    let err = PolicySet::from_config(&config, &SearchPath::default()).unwrap_err();
     let text = chain(&err);
     assert!(text.starts_with("plugins[1]"), "{text}");
     assert!(text.contains("sha256 mismatch"), "{text}");
 }
 
-fn position(router: &Router, name: &str) -> usize {
+fn position(router: &PolicySet, name: &str) -> usize {
     router
         .instances()
         .iter()
@@ -598,7 +598,7 @@ fn errors_naming_x(logs: &[String]) -> Vec<&String> {
 fn a_panic_in_explain_keeps_the_decision_but_poisons_counts_and_logs() {
     let router = faulty("    - {name: x, type: panics-in-explain}\n").unwrap();
     let x = position(&router, "x");
-    let explained = |router: &Router| {
+    let explained = |router: &PolicySet| {
         router.select(
             &cluster(),
             Selection::of(&Request {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use router_host::config::RouterConfig;
 use router_host::loader::{self, LoadError, Loader, SearchPath, Verify};
 use router_host::model::{Cluster, NoSignals, Request, Worker};
-use router_host::router::{Router, Scratch, Selection};
+use router_host::policy_set::{PolicySet, Scratch, Selection};
 
 /// A private copy (mode 644, directory 755) of the two-tier plugin named `file`, and its hash.
 /// Every test uses its own file name, so its memfd mapping is told apart from the others'.
@@ -139,7 +139,7 @@ fn zeroing_the_file_after_loading_it_with_a_sha256_leaves_the_running_code_intac
         path.display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     // Had the file been mapped, its code pages would now read as zeros (and the pick would crash).
     let len = std::fs::metadata(&path).unwrap().len() as usize;
     rewrite_in_place(&path, &vec![0u8; len]);

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use router_host::config::RouterConfig;
 use router_host::loader::SearchPath;
-use router_host::router::{Router, StartupError};
+use router_host::policy_set::{PolicySet, StartupError};
 
 fn chain(err: &StartupError) -> String {
     let mut text = err.to_string();
@@ -53,13 +53,13 @@ fn plugin_in(dir: &Path) -> PathBuf {
     copy
 }
 
-fn load(path: &Path, allow_insecure: bool) -> Result<Router, String> {
+fn load(path: &Path, allow_insecure: bool) -> Result<PolicySet, String> {
     let mut yaml = format!("plugins:\n  - path: {}\n", path.display());
     if allow_insecure {
         yaml.push_str("    allow_insecure_permissions: true\n");
     }
     let config = RouterConfig::from_yaml_str(&yaml, None).map_err(|e| e.to_string())?;
-    Router::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
+    PolicySet::from_config(&config, &SearchPath::default()).map_err(|e| chain(&e))
 }
 
 fn assert_contains(text: &str, fragments: &[&str]) {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::engine::{client, eventually, header, post, Router};
+use common::engine::{client, eventually, header, post, TestRouter};
 use common::mock::{eventually_async, Mock, FAST, WAIT};
 use router_core::blocks::{BlockHasher, Tenant};
 use serde_json::{json, Value};
@@ -39,14 +39,14 @@ fn mock(extra: &[&str]) -> Mock {
     Mock::start(&args)
 }
 
-fn blocks(router: &Router, worker: u64, rank: u32) -> f64 {
+fn blocks(router: &TestRouter, worker: u64, rank: u32) -> f64 {
     router.metric(&format!(
         "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"{rank}\",tier=\"device\"}}"
     ))
 }
 
 /// How many leading router ids of `tokens`' full blocks the row holds.
-fn held(router: &Router, worker: u64, tokens: &[u32]) -> usize {
+fn held(router: &TestRouter, worker: u64, tokens: &[u32]) -> usize {
     let mut ids = Vec::new();
     BlockHasher::new(BLOCK, Tenant::default())
         .expect("hasher")
@@ -63,7 +63,7 @@ fn sse(body: &str) -> Vec<String> {
 }
 
 /// Until the router's index row holds what the mock published (and that is `at_least`).
-async fn index_matches(router: &Router, mock: &Mock, worker: u64, rank: u32, at_least: f64) {
+async fn index_matches(router: &TestRouter, mock: &Mock, worker: u64, rank: u32, at_least: f64) {
     let ok = eventually_async(|| async {
         let published = mock.published(rank).await;
         published >= at_least && blocks(router, worker, rank) == published
@@ -82,7 +82,7 @@ async fn answers_streamed_and_not_and_the_index_follows_the_engines() {
     // Worker 2 speaks the legacy array form with 32-byte hashes.
     let m1 = mock(&[]);
     let m2 = mock(&["--legacy-events", "--bytes-hashes"]);
-    let router = Router::start(
+    let router = TestRouter::start(
         "mock_engine_answers",
         &yaml(&[(1, &m1, 1), (2, &m2, 1)], false),
     )
@@ -236,7 +236,7 @@ async fn answers_streamed_and_not_and_the_index_follows_the_engines() {
 async fn evictions_arrive_as_block_removed() {
     // 12 blocks of 4 tokens; each request takes 4 prompt blocks and 1 output block.
     let m = mock(&["--kv-blocks", "12"]);
-    let router = Router::start("mock_engine_evict", &yaml(&[(1, &m, 1)], false)).await;
+    let router = TestRouter::start("mock_engine_evict", &yaml(&[(1, &m, 1)], false)).await;
     m.sync(&router, 1, 0).await;
     let http = client();
     let url = router.url("/v1/completions");
@@ -275,7 +275,7 @@ async fn evictions_arrive_as_block_removed() {
 async fn each_dp_rank_publishes_on_its_own_port() {
     let m = mock(&["--dp-size", "2"]);
     assert_eq!(m.kv_events.len(), 2);
-    let router = Router::start("mock_engine_dp", &yaml(&[(1, &m, 2)], false)).await;
+    let router = TestRouter::start("mock_engine_dp", &yaml(&[(1, &m, 2)], false)).await;
     m.sync(&router, 1, 0).await;
     m.sync(&router, 1, 1).await;
     let http = client();
@@ -313,7 +313,7 @@ async fn each_dp_rank_publishes_on_its_own_port() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_is_detected_and_its_row_rebuilt() {
     let mut m = mock(&[]);
-    let router = Router::start("mock_engine_restart", &yaml(&[(1, &m, 1)], false)).await;
+    let router = TestRouter::start("mock_engine_restart", &yaml(&[(1, &m, 1)], false)).await;
     m.sync(&router, 1, 0).await;
     let http = client();
     let url = router.url("/v1/completions");
@@ -384,7 +384,7 @@ async fn a_batch_lost_live_is_filled_from_the_replay_socket() {
         "--drop-live",
         "60",
     ]);
-    let router = Router::start("mock_engine_replay", &yaml(&[(1, &m, 1)], true)).await;
+    let router = TestRouter::start("mock_engine_replay", &yaml(&[(1, &m, 1)], true)).await;
     m.sync(&router, 1, 0).await;
     let http = client();
     let url = router.url("/v1/completions");
@@ -420,7 +420,7 @@ async fn a_batch_lost_live_is_filled_from_the_replay_socket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn salted_prompts_are_indexed_under_their_salt() {
     let m = mock(&[]);
-    let router = Router::start("mock_engine_salt", &yaml(&[(1, &m, 1)], false)).await;
+    let router = TestRouter::start("mock_engine_salt", &yaml(&[(1, &m, 1)], false)).await;
     m.sync(&router, 1, 0).await;
     let http = client();
     let prompt: Vec<u32> = (0..8).collect();

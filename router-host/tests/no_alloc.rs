@@ -4,7 +4,7 @@
 //! `tests/no_alloc.rs`.
 //!
 //! A counting global allocator tallies allocations made by this thread while it is inside
-//! `Router::select`. Allocations inside a dynamically loaded plugin go through the plugin's own
+//! `PolicySet::select`. Allocations inside a dynamically loaded plugin go through the plugin's own
 //! copy of the Rust allocator and are not seen here; the shipped two-tier policy's `pick` is
 //! checked for zero allocations separately, in its own crate's tests.
 
@@ -20,7 +20,7 @@ use router_host::loader::SearchPath;
 use router_host::model::{
     AffinityTarget, Cluster, Request, RowId, RowLoad, Signals, TierOverlap, Worker,
 };
-use router_host::router::{Router, Scratch, Selection};
+use router_host::policy_set::{PolicySet, Scratch, Selection};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -57,7 +57,7 @@ fn selection_through_the_two_tier_plugin_allocates_nothing_after_warm_up() {
         common::plugin("two_tier_cost_fn").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     let cluster = Cluster::new((0..16).map(|w| Worker::new(w).with_ranks(0, 8)).collect()).unwrap();
     let session = String::from("session-42");
     let requests: Vec<Request> = (0..64u64)
@@ -107,7 +107,7 @@ fn dispatch_and_completion_hooks_through_the_two_tier_plugin_allocate_nothing() 
         common::plugin("two_tier_cost_fn").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     let cluster = Cluster::new((0..16).map(|w| Worker::new(w).with_ranks(0, 8)).collect()).unwrap();
     let sessions: Vec<String> = (0..16).map(|i| format!("session-{i}")).collect();
     let requests: Vec<Request> = (0..64u64)

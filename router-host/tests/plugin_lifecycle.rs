@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::engine::{client, eventually, header, post, workers_yaml, Engine, Router};
+use common::engine::{client, eventually, header, post, workers_yaml, Engine, TestRouter};
 use serde_json::{json, Value};
 
 /// The image count is process-wide: tests that load plugins run one at a time, so one test's
@@ -27,7 +27,7 @@ fn faulty_yaml(instance: &str, extra: &str, engines: &[&Engine]) -> String {
     )
 }
 
-async fn ready(router: &Router) -> (u16, Value) {
+async fn ready(router: &TestRouter) -> (u16, Value) {
     let response = client().get(router.url("/ready")).send().await.unwrap();
     let status = response.status().as_u16();
     let text = response.text().await.unwrap();
@@ -41,13 +41,13 @@ fn instance<'a>(body: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no instance {name} in {body}"))
 }
 
-fn state_metric(router: &Router, policy: &str, state: &str) -> f64 {
+fn state_metric(router: &TestRouter, policy: &str, state: &str) -> f64 {
     router.metric(&format!(
         "router_policy_instance_state{{instance=\"x\",policy=\"{policy}\",state=\"{state}\"}}"
     ))
 }
 
-async fn complete(router: &Router) -> reqwest::Response {
+async fn complete(router: &TestRouter) -> reqwest::Response {
     post(
         &client(),
         &router.url("/v1/completions"),
@@ -61,7 +61,7 @@ async fn an_instance_out_of_service_is_named_in_ready_and_its_state_metric_and_a
 {
     let _images = IMAGES.lock().await;
     let engine = Engine::start(1).await;
-    let router = Router::start(
+    let router = TestRouter::start(
         "lifecycle_ready",
         &faulty_yaml("type: panics-in-pick", "", &[&engine]),
     )
@@ -204,7 +204,7 @@ async fn a_reload_loads_a_replaced_plugin_as_one_new_image_up_to_the_cap() {
     let dir = common::temp_dir("lifecycle_upgrade");
     let plugin = dir.join("libpolicy.so");
     install(&common::plugin("fixture_probe"), &plugin);
-    let router = Router::start(
+    let router = TestRouter::start(
         "lifecycle_upgrade_router",
         &probe_yaml(&plugin, "", &[&e1, &e2]),
     )

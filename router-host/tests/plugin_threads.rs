@@ -17,8 +17,8 @@ use router_host::host::{Host, SessionOutcome};
 use router_host::kv_index::{KvEventKind, Tier};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowLoad, Worker};
+use router_host::policy_set::PolicySet;
 use router_host::rng::SplitMix64;
-use router_host::router::Router;
 use router_host::sessions::DispatchOutcome;
 
 use plugin_api::abi::CompletionCode;
@@ -38,7 +38,7 @@ fn host(booking: &str) -> Host {
         common::plugin("two_tier_cost_fn").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     let workers = (0..8).map(|w| Worker::new(w).with_ranks(0, 2)).collect();
     Host::new(router, Cluster::new(workers).unwrap(), &config)
 }

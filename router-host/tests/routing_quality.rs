@@ -12,8 +12,8 @@ use router_host::host::{Host, NoOverlap, Submitted};
 use router_host::kv_index::{KvEventKind, Tier};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, RowLoad, Worker};
+use router_host::policy_set::PolicySet;
 use router_host::replay::{self, prepare_text, Setup, SynthParams, EXAMPLE_CONFIGS};
-use router_host::router::Router;
 use router_host::sessions::ManualClock;
 
 fn row(worker_id: u64) -> RowId {
@@ -36,7 +36,7 @@ fn rejected(text: &str) -> String {
 
 fn host(yaml: &str, workers: Vec<Worker>) -> Host {
     let config = parse(yaml);
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     Host::with_clock(
         router,
         Cluster::new(workers).unwrap(),
@@ -178,7 +178,7 @@ fn instance_parameters_are_checked_at_startup_by_key() {
         let config = parse(&format!(
             "worker_selection:\n  aggregated: d\n  instances:\n    - {{name: d, type: default, parameters: {parameters}}}\n"
         ));
-        let err = Router::from_config(&config, &SearchPath::default())
+        let err = PolicySet::from_config(&config, &SearchPath::default())
             .expect_err("bad parameters fail at startup");
         let message = format!("{err:#}");
         assert!(

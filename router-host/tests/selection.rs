@@ -8,10 +8,10 @@ use router_host::kv_index::KvEventKind;
 use router_host::loader::SearchPath;
 use router_host::model::NoSignals;
 use router_host::model::{AffinityTarget, Cluster, Request, RowId, RowLoad, TierOverlap, Worker};
-use router_host::router::{Router, Scratch, Selection};
+use router_host::policy_set::{PolicySet, Scratch, Selection};
 
 /// A router whose aggregated role uses `instance_yaml` (one instance named `p`).
-fn router(plugins: &[&str], instance_yaml: &str) -> Router {
+fn policy_set(plugins: &[&str], instance_yaml: &str) -> PolicySet {
     let mut yaml = String::from("plugins:\n");
     for p in plugins {
         yaml.push_str(&format!("  - path: {}\n", common::plugin(p).display()));
@@ -19,11 +19,11 @@ fn router(plugins: &[&str], instance_yaml: &str) -> Router {
     yaml.push_str("worker_selection:\n  aggregated: p\n  instances:\n");
     yaml.push_str(instance_yaml);
     let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-    Router::from_config(&config, &SearchPath::default()).expect("router starts")
+    PolicySet::from_config(&config, &SearchPath::default()).expect("router starts")
 }
 
-fn probe(parameters: &str) -> Router {
-    router(
+fn probe(parameters: &str) -> PolicySet {
+    policy_set(
         &["fixture_probe"],
         &format!("    - name: p\n      type: probe\n      parameters: {parameters}\n"),
     )
@@ -50,7 +50,7 @@ fn cluster() -> Cluster {
 }
 
 /// The rows the probe reported receiving, and its target label.
-fn probe_saw(router: &Router, request: &Request) -> (Vec<String>, String) {
+fn probe_saw(router: &PolicySet, request: &Request) -> (Vec<String>, String) {
     let d = router
         .select(
             &cluster(),
@@ -181,7 +181,7 @@ fn plugin_sees_only_the_columns_it_declared() {
 /// Decide with the built-in default, injecting rows.
 fn default_picks(target: Option<AffinityTarget>, injected: &InjectedRows) -> RowId {
     let config = RouterConfig::from_yaml_str("{}", None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     let host = Host::new(router, cluster(), &config);
     let request = Request {
         isl_tokens: 160,
@@ -242,7 +242,7 @@ fn out_of_range_index_is_rejected_and_books_nothing() {
         None,
     )
     .unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     let host = Host::new(router, cluster(), &config);
     let err = host
         .route(&Request::default(), &NoOverlap, false)
@@ -264,7 +264,7 @@ fn out_of_range_index_is_rejected_and_books_nothing() {
             "row {r:?} was booked"
         );
     }
-    let stats = host.router().instance(1).stats.snapshot();
+    let stats = host.policy_set().instance(1).stats.snapshot();
     assert_eq!(
         (stats.picks, stats.out_of_range, stats.fallbacks),
         (1, 1, 0)
@@ -294,7 +294,7 @@ fn out_of_range_index_with_fallback_routes_through_the_default_selector() {
 
 #[test]
 fn two_plugin_files_in_one_process_keep_their_own_policies() {
-    let router = router(
+    let router = policy_set(
         &["fixture_probe", "two_tier_cost_fn"],
         "    - {name: p, type: probe, parameters: {return_index: 1}}\n    - {name: t, type: dynamo-two-tier-cost-fn}\n",
     );
@@ -343,7 +343,7 @@ fn the_same_file_listed_twice_or_through_a_symlink_is_loaded_once() {
         link.display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-    let router = Router::from_config(&config, &SearchPath::default()).unwrap();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).unwrap();
     assert_eq!(router.catalog().libraries().len(), 1);
 }
 
@@ -388,7 +388,7 @@ fn the_kv_capacity_column_reaches_a_plugin_with_load_aligned_with_its_rows() {
         common::plugin("fixture_probe").display()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
     let mut sized = Worker::new(1).with_ranks(0, 2);
     sized.total_kv_blocks = Some(256);
     let cluster = Cluster::new(vec![sized, Worker::new(2)]).unwrap();
@@ -428,7 +428,8 @@ fn the_kv_capacity_column_comes_only_with_the_load_columns() {
             common::plugin("fixture_probe").display()
         );
         let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-        let router = Router::from_config(&config, &SearchPath::default()).expect("router starts");
+        let router =
+            PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
         let host = Host::new(router, Cluster::new(vec![sized.clone()]).unwrap(), &config);
         assert_eq!(
             capacity_seen(&host),

@@ -19,7 +19,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use common::engine::{
-    client, eventually, header, held_ids, post, tokenizer_dir, workers_yaml, Engine, Router,
+    client, eventually, header, held_ids, post, tokenizer_dir, workers_yaml, Engine, TestRouter,
 };
 use common::mock::{Mock, FAST};
 use router_core::blocks::{BlockHasher, Tenant};
@@ -65,7 +65,7 @@ fn remote_yaml(extra: &str, engine: &Engine) -> String {
 /// engine has it (so a test can then look at what the engine received: on a busy machine the
 /// client could otherwise go away between the booking and the forward), then let the client go
 /// and check that the booking is released.
-async fn booked_while_held(router: &Router, body: &Value, arrived: impl Fn() -> bool) -> f64 {
+async fn booked_while_held(router: &TestRouter, body: &Value, arrived: impl Fn() -> bool) -> f64 {
     let (http, url, body) = (client(), router.url("/v1/completions"), body.clone());
     let request = tokio::spawn(async move {
         let response = post(&http, &url, &body).await;
@@ -133,7 +133,7 @@ fn batch_tokens() -> f64 {
 async fn a_batch_of_texts_is_booked_by_all_its_prompts_with_the_local_tokenizer() {
     let engine = Engine::start(1).await;
     hold(&engine);
-    let router = Router::start("batch_booked_local", &local_yaml("", &engine)).await;
+    let router = TestRouter::start("batch_booked_local", &local_yaml("", &engine)).await;
     let body = json!({"model": "tiny", "prompt": BATCH, "max_tokens": 2});
     assert_eq!(
         booked_while_held(&router, &body, received(&engine)).await,
@@ -149,7 +149,7 @@ async fn a_batch_of_texts_is_booked_by_all_its_prompts_with_the_local_tokenizer(
 async fn a_batch_of_texts_is_tokenized_by_the_engine_once_per_prompt() {
     let engine = Engine::start(1).await;
     hold(&engine);
-    let router = Router::start("batch_booked_remote", &remote_yaml("", &engine)).await;
+    let router = TestRouter::start("batch_booked_remote", &remote_yaml("", &engine)).await;
     let body = json!({"model": "tiny", "prompt": BATCH});
     // The engine's ids are the fixture's: the same total as the local tokenizer books.
     assert_eq!(
@@ -178,7 +178,7 @@ async fn a_batch_of_texts_is_tokenized_by_the_engine_once_per_prompt() {
 async fn a_batch_of_token_id_lists_is_booked_by_the_sum_of_their_lengths() {
     let engine = Engine::start(1).await;
     hold(&engine);
-    let router = Router::start("batch_booked_ids", &remote_yaml("", &engine)).await;
+    let router = TestRouter::start("batch_booked_ids", &remote_yaml("", &engine)).await;
     let lists: Vec<Vec<u32>> = vec![(1..=10).collect(), (20..28).collect(), vec![5, 6, 7]];
     let body = json!({"model": "tiny", "prompt": lists});
     assert_eq!(
@@ -225,7 +225,7 @@ async fn one_prompt_over_the_limit_refuses_the_batch_naming_it_and_books_nothing
 
     // serve.max_prompt_tokens, local tokenizer: prompt 1 of 3 is over.
     let engine = Engine::start(1).await;
-    let router = Router::start(
+    let router = TestRouter::start(
         "batch_too_long_local",
         &local_yaml("  max_prompt_tokens: 20\n", &engine),
     )
@@ -268,7 +268,7 @@ async fn one_prompt_over_the_limit_refuses_the_batch_naming_it_and_books_nothing
         .controls
         .max_model_len
         .store(20, Ordering::SeqCst);
-    let router = Router::start("batch_too_long_remote", &remote_yaml("", &engine)).await;
+    let router = TestRouter::start("batch_too_long_remote", &remote_yaml("", &engine)).await;
     let body = json!({"model": "tiny", "prompt": ["hello world", "hello", long]});
     let response = post(&http, &router.url("/v1/completions"), &body).await;
     let (status, param, code, message) = refusal(response).await;
@@ -290,7 +290,7 @@ async fn one_prompt_over_the_limit_refuses_the_batch_naming_it_and_books_nothing
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forward_token_ids_sends_a_batch_of_texts_as_a_list_of_id_lists() {
     let engine = Engine::start(1).await;
-    let router = Router::start(
+    let router = TestRouter::start(
         "batch_forward_ids",
         &local_yaml("  forward_token_ids: true\n", &engine),
     )
@@ -337,7 +337,7 @@ async fn a_batch_goes_to_the_worker_that_caches_its_first_prompt() {
             mock.kv_events[0]
         ));
     }
-    let router = Router::start("batch_overlap", &yaml).await;
+    let router = TestRouter::start("batch_overlap", &yaml).await;
     m1.sync(&router, 1, 0).await;
     m2.sync(&router, 2, 0).await;
     let http = client();
@@ -476,7 +476,7 @@ fn bare_yaml(addr: SocketAddr) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_tokenize_calls_of_a_batch_are_bounded() {
     let (bare, addr) = start_bare(false).await;
-    let router = Router::start("batch_tokenize_bounded", &bare_yaml(addr)).await;
+    let router = TestRouter::start("batch_tokenize_bounded", &bare_yaml(addr)).await;
     let prompts: Vec<String> = (0..20).map(|i| format!("prompt number {i}")).collect();
     let bytes: usize = prompts.iter().map(String::len).sum();
     let body = json!({"model": "tiny", "prompt": prompts});
@@ -496,7 +496,7 @@ async fn remote_tokenize_calls_of_a_batch_are_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_whose_remote_tokenization_fails_is_routed_on_its_estimated_size() {
     let (bare, addr) = start_bare(true).await;
-    let router = Router::start("batch_tokenize_fallback", &bare_yaml(addr)).await;
+    let router = TestRouter::start("batch_tokenize_fallback", &bare_yaml(addr)).await;
     let body = json!({"model": "tiny", "prompt": BATCH});
     // bytes / 4 per prompt, rounded up, for every prompt.
     let estimate: usize = BATCH.iter().map(|t| t.len().div_ceil(4)).sum();

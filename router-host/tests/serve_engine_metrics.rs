@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{client, eventually, header, post, Router};
+use common::engine::{client, eventually, header, post, TestRouter};
 use common::mock::{eventually_async, Mock, FAST, WAIT};
 use serde_json::{json, Value};
 
@@ -44,7 +44,7 @@ async fn load_that_bypasses_the_router_is_seen_and_steers_routing() {
     // Dynamo's): observed load changes `active_requests`, nothing else.
     let config = yaml(&[(1, &m1.url("")), (2, &m2.url(""))], &[])
         + "default_selector:\n  decode_active_request_weight: 1.0\n";
-    let router = Router::start("engine_metrics_bypass", &config).await;
+    let router = TestRouter::start("engine_metrics_bypass", &config).await;
     let http = client();
     // Three streams straight to engine 1: the router books nothing for them.
     let mut streams = Vec::new();
@@ -103,7 +103,7 @@ async fn an_engine_with_another_block_size_gets_no_traffic() {
     let m2 = Mock::start(&wrong);
     let mut m3 = Mock::start(&wrong);
     m3.kill();
-    let router = Router::start(
+    let router = TestRouter::start(
         "engine_metrics_block_size",
         &yaml(&[(1, &m1.url("")), (2, &m2.url("")), (3, &m3.url(""))], &[]),
     )
@@ -167,7 +167,7 @@ async fn the_event_lag_is_measured_from_the_batch_timestamp() {
         zeromq::Endpoint::Tcp(_, port) => format!("tcp://127.0.0.1:{port}"),
         other => panic!("not TCP: {other:?}"),
     };
-    let router = Router::start(
+    let router = TestRouter::start(
         "engine_metrics_lag",
         &yaml(&[(1, &m.url(""))], &[(1, &endpoint)]),
     )
@@ -224,7 +224,7 @@ async fn kv_capacity_is_learned_from_the_engine_unless_configured() {
         &format!("    url: {}\n    total_kv_blocks: 64\n", m2.url("")),
         1,
     );
-    let router = Router::start("engine_metrics_kv_capacity", &config).await;
+    let router = TestRouter::start("engine_metrics_kv_capacity", &config).await;
     let capacity = |id: u64| {
         router.metric(&format!(
             "router_worker_kv_capacity_blocks{{worker=\"{id}\"}}"
@@ -267,7 +267,7 @@ async fn a_reload_keeps_the_capacity_learned_from_the_engine() {
     let m1 = Mock::start(&a);
     // One probe round runs before the router listens; the next would be a minute later.
     let config = yaml(&[(1, &m1.url(""))], &[]).replace("interval_ms: 100", "interval_ms: 60000");
-    let router = Router::start("engine_metrics_kv_capacity_reload", &config).await;
+    let router = TestRouter::start("engine_metrics_kv_capacity_reload", &config).await;
     let capacity = || router.metric("router_worker_kv_capacity_blocks{worker=\"1\"}");
     assert_eq!(capacity(), 300.0, "learned by the probe round at start");
     // The new configuration's core starts without it: the health table hands it over.

@@ -14,7 +14,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::engine::{client, header, post, workers_yaml, Engine, Router};
+use common::engine::{client, header, post, workers_yaml, Engine, TestRouter};
 use serde_json::json;
 
 /// Far more than a hang threshold of 100 ms plus the watchdog's ticks needs on a loaded machine.
@@ -89,7 +89,7 @@ fn hung_call_costs_at_most_its_request(workers: usize, hang: Hang) {
             common::plugin("fixture_faulty").display(),
             workers_yaml(&[&engine])
         );
-        let router = Router::start(&format!("serve_hangs_{hang:?}_{workers}"), &yaml).await;
+        let router = TestRouter::start(&format!("serve_hangs_{hang:?}_{workers}"), &yaml).await;
         (engine, router)
     });
     let head_delay = |ms| {

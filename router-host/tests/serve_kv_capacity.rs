@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::engine::{client, eventually, header, post, Router};
+use common::engine::{client, eventually, header, post, TestRouter};
 use common::mock::{Mock, WAIT};
 use router_core::blocks::{BlockHasher, Tenant};
 use serde_json::json;
@@ -116,7 +116,7 @@ async fn route_in_turn(
     n: u32,
 ) -> Routed {
     let (m1, m2) = (mock(), mock());
-    let router = Router::start(test, &yaml(&m1, &m2, limit, sessions, decode)).await;
+    let router = TestRouter::start(test, &yaml(&m1, &m2, limit, sessions, decode)).await;
     m1.sync(&router, 1, 0).await;
     m2.sync(&router, 2, 0).await;
     let capacity = |id: u64| {

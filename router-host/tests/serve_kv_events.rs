@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::engine::{client, eventually, header, post, Engine, Router};
+use common::engine::{client, eventually, header, post, Engine, TestRouter};
 use rmpv::Value;
 use router_core::blocks::{BlockHasher, Tenant};
 use serde_json::json;
@@ -71,7 +71,7 @@ impl Publisher {
 
     /// Send empty batches until the router has received one (a SUB misses what is published
     /// before its subscription arrives).
-    async fn prime(&mut self, router: &Router, worker: u64) {
+    async fn prime(&mut self, router: &TestRouter, worker: u64) {
         let sample = format!("router_kv_event_batches_total{{worker=\"{worker}\"}}");
         let before = router.metric(&sample);
         let deadline = std::time::Instant::now() + WAIT;
@@ -184,15 +184,15 @@ fn prompt_ids(tokens: &[u32]) -> Vec<u64> {
 }
 
 /// How many of `ids` (leading) the row of `worker` holds in the current core's index.
-fn held(router: &Router, worker: u64, ids: &[u64]) -> usize {
+fn held(router: &TestRouter, worker: u64, ids: &[u64]) -> usize {
     common::engine::held_ids(router, worker, ids)
 }
 
-fn blocks_metric(router: &Router, worker: u64) -> f64 {
+fn blocks_metric(router: &TestRouter, worker: u64) -> f64 {
     tier_blocks_metric(router, worker, "device")
 }
 
-fn tier_blocks_metric(router: &Router, worker: u64, tier: &str) -> f64 {
+fn tier_blocks_metric(router: &TestRouter, worker: u64, tier: &str) -> f64 {
     router.metric(&format!(
         "router_kv_index_blocks{{worker=\"{worker}\",dp_rank=\"0\",tier=\"{tier}\"}}"
     ))
@@ -226,7 +226,7 @@ fn removed_from(hashes: &[u64], medium: &str) -> Value {
 async fn stored_blocks_route_their_prompt_to_the_row_and_removal_takes_them_away() {
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
     let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
-    let router = Router::start("serve_kv_route", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
+    let router = TestRouter::start("serve_kv_route", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
     p1.prime(&router, 1).await;
     p2.prime(&router, 2).await;
     assert_eq!(
@@ -294,7 +294,7 @@ async fn stored_blocks_route_their_prompt_to_the_row_and_removal_takes_them_away
 async fn offloaded_blocks_count_as_host_overlap_after_the_device_copy_goes() {
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
     let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
-    let router = Router::start("serve_kv_tiers", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
+    let router = TestRouter::start("serve_kv_tiers", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
     p1.prime(&router, 1).await;
     p2.prime(&router, 2).await;
 
@@ -368,7 +368,7 @@ async fn an_adapters_blocks_match_only_requests_for_that_adapter() {
     let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
     let config =
         yaml(&[(&e1, &p1), (&e2, &p2)]).replace("serve:\n", "serve:\n  lora_adapters: [ad]\n");
-    let router = Router::start("serve_kv_lora", &config).await;
+    let router = TestRouter::start("serve_kv_lora", &config).await;
     p1.prime(&router, 1).await;
     p2.prime(&router, 2).await;
 
@@ -423,7 +423,7 @@ async fn an_adapters_blocks_match_only_requests_for_that_adapter() {
 async fn clears_restarts_gaps_refusals_and_malformed_messages() {
     let e1 = Engine::start(1).await;
     let mut p = Publisher::bind(0).await;
-    let router = Router::start("serve_kv_clear", &yaml(&[(&e1, &p)])).await;
+    let router = TestRouter::start("serve_kv_clear", &yaml(&[(&e1, &p)])).await;
     p.prime(&router, 1).await;
     let tokens: Vec<u32> = (1..=8).collect();
     let ids = prompt_ids(&tokens);
@@ -531,7 +531,7 @@ async fn the_subscriber_reconnects_after_the_publisher_restarts() {
     let e1 = Engine::start(1).await;
     let mut p = Publisher::bind(0).await;
     let port = p.port;
-    let router = Router::start("serve_kv_reconnect", &yaml(&[(&e1, &p)])).await;
+    let router = TestRouter::start("serve_kv_reconnect", &yaml(&[(&e1, &p)])).await;
     // An engine that has run a while: its sequence is well past what a restarted one reaches
     // before the subscriber is back.
     p.seq = 1_000_000;
@@ -573,7 +573,7 @@ async fn a_publisher_down_a_while_is_resubscribed_within_twice_the_longest_backo
     let e1 = Engine::start(1).await;
     let mut p = Publisher::bind(0).await;
     let port = p.port;
-    let router = Router::start("serve_kv_backoff", &yaml(&[(&e1, &p)])).await;
+    let router = TestRouter::start("serve_kv_backoff", &yaml(&[(&e1, &p)])).await;
     p.prime(&router, 1).await;
     drop(p);
     assert!(
@@ -615,7 +615,7 @@ async fn a_gap_asks_the_replay_socket_and_applies_what_it_returns() {
         "      topic: kv\n",
         &format!("      topic: kv\n      replay_endpoint: tcp://127.0.0.1:{replay_port}\n"),
     );
-    let router = Router::start("serve_kv_replay", &config).await;
+    let router = TestRouter::start("serve_kv_replay", &config).await;
     p.prime(&router, 1).await;
     let tokens: Vec<u32> = (1..=8).collect();
     let ids = prompt_ids(&tokens);
@@ -740,7 +740,7 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
 async fn a_reload_keeps_the_rows_blocks_in_the_new_configuration() {
     let e1 = Engine::start(1).await;
     let mut p = Publisher::bind(0).await;
-    let router = Router::start("serve_kv_reload", &yaml(&[(&e1, &p)])).await;
+    let router = TestRouter::start("serve_kv_reload", &yaml(&[(&e1, &p)])).await;
     p.prime(&router, 1).await;
     let tokens: Vec<u32> = (1..=8).collect();
     let ids = prompt_ids(&tokens);

@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::engine::{client, eventually, post, workers_yaml, Engine, Router};
+use common::engine::{client, eventually, post, workers_yaml, Engine, TestRouter};
 use futures_util::StreamExt;
 use serde_json::json;
 
@@ -23,7 +23,7 @@ async fn a_client_gone_mid_stream_releases_the_booking() {
         .chunk_delay_ms
         .store(50, Ordering::SeqCst);
     let yaml = format!("block_size: 4\n{}", workers_yaml(&[&engine]));
-    let router = Router::start("serve_disconnect_stream", &yaml).await;
+    let router = TestRouter::start("serve_disconnect_stream", &yaml).await;
     let http = client();
     let response = post(
         &http,
@@ -98,7 +98,7 @@ async fn a_queue_timeout_gets_429_with_retry_after_and_books_nothing() {
         .controls
         .head_delay_ms
         .store(1500, Ordering::SeqCst);
-    let router = Router::start("serve_queue_timeout", &queue_yaml(&engine, 200)).await;
+    let router = TestRouter::start("serve_queue_timeout", &queue_yaml(&engine, 200)).await;
     let http = client();
     let url = router.url("/v1/completions");
     let body = json!({"model": "tiny", "prompt": "hello world you are"});
@@ -147,7 +147,7 @@ async fn a_queued_request_is_admitted_when_the_row_frees_up() {
         .controls
         .head_delay_ms
         .store(300, Ordering::SeqCst);
-    let router = Router::start("serve_queue_admit", &queue_yaml(&engine, 20_000)).await;
+    let router = TestRouter::start("serve_queue_admit", &queue_yaml(&engine, 20_000)).await;
     let http = client();
     let url = router.url("/v1/completions");
     let body = json!({"model": "tiny", "prompt": "hello world you are", "stream": true});
@@ -190,7 +190,7 @@ async fn a_client_gone_while_queued_is_removed_from_the_queue() {
         .controls
         .head_delay_ms
         .store(1500, Ordering::SeqCst);
-    let router = Router::start("serve_queue_cancel", &queue_yaml(&engine, 60_000)).await;
+    let router = TestRouter::start("serve_queue_cancel", &queue_yaml(&engine, 60_000)).await;
     let http = client();
     let url = router.url("/v1/completions");
     let body = json!({"model": "tiny", "prompt": "hello world you are"});
@@ -240,7 +240,7 @@ async fn an_engine_that_stops_answering_is_routed_around_and_comes_back() {
         "block_size: 4\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\nserve:\n  health:\n    interval_ms: 50\n    timeout_ms: 500\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_engine_down", &yaml).await;
+    let router = TestRouter::start("serve_engine_down", &yaml).await;
     let http = client();
     let url = router.url("/v1/completions");
     let body = json!({"model": "tiny", "prompt": "hello"});
@@ -312,7 +312,7 @@ async fn after_any_mix_of_outcomes_nothing_stays_in_flight() {
         "block_size: 4\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\nserve:\n  timeouts:\n    response_ms: 100\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_mix", &yaml).await;
+    let router = TestRouter::start("serve_mix", &yaml).await;
     let http = client();
     let url = router.url("/v1/completions");
     let mut tasks = Vec::new();

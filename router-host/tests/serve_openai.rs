@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::engine::{workers_yaml, Engine, Router};
+use common::engine::{workers_yaml, Engine, TestRouter};
 
 const SCRIPT: &str = r#"
 import json, sys
@@ -97,7 +97,7 @@ async fn the_openai_python_client_works_through_the_router() {
         "block_size: 4\ndefault_selector: {{tie_break: lowest_row}}\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_openai", &yaml).await;
+    let router = TestRouter::start("serve_openai", &yaml).await;
     let base = format!("http://{}", router.addr);
     let output = tokio::task::spawn_blocking(move || {
         Command::new(python)

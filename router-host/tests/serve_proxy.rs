@@ -6,7 +6,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::engine::{client, eventually, post, stream_chunks, workers_yaml, Engine, Router};
+use common::engine::{client, eventually, post, stream_chunks, workers_yaml, Engine, TestRouter};
 use serde_json::{json, Value};
 
 const ROUND_ROBIN: &str = "\
@@ -30,7 +30,7 @@ async fn streaming_is_passed_through_byte_for_byte_with_the_usage_chunk() {
     let engine = Engine::start(1).await;
     engine.state.controls.chunks.store(5, Ordering::SeqCst);
     let yaml = format!("block_size: 4\n{}", workers_yaml(&[&engine]));
-    let router = Router::start("serve_stream_bytes", &yaml).await;
+    let router = TestRouter::start("serve_stream_bytes", &yaml).await;
     let http = client();
     for (path, body, chat) in [
         (
@@ -107,7 +107,7 @@ async fn decision_headers_name_the_row_instance_policy_and_reason() {
         "block_size: 4\ndefault_selector: {{tie_break: lowest_row}}\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_decision_headers", &yaml).await;
+    let router = TestRouter::start("serve_decision_headers", &yaml).await;
     let http = client();
     let response = post(
         &http,
@@ -136,7 +136,7 @@ async fn decision_headers_name_the_row_instance_policy_and_reason() {
         "block_size: 4\nserve:\n  decision_headers: false\n{}",
         workers_yaml(&[&e1])
     );
-    let router = Router::start("serve_decision_headers_off", &yaml).await;
+    let router = TestRouter::start("serve_decision_headers_off", &yaml).await;
     let response = post(
         &http,
         &router.url("/v1/completions"),
@@ -158,7 +158,7 @@ async fn a_session_sticks_to_its_worker_while_others_are_spread() {
         "block_size: 4\n{ROUND_ROBIN}session_affinity:\n  mode: hard\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_sessions", &yaml).await;
+    let router = TestRouter::start("serve_sessions", &yaml).await;
     let http = client();
     let ask = |session: Option<&'static str>, user: Option<&'static str>| {
         let http = http.clone();
@@ -217,7 +217,7 @@ async fn hostile_bodies_get_a_clear_4xx_and_change_no_state() {
         "block_size: 4\nsession_affinity:\n  mode: soft\nserve:\n  max_body_bytes: 1048576\n  max_prompt_tokens: 2000\n{}",
         workers_yaml(&[&engine])
     );
-    let router = Router::start("serve_hostile", &yaml).await;
+    let router = TestRouter::start("serve_hostile", &yaml).await;
     let http = client();
     let url = router.url("/v1/completions");
     let chat_url = router.url("/v1/chat/completions");
@@ -335,7 +335,13 @@ async fn hostile_bodies_get_a_clear_4xx_and_change_no_state() {
     let generation = router.handle.generation();
     assert_eq!(generation.host.sessions().map(|t| t.len()), Some(0));
     assert_eq!(
-        generation.host.router().instance(0).stats.snapshot().picks,
+        generation
+            .host
+            .policy_set()
+            .instance(0)
+            .stats
+            .snapshot()
+            .picks,
         0
     );
     assert_eq!(
@@ -368,7 +374,7 @@ async fn a_failure_before_the_first_byte_is_retried_once_on_another_row() {
         "block_size: 4\n{ROUND_ROBIN}serve:\n  health:\n    interval_ms: 60000\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_retry", &yaml).await;
+    let router = TestRouter::start("serve_retry", &yaml).await;
     let http = client();
     for _ in 0..4 {
         let response = post(
@@ -409,7 +415,7 @@ async fn a_failure_before_the_first_byte_is_retried_once_on_another_row() {
         "block_size: 4\n{ROUND_ROBIN}serve:\n  retries: 0\n{}",
         workers_yaml(&[&e1, &e2])
     );
-    let router = Router::start("serve_no_retry", &yaml).await;
+    let router = TestRouter::start("serve_no_retry", &yaml).await;
     let mut statuses = Vec::new();
     for _ in 0..2 {
         let response = post(
@@ -430,7 +436,7 @@ async fn a_failure_before_the_first_byte_is_retried_once_on_another_row() {
 async fn models_health_ready_and_metrics() {
     let engine = Engine::start(1).await;
     let yaml = format!("block_size: 4\n{}", workers_yaml(&[&engine]));
-    let router = Router::start("serve_endpoints", &yaml).await;
+    let router = TestRouter::start("serve_endpoints", &yaml).await;
     let http = client();
     let models: Value = serde_json::from_slice(
         &http
@@ -487,7 +493,7 @@ async fn models_health_ready_and_metrics() {
         "serve:\n  models: [tiny, other]\n{}",
         workers_yaml(&[&engine])
     );
-    let router = Router::start("serve_models_list", &yaml).await;
+    let router = TestRouter::start("serve_models_list", &yaml).await;
     let models: Value = serde_json::from_slice(
         &http
             .get(router.url("/v1/models"))
@@ -508,7 +514,7 @@ async fn models_health_ready_and_metrics() {
 async fn the_prompt_is_tokenized_by_the_engine_and_headers_are_forwarded() {
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
     let yaml = format!("block_size: 4\n{}", workers_yaml(&[&e1, &e2]));
-    let router = Router::start("serve_remote_tokenize", &yaml).await;
+    let router = TestRouter::start("serve_remote_tokenize", &yaml).await;
     let http = client();
     let response = http
         .post(router.url("/v1/chat/completions"))

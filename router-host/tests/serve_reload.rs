@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::engine::{client, eventually, header, post, workers_yaml, Engine, Router};
+use common::engine::{client, eventually, header, post, workers_yaml, Engine, TestRouter};
 use futures_util::StreamExt;
 use serde_json::json;
 
@@ -26,7 +26,7 @@ async fn reload_swaps_policies_without_dropping_a_request_and_a_broken_one_keeps
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
     e1.state.controls.chunks.store(20, Ordering::SeqCst);
     e1.state.controls.chunk_delay_ms.store(20, Ordering::SeqCst);
-    let router = Router::start(
+    let router = TestRouter::start(
         "serve_reload",
         &policy_yaml("spread", "round-robin", &[&e1]),
     )
@@ -351,7 +351,7 @@ async fn a_failed_reload_logs_the_whole_cause_as_check_prints_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_of_a_fifo_is_refused_at_once_and_keeps_serving() {
     let engine = Engine::start(1).await;
-    let router = Router::start(
+    let router = TestRouter::start(
         "serve_reload_fifo",
         &policy_yaml("one", "round-robin", &[&engine]),
     )
@@ -402,7 +402,7 @@ async fn reload_keeps_session_bindings_unless_the_session_settings_change() {
             workers_yaml(&[&e1, &e2])
         )
     };
-    let router = Router::start("serve_reload_sessions", &yaml(600)).await;
+    let router = TestRouter::start("serve_reload_sessions", &yaml(600)).await;
     let http = client();
     let url = router.url("/v1/completions");
     let turn = |session: &'static str| {
@@ -459,7 +459,7 @@ async fn a_reload_keeps_an_unchanged_tokenizer_and_its_caches() {
             workers_yaml(&[&engine])
         )
     };
-    let router = Router::start("serve_reload_tokenizer", &yaml(&bpe, 1)).await;
+    let router = TestRouter::start("serve_reload_tokenizer", &yaml(&bpe, 1)).await;
     let http = client();
     let url = router.url("/v1/completions");
     let body = json!({"model": "tiny", "prompt": "the router keeps each session on the engine that caches it"});

@@ -470,7 +470,7 @@ async fn a_reload_keeps_the_shared_bindings_and_takes_a_new_id_tag() {
     };
     let yaml = std::fs::read_to_string(&rig.config).expect("config");
     // In process this time (the tests' harness), on this multi-thread runtime.
-    let router = common::engine::Router::start("replicas_reload_inproc", &yaml).await;
+    let router = common::engine::TestRouter::start("replicas_reload_inproc", &yaml).await;
     let http = client();
     let ask = |session: &'static str| {
         let http = http.clone();

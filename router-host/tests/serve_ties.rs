@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::engine::{client, header, post, workers_yaml, Engine, Router};
+use common::engine::{client, header, post, workers_yaml, Engine, TestRouter};
 use serde_json::json;
 
 const REQUESTS: usize = 60;
@@ -16,7 +16,7 @@ const REQUESTS: usize = 60;
 async fn split(test: &str, selection: &str) -> [usize; 2] {
     let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
     let yaml = format!("block_size: 4\n{selection}{}", workers_yaml(&[&e1, &e2]));
-    let router = Router::start(test, &yaml).await;
+    let router = TestRouter::start(test, &yaml).await;
     let http = client();
     let mut split = [0, 0];
     for i in 0..REQUESTS {

@@ -6,7 +6,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::engine::{client, post, tokenizer_dir, workers_yaml, Engine, Router};
+use common::engine::{client, post, tokenizer_dir, workers_yaml, Engine, TestRouter};
 use router_core::blocks::{BlockHasher, Tenant};
 use router_host::serve::request::{parse, Endpoint};
 use router_host::serve::tokenize::{remote, tokenize_body, LocalTokenizer};
@@ -79,7 +79,7 @@ async fn serve_with_a_local_tokenizer_never_asks_the_engine() {
         tokenizer_dir().display(),
         workers_yaml(&[&engine])
     );
-    let router = Router::start("serve_local_tokenizer", &yaml).await;
+    let router = TestRouter::start("serve_local_tokenizer", &yaml).await;
     let http = client();
     let response = post(
         &http,
@@ -140,7 +140,7 @@ async fn forward_token_ids_sends_the_routers_ids_for_a_text_completion() {
         tokenizer_dir().display(),
         workers_yaml(&[&engine])
     );
-    let router = Router::start("serve_forward_ids", &yaml).await;
+    let router = TestRouter::start("serve_forward_ids", &yaml).await;
     let http = client();
     let last_body = || {
         engine
@@ -203,7 +203,7 @@ async fn a_conversation_reuses_its_earlier_pieces_with_the_same_ids() {
         tokenizer_dir().display(),
         workers_yaml(&[&engine])
     );
-    let router = Router::start("serve_segment_cache", &yaml).await;
+    let router = TestRouter::start("serve_segment_cache", &yaml).await;
     let http = client();
     let system = "You are a helpful assistant. Answer the question about cats and dogs. ".repeat(3);
     let mut messages = vec![json!({"role": "system", "content": system})];
@@ -254,7 +254,7 @@ async fn a_byte_level_bpe_prompt_reaches_the_engine_as_tokenizers_own_ids() {
         bpe.display(),
         workers_yaml(&[&engine])
     );
-    let router = Router::start("serve_word_split", &yaml).await;
+    let router = TestRouter::start("serve_word_split", &yaml).await;
     let http = client();
     let base = "The router sends each session back to the engine that holds its cache. ";
     let prompts = [
@@ -317,7 +317,7 @@ async fn long_prompt_reaches_the_engine_as_tokenizers_own_ids(test: &str) {
         bpe.display(),
         workers_yaml(&[&engine])
     );
-    let router = Router::start(test, &yaml).await;
+    let router = TestRouter::start(test, &yaml).await;
     let http = client();
     let text = "The router sends each session back to the engine that holds its cache, \
                 and a long document is no exception.\n"

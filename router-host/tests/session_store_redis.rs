@@ -16,7 +16,7 @@ use router_host::config::{OnStoreUnavailable, RedisStoreConfig, RouterConfig};
 use router_host::host::Host;
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, Worker};
-use router_host::router::Router;
+use router_host::policy_set::PolicySet;
 use router_host::session_store::{connect_check, live_host, RedisStore};
 use router_host::sessions::{
     BindingGranularity, BindingMode, DispatchOutcome, SessionError, SessionStore,
@@ -478,7 +478,7 @@ fn replica_host(server: &RedisServer, prefix: &str) -> Host {
         server.url()
     );
     let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-    let router = Router::from_config(&config, &SearchPath::default()).expect("router");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router");
     let workers = (1..=2).map(|w| Worker::new(w).with_ranks(0, 1)).collect();
     live_host(router, Cluster::new(workers).unwrap(), &config, None)
         .expect("host")

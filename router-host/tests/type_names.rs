@@ -6,7 +6,7 @@ mod common;
 use router_host::catalog::{is_valid_type_name, TypeOrigin};
 use router_host::config::RouterConfig;
 use router_host::loader::SearchPath;
-use router_host::router::Router;
+use router_host::policy_set::PolicySet;
 
 #[test]
 fn shipped_and_fixture_plugins_export_valid_type_names() {
@@ -21,7 +21,7 @@ fn shipped_and_fixture_plugins_export_valid_type_names() {
     ] {
         let yaml = format!("plugins:\n  - path: {}\n", common::plugin(name).display());
         let config = RouterConfig::from_yaml_str(&yaml, None).unwrap();
-        let router = Router::from_config(&config, &SearchPath::default())
+        let router = PolicySet::from_config(&config, &SearchPath::default())
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let exported: Vec<&str> = router
             .catalog()

@@ -16,7 +16,7 @@ use router_host::host::{Host, NoOverlap};
 use router_host::kv_index::{KvEvent, KvEventKind, KvIndex, RowMap};
 use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, Worker};
-use router_host::router::Router;
+use router_host::policy_set::PolicySet;
 
 /// Workers and ranks of the benchmark cluster (16 workers x 8 ranks).
 pub const WORKERS: u32 = 16;
@@ -79,8 +79,8 @@ pub fn two_tier_config(parameters: &str, extra: &str) -> RouterConfig {
 }
 
 /// A router with the two-tier instance loaded through the real loader.
-pub fn two_tier_router(config: &RouterConfig) -> Router {
-    Router::from_config(config, &SearchPath::default()).expect("load the two-tier plugin")
+pub fn two_tier_router(config: &RouterConfig) -> PolicySet {
+    PolicySet::from_config(config, &SearchPath::default()).expect("load the two-tier plugin")
 }
 
 /// `WORKERS` workers of `RANKS` ranks each.

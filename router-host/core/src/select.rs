@@ -1,7 +1,7 @@
 //! What the core needs from a policy call, and what one decision is.
 //!
 //! The core never calls a policy itself: it hands a [`Selection`] and its signals to a
-//! [`Selector`] (router-host's `Router`, which owns the loaded instances) and books the
+//! [`Selector`] (router-host's `PolicySet`, which owns the loaded instances) and books the
 //! [`Decision`] it returns. The rules a selector follows (eligibility, narrowing, bounds check,
 //! fallback) are in `docs/routing-contract.md`.
 
@@ -141,7 +141,7 @@ impl PolicyFailure {
     }
 }
 
-/// Index of an instance in the selector's list (router-host's `Router::instances`).
+/// Index of an instance in the selector's list (router-host's `PolicySet::instances`).
 pub type InstanceId = usize;
 
 /// What selection decided for one request.

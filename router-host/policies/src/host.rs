@@ -2,7 +2,7 @@
 //! configuration and loaded policies.
 //!
 //! Everything about a request's path (sessions, admission, the policy call through the
-//! [`Router`], booking, completion) lives in the core, which knows nothing about YAML or
+//! [`PolicySet`], booking, completion) lives in the core, which knows nothing about YAML or
 //! plugin files; this facade builds it from a [`RouterConfig`] and keeps the concrete session
 //! table for tools that print it. Every method takes `&self`: one `Host` serves many threads.
 
@@ -19,7 +19,7 @@ use router_core::topology::Topology;
 use router_config::{PolicyClassConfig, RouterConfig, SessionStoreConfig};
 use router_core::model::{Cluster, Request, RowId, RowLoad};
 
-use crate::router::Router;
+use crate::policy_set::PolicySet;
 
 pub use router_core::admission::{AdmissionStats, Ticket, TicketId};
 pub use router_core::model::{InjectedRows, NoOverlap, OverlapSource};
@@ -30,7 +30,7 @@ pub use router_core::routing::{
 
 /// See the module docs.
 pub struct Host {
-    router: Arc<Router>,
+    router: Arc<PolicySet>,
     core: RoutingCore,
     sessions: Option<Arc<SessionTable>>,
 }
@@ -47,7 +47,7 @@ impl LoadView<'_> {
 
 impl Host {
     /// A host with the wall clock, using `config`'s session affinity and policy classes.
-    pub fn new(router: Router, cluster: Cluster, config: &RouterConfig) -> Self {
+    pub fn new(router: PolicySet, cluster: Cluster, config: &RouterConfig) -> Self {
         Self::with_clock(router, cluster, config, Arc::new(SystemClock))
     }
 
@@ -58,7 +58,7 @@ impl Host {
     /// `session_affinity.store` says: the one-shot tools and the replay (simulated time) share
     /// nothing. `serve` builds its host with [`Host::with_shared_store`] when bindings are shared.
     pub fn with_clock(
-        router: Router,
+        router: PolicySet,
         cluster: Cluster,
         config: &RouterConfig,
         clock: Arc<dyn Clock>,
@@ -77,7 +77,7 @@ impl Host {
     /// other replicas (`session_affinity.store.kind: redis`, connected by the caller). The
     /// request ids the core draws carry `id_tag`, this replica's tag (docs/replicas.md).
     pub fn with_shared_store(
-        router: Router,
+        router: PolicySet,
         cluster: Cluster,
         config: &RouterConfig,
         store: Arc<dyn SessionStore>,
@@ -119,7 +119,7 @@ impl Host {
     /// A host on the wall clock whose bindings live in `table`, an in-process table kept from
     /// a previous host ([`Host::reusable_table`]).
     pub fn with_table(
-        router: Router,
+        router: PolicySet,
         cluster: Cluster,
         config: &RouterConfig,
         table: Arc<SessionTable>,
@@ -145,7 +145,7 @@ impl Host {
     }
 
     fn assemble(
-        router: Router,
+        router: PolicySet,
         cluster: Cluster,
         config: &RouterConfig,
         clock: Arc<dyn Clock>,
@@ -170,7 +170,7 @@ impl Host {
         }
     }
 
-    pub fn router(&self) -> &Router {
+    pub fn policy_set(&self) -> &PolicySet {
         &self.router
     }
 

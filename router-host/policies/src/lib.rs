@@ -16,5 +16,5 @@ pub mod host;
 pub mod instance;
 pub mod loader;
 pub mod plugin_log;
-pub mod router;
+pub mod policy_set;
 pub mod watchdog;

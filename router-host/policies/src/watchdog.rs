@@ -14,7 +14,7 @@
 //! line written per call. `pick` passes the `Instant` the router already takes to time it.
 //!
 //! **The watchdog thread** is started when the first instance is registered (the first
-//! [`Router`](crate::router::Router) is built). It sleeps on an interval of a quarter of the
+//! [`PolicySet`](crate::policy_set::PolicySet) is built). It sleeps on an interval of a quarter of the
 //! smallest registered `hang_after`, clamped to 10 ms..1 s, and waits without a timeout while no
 //! instance is registered, so it never spins. Each tick it reads every slot. A call seen busy with
 //! the same tag and sequence number on two ticks, and running (since its start time, or since it
@@ -37,7 +37,7 @@ use crossbeam_utils::CachePadded;
 use router_core::select::PolicyFailure;
 
 /// What happens after the watchdog marked an instance hung. Chosen by whoever builds the
-/// [`Router`](crate::router::Router) ([`RouterOptions`](crate::router::RouterOptions)).
+/// [`PolicySet`](crate::policy_set::PolicySet) ([`PolicySetOptions`](crate::policy_set::PolicySetOptions)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnHang {
     /// Mark the instance hung and keep serving: its requests go to its fallback from then on.

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use crate::config::ConfigError;
-use crate::router::StartupError;
+use crate::policy_set::StartupError;
 
 /// Why `serve` could not start, or a reload was refused.
 ///

@@ -170,7 +170,7 @@ pub fn after_release(app: &Arc<App>, generation: &Arc<Generation>, mut owed: Opt
     if let Some(hook) = owed.take_if(|hook| {
         generation
             .host
-            .router()
+            .policy_set()
             .instance(hook.instance())
             .is_builtin()
     }) {

@@ -260,7 +260,7 @@ impl Collector for StateCollector {
                 )?;
             }
         }
-        let router = host.router();
+        let router = host.policy_set();
         let instance_labels = |i: &crate::instance::PolicyInstance| -> Labels {
             vec![
                 ("instance", i.name.clone()),

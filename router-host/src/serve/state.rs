@@ -20,7 +20,7 @@ use crate::config::{RouterConfig, ServeConfig, TokenizerConfig};
 use crate::host::Host;
 use crate::loader::SearchPath;
 use crate::model::{Cluster, Worker};
-use crate::router::Router;
+use crate::policy_set::PolicySet;
 use crate::session_store::RedisStore;
 
 /// What `serve` was started with (not configuration: it does not change on reload).
@@ -200,10 +200,11 @@ impl Generation {
         let upstream = UpstreamClient::new(serve.timeouts.connect, IDLE_CONNECTION_TIMEOUT)
             .map_err(ServeError::Client)?;
         let search = SearchPath::new(options.plugin_dirs.clone(), Some(&file));
-        let router = Router::from_config(&config, &search).map_err(|err| ServeError::Startup {
-            file: file.clone(),
-            cause: Box::new(err),
-        })?;
+        let router =
+            PolicySet::from_config(&config, &search).map_err(|err| ServeError::Startup {
+                file: file.clone(),
+                cause: Box::new(err),
+            })?;
         // The session store is connected here (off the request path): bounded by its timeout.
         let (host, shared_sessions) =
             crate::session_store::live_host(router, cluster, &config, previous.map(|p| &p.host))

@@ -30,7 +30,7 @@ struct PolicyStates {
     unservable_roles: Vec<&'static str>,
 }
 
-fn policy_states(router: &crate::router::Router) -> PolicyStates {
+fn policy_states(router: &crate::policy_set::PolicySet) -> PolicyStates {
     use crate::config::OnError;
     use crate::instance::InstanceState;
     use crate::model::RequestRole;
@@ -96,7 +96,7 @@ pub async fn ready(State(app): State<Arc<App>>) -> Response {
             })
         })
         .collect();
-    let policies = policy_states(generation.host.router());
+    let policies = policy_states(generation.host.policy_set());
     let ready = app.health.any_healthy()
         && !app.stopping.is_cancelled()
         && policies.unservable_roles.is_empty();

@@ -19,7 +19,7 @@ pub use redis_store::RedisStore;
 use crate::config::{redact_url, RedisStoreConfig, RouterConfig, SessionStoreConfig};
 use crate::host::{granularity, Host};
 use crate::model::Cluster;
-use crate::router::Router;
+use crate::policy_set::PolicySet;
 use router_core::sessions::SessionStore;
 
 /// The host a live router runs, its session bindings where `session_affinity.store` says: this
@@ -31,7 +31,7 @@ use router_core::sessions::SessionStore;
 /// # Errors
 /// [`StoreError`] when the store's URL cannot be used or its thread cannot start.
 pub fn live_host(
-    router: Router,
+    router: PolicySet,
     cluster: Cluster,
     config: &RouterConfig,
     previous: Option<&Host>,

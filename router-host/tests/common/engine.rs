@@ -475,7 +475,7 @@ pub fn workers_yaml(engines: &[&Engine]) -> String {
 }
 
 /// A `serve` running in this process, on a free port.
-pub struct Router {
+pub struct TestRouter {
     pub addr: SocketAddr,
     pub handle: router_host::serve::ServeHandle,
     pub config: PathBuf,
@@ -483,9 +483,9 @@ pub struct Router {
     _dir: super::TempDir,
 }
 
-impl Router {
+impl TestRouter {
     /// Write `yaml` to a fresh directory and start `serve` on it.
-    pub async fn start(test: &str, yaml: &str) -> Router {
+    pub async fn start(test: &str, yaml: &str) -> TestRouter {
         let dir = super::temp_dir(test);
         let config = super::write(&dir, "router.yaml", yaml);
         let server = router_host::serve::Server::bind(router_host::serve::ServeOptions {
@@ -498,7 +498,7 @@ impl Router {
         let addr = server.local_addr();
         let handle = server.handle();
         let task = tokio::spawn(server.run());
-        Router {
+        TestRouter {
             addr,
             handle,
             config,
@@ -597,7 +597,7 @@ pub fn header(response: &reqwest::Response, name: &str) -> String {
 }
 
 /// How many of `ids` (leading) the row `(worker, 0)` holds in the current core's KV index.
-pub fn held_ids(router: &Router, worker: u64, ids: &[u64]) -> usize {
+pub fn held_ids(router: &TestRouter, worker: u64, ids: &[u64]) -> usize {
     let generation = router.handle.generation();
     let core = generation.host.core();
     let Some(slot) = core.topology().slot(router_host::model::RowId {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::engine::{client, metric_value, post, Router};
+use super::engine::{client, metric_value, post, TestRouter};
 
 /// Longest wait for anything in these tests.
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -179,7 +179,7 @@ impl Mock {
     /// straight to the engine until the router has received one of their batches (a SUB misses
     /// what is published before its subscription arrives), then reset the engine's prefix cache.
     /// From then on both start empty and the router sees every batch.
-    pub async fn sync(&self, router: &Router, worker: u64, rank: u32) {
+    pub async fn sync(&self, router: &TestRouter, worker: u64, rank: u32) {
         let http = client();
         let sample =
             format!("router_kv_event_batches_total{{worker=\"{worker}\",dp_rank=\"{rank}\"}}");

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use router_config::{ConfigError, RouterConfig};
 use router_core::model::ClusterError;
 use router_policies::loader::SearchPath;
-use router_policies::router::{RouterOptions, StartupError};
+use router_policies::policy_set::{PolicySetOptions, StartupError};
 
 pub use engine::{EngineParams, EngineSpec, KvCapacity};
 pub use report::{ConfigReport, ReferenceReport, Report};
@@ -81,8 +81,8 @@ pub struct Setup {
     pub engine: EngineSpec,
     /// `--plugin-dir` directories.
     pub plugin_dirs: Vec<PathBuf>,
-    /// How each config's `Router` is built (the CLI exits on a hung policy call).
-    pub router_options: RouterOptions,
+    /// How each config's `PolicySet` is built (the CLI exits on a hung policy call).
+    pub router_options: PolicySetOptions,
 }
 
 impl Setup {
@@ -91,7 +91,7 @@ impl Setup {
             shape: Shape { workers, dp_size },
             engine: EngineSpec::default(),
             plugin_dirs: Vec::new(),
-            router_options: RouterOptions::default(),
+            router_options: PolicySetOptions::default(),
         }
     }
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::EngineParams;
 use router_config::{PolicyClassConfig, RouterConfig};
 use router_core::model::RequestRole;
-use router_policies::router::Router;
+use router_policies::policy_set::PolicySet;
 
 /// The settings one column ran with, after every default was applied.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -78,7 +78,7 @@ impl ColumnSettings {
     pub fn new(
         source: &str,
         config: &RouterConfig,
-        router: &Router,
+        router: &PolicySet,
         engine: EngineParams,
     ) -> ColumnSettings {
         let instance = router.instance(router.instance_for(RequestRole::Aggregated));

@@ -14,7 +14,7 @@ use router_core::model::{Cluster, Request, Worker};
 use router_core::sessions::{DispatchOutcome, ManualClock};
 use router_policies::host::{Host, RouteError, Routed, SessionOutcome, Submitted, TicketId};
 use router_policies::loader::SearchPath;
-use router_policies::router::{Router, RouterOptions};
+use router_policies::policy_set::{PolicySet, PolicySetOptions};
 
 use super::engine::{Engine, EngineParams, EngineStats, Job, Outbox};
 use super::trace::Workload;
@@ -56,7 +56,7 @@ pub struct RunConfig {
     pub engine: EngineParams,
     /// The config's own `block_size`, when it differed from the workload's.
     pub block_size_replaced: Option<u32>,
-    pub router_options: RouterOptions,
+    pub router_options: PolicySetOptions,
 }
 
 /// Session binding outcomes of dispatched requests (the report prints them as they are).
@@ -128,7 +128,7 @@ pub fn run(
     config: &RunConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<RunOutput, ReplayError> {
-    let router = Router::from_config_with(&config.router, &config.search, config.router_options)
+    let router = PolicySet::from_config_with(&config.router, &config.search, config.router_options)
         .map_err(|source| ReplayError::Startup {
             label: config.label.clone(),
             source: Box::new(source),

@@ -140,8 +140,8 @@ pub fn outcome_json(host: &Host, index: usize, outcome: &Outcome) -> serde_json:
             let d = &routed.decision;
             // `instance` is the configured one; `policy` the type of the one that decided
             // (the built-in default, on fallback).
-            let instance = host.router().instance(d.instance);
-            let policy = host.router().instance(d.decided_by).type_name.as_str();
+            let instance = host.policy_set().instance(d.instance);
+            let policy = host.policy_set().instance(d.decided_by).type_name.as_str();
             let mut line = Map::new();
             line.insert("request".into(), json!(index));
             line.insert("worker_id".into(), json!(d.row.worker_id));

@@ -9,7 +9,7 @@ use router_core::sessions::SessionError;
 use crate::eligibility::EligibilityError;
 use crate::host::{RouteError, Routed, SessionOutcome, Submitted};
 use crate::model::Request;
-use crate::router::SelectError;
+use crate::policy_set::SelectError;
 use crate::serve::app::App;
 use crate::serve::errors::ApiError;
 use crate::serve::lifecycle::{DecisionInfo, Queued};
@@ -144,7 +144,7 @@ pub(super) async fn admit(
 
 pub(super) fn decision_info(generation: &Generation, routed: &Routed) -> DecisionInfo {
     let d = &routed.decision;
-    let router = generation.host.router();
+    let router = generation.host.policy_set();
     let session = match &routed.session {
         None => "-".to_owned(),
         Some(SessionOutcome::Dispatched(o)) => o.as_str().to_owned(),

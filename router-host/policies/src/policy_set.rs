@@ -1,6 +1,9 @@
+//! The policy set ([`PolicySet`]): every configured instance, the role map, and the
+//! `Selector` the routing core calls.
+//!
 //! Startup (config -> libraries -> catalog -> instances) and the per-request policy call.
 //!
-//! [`Router::select`] is the only place a policy is called. Per request it: computes the
+//! [`PolicySet::select`] is the only place a policy is called. Per request it: computes the
 //! eligible rows (one [`router_core::eligibility`] view); for the built-in `default` only, narrows them
 //! to an eligible soft target; materialises the columns the instance declared; calls `pick`
 //! once; bounds-checks the index. An error, a panic or an out-of-range index never yields a row
@@ -15,7 +18,7 @@
 //! Every call into a policy (`create`, `pick`, `explain`, the hooks) is marked in the calling
 //! thread's [`crate::watchdog`] slot while it runs. A call that runs past its instance's
 //! `hang_after` marks the instance hung: it refuses every later call like a poisoned one (its
-//! requests get the fallback, its hooks are skipped), and the Router's [`OnHang`] choice says
+//! requests get the fallback, its hooks are skipped), and the policy set's [`OnHang`] choice says
 //! whether the process keeps serving or exits.
 
 use std::sync::atomic::Ordering;
@@ -43,9 +46,9 @@ use router_config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
 use router_core::eligibility::eligible_rows;
 use router_core::model::{Cluster, RequestRole, RowId, Signals};
 
-/// Choices of whoever builds a [`Router`] that are not configuration.
+/// Choices of whoever builds a [`PolicySet`] that are not configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RouterOptions {
+pub struct PolicySetOptions {
     /// What happens once a policy call runs past its instance's `hang_after`: by default the
     /// instance is taken out of service and the host keeps serving. Single-threaded tools, whose
     /// only thread would be the stuck one, choose [`OnHang::Exit`].
@@ -69,7 +72,7 @@ pub enum StartupError {
 
 /// The loaded policies and which instance serves which role.
 #[derive(Debug)]
-pub struct Router {
+pub struct PolicySet {
     catalog: Catalog,
     instances: Vec<PolicyInstance>,
     roles: [InstanceId; 3],
@@ -81,21 +84,24 @@ pub struct Router {
     plugin_images_max: usize,
 }
 
-impl Router {
+impl PolicySet {
     /// Load every plugin, build the catalog, create every instance (so bad parameters fail here,
     /// before any request) and wire the roles. A hung policy call is only taken out of service
-    /// ([`RouterOptions::default`]).
-    pub fn from_config(config: &RouterConfig, search: &SearchPath) -> Result<Router, StartupError> {
-        Router::from_config_with(config, search, RouterOptions::default())
+    /// ([`PolicySetOptions::default`]).
+    pub fn from_config(
+        config: &RouterConfig,
+        search: &SearchPath,
+    ) -> Result<PolicySet, StartupError> {
+        PolicySet::from_config_with(config, search, PolicySetOptions::default())
     }
 
-    /// [`Router::from_config`] with the builder's own [`RouterOptions`] (they apply from the first
+    /// [`PolicySet::from_config`] with the builder's own [`PolicySetOptions`] (they apply from the first
     /// `create` on).
     pub fn from_config_with(
         config: &RouterConfig,
         search: &SearchPath,
-        options: RouterOptions,
-    ) -> Result<Router, StartupError> {
+        options: PolicySetOptions,
+    ) -> Result<PolicySet, StartupError> {
         let mut loader = Loader::with_image_cap(config.plugin_images_max);
         for (index, spec) in config.plugins.iter().enumerate() {
             let plugin_error = |source| StartupError::Plugin {
@@ -152,7 +158,7 @@ impl Router {
             // The config module already rejected roles naming undefined instances.
             roles[role.index()] = find(name).unwrap_or(0);
         }
-        Ok(Router {
+        Ok(PolicySet {
             catalog,
             instances,
             roles,
@@ -213,7 +219,7 @@ impl Router {
     }
 
     /// What a request of `isl_tokens` books on its row: its prompt tokens under
-    /// [`Router::prefill_booking`] (`cached_blocks` = the row's device overlap, read only in
+    /// [`PolicySet::prefill_booking`] (`cached_blocks` = the row's device overlap, read only in
     /// `uncached` mode) and `request_blocks` decode blocks.
     pub fn charge(&self, isl_tokens: u64, cached_blocks: &dyn Fn() -> f64) -> Charge {
         Charge {
@@ -431,7 +437,7 @@ fn log_failure(
     }
 }
 
-impl Router {
+impl PolicySet {
     /// Tell the instance that decided (or fell back for) a request where it was booked. Hooks
     /// exist since plugin-api 1.1; for a 1.0 plugin this is a no-op.
     /// Not called for an instance that is poisoned, quarantined or hung.
@@ -525,7 +531,7 @@ fn explanation_from_abi(raw: RawExplanation) -> Explanation {
     }
 }
 
-impl Selector for Router {
+impl Selector for PolicySet {
     fn select(
         &self,
         cluster: &Cluster,
@@ -533,23 +539,23 @@ impl Selector for Router {
         signals: &dyn Signals,
         scratch: &mut Scratch,
     ) -> Result<Decision, SelectError> {
-        Router::select(self, cluster, selection, signals, scratch)
+        PolicySet::select(self, cluster, selection, signals, scratch)
     }
 
     fn request_blocks(&self, isl_tokens: u64) -> u64 {
-        Router::request_blocks(self, isl_tokens)
+        PolicySet::request_blocks(self, isl_tokens)
     }
 
     fn charge(&self, isl_tokens: u64, cached_blocks: &dyn Fn() -> f64) -> Charge {
-        Router::charge(self, isl_tokens, cached_blocks)
+        PolicySet::charge(self, isl_tokens, cached_blocks)
     }
 
     fn notify_dispatch(&self, instance: InstanceId, event: &DispatchEvent<'_>) {
-        Router::notify_dispatch(self, instance, event);
+        PolicySet::notify_dispatch(self, instance, event);
     }
 
     fn notify_complete(&self, instance: InstanceId, event: &CompleteEvent<'_>) {
-        Router::notify_complete(self, instance, event);
+        PolicySet::notify_complete(self, instance, event);
     }
 
     fn instance_name(&self, instance: InstanceId) -> &str {
