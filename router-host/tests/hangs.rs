@@ -441,7 +441,7 @@ fn a_reload_stuck_in_create_does_not_hold_up_the_next_reload() {
         let stuck = reload_in_background(&router, &stuck_yaml, needles).await;
         assert_eq!(router.metric("router_config_reloads_loading"), 1.0);
         assert_eq!(
-            router.handle.generation().number,
+            router.handle.loaded().number,
             1,
             "still the first configuration"
         );
@@ -507,7 +507,7 @@ fn a_reload_that_finishes_after_a_later_one_is_discarded() {
             err.to_string(),
             "reload 1 finished after a later one was swapped in (configuration 2 is serving); it was discarded"
         );
-        assert_eq!(router.handle.generation().number, 2);
+        assert_eq!(router.handle.loaded().number, 2);
         assert_eq!(
             router.metric("router_config_reloads_total{outcome=\"superseded\"}"),
             1.0

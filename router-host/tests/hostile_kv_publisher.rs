@@ -409,7 +409,7 @@ async fn an_engine_storing_far_over_its_capacity_leaves_the_index_bounded() {
         );
         let held = router
             .handle
-            .generation()
+            .loaded()
             .host
             .core()
             .kv_index()

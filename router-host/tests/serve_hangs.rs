@@ -193,13 +193,7 @@ fn hung_call_costs_at_most_its_request(workers: usize, hang: Hang) {
             let stalled = router.metric("router_queue_stalled_total");
             assert_eq!(stalled, 1.0, "{}", router.handle.metrics_text());
             assert_eq!(
-                router
-                    .handle
-                    .generation()
-                    .host
-                    .core()
-                    .admission_stats()
-                    .waiting,
+                router.handle.loaded().host.core().admission_stats().waiting,
                 0
             );
         }

@@ -318,8 +318,8 @@ async fn offloaded_blocks_count_as_host_overlap_after_the_device_copy_goes() {
         "nothing left on worker 2's device"
     );
     {
-        let generation = router.handle.generation();
-        let core = generation.host.core();
+        let loaded = router.handle.loaded();
+        let core = loaded.host.core();
         let slot = core
             .topology()
             .slot(router_host::model::RowId {
@@ -748,7 +748,7 @@ async fn a_reload_keeps_the_rows_blocks_in_the_new_configuration() {
     assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
 
     assert_eq!(router.handle.reload().await.expect("reload"), 2);
-    assert_eq!(router.handle.generation().number, 2);
+    assert_eq!(router.handle.loaded().number, 2);
     // The subscriber kept running and seeded the new core's index with the row's blocks.
     assert!(eventually(WAIT, || held(&router, 1, &ids) == 2).await);
     p.send(vec![removed(&[2])]).await;

@@ -37,12 +37,12 @@ async fn a_client_gone_mid_stream_releases_the_booking() {
     assert!(first.starts_with(b"data: "));
     // Mid-stream: booked, prefill released (the first byte came), one in flight.
     assert_eq!(router.in_flight(), (1, 1));
-    let generation = router.handle.generation();
+    let loaded = router.handle.loaded();
     let row = router_host::model::RowId {
         worker_id: 1,
         dp_rank: 0,
     };
-    let booked = generation.host.core().booked(row);
+    let booked = loaded.host.core().booked(row);
     assert_eq!(booked.active_requests, 1);
     assert_eq!(
         booked.active_prefill_tokens, 0,
@@ -59,7 +59,7 @@ async fn a_client_gone_mid_stream_releases_the_booking() {
         "the booking was released: {:?}",
         router.in_flight()
     );
-    assert_eq!(generation.host.core().booked(row).decode_blocks, 0);
+    assert_eq!(loaded.host.core().booked(row).decode_blocks, 0);
     assert_eq!(
         router.metric("router_inflight_requests{worker=\"1\",dp_rank=\"0\"}"),
         0.0
@@ -125,8 +125,8 @@ async fn a_queue_timeout_gets_429_with_retry_after_and_books_nothing() {
     assert_eq!(router.in_flight(), (1, 1), "the 429 booked nothing");
     assert_eq!(first.await.unwrap(), 200);
     assert!(eventually(WAIT, || router.in_flight() == (0, 0)).await);
-    let generation = router.handle.generation();
-    assert_eq!(generation.host.core().admission_stats().waiting, 0);
+    let loaded = router.handle.loaded();
+    assert_eq!(loaded.host.core().admission_stats().waiting, 0);
     assert_eq!(
         router.metric("router_requests_total{endpoint=\"completions\",outcome=\"queue_timeout\"}"),
         1.0
@@ -163,11 +163,9 @@ async fn a_queued_request_is_admitted_when_the_row_frees_up() {
             (response.status(), response.bytes().await.unwrap().len())
         }
     });
-    let generation = router.handle.generation();
+    let loaded = router.handle.loaded();
     assert!(
-        eventually(WAIT, || generation.host.core().admission_stats().waiting
-            == 1)
-        .await,
+        eventually(WAIT, || loaded.host.core().admission_stats().waiting == 1).await,
         "the second request queues while the first is in prefill"
     );
     assert!(first.await.unwrap() > 0);
@@ -199,7 +197,7 @@ async fn a_client_gone_while_queued_is_removed_from_the_queue() {
         async move { post(&http, &url, &body).await.status() }
     });
     assert!(eventually(WAIT, || router.in_flight() == (1, 1)).await);
-    let generation = router.handle.generation();
+    let loaded = router.handle.loaded();
     // The second client gives up after 200 ms, while queued.
     let gave_up = http
         .post(&url)
@@ -211,12 +209,12 @@ async fn a_client_gone_while_queued_is_removed_from_the_queue() {
     assert!(gave_up.is_err(), "the client timed out");
     assert!(
         eventually(WAIT, || {
-            let stats = generation.host.core().admission_stats();
+            let stats = loaded.host.core().admission_stats();
             stats.waiting == 0 && stats.cancelled == 1
         })
         .await,
         "removed from the queue: {:?}",
-        generation.host.core().admission_stats()
+        loaded.host.core().admission_stats()
     );
     assert_eq!(router.in_flight(), (1, 1), "only the first is booked");
     assert_eq!(
@@ -267,7 +265,7 @@ async fn an_engine_that_stops_answering_is_routed_around_and_comes_back() {
         assert_eq!(response.status(), 200);
         assert_eq!(served_by(&response), "1");
     }
-    let health = router.handle.generation();
+    let health = router.handle.loaded();
     assert!(
         eventually(WAIT, || {
             router.metric("router_engine_healthy{worker=\"2\"}") == 0.0

@@ -204,7 +204,7 @@ async fn a_session_sticks_to_its_worker_while_others_are_spread() {
             (by_user.clone(), "kept".to_owned())
         );
     }
-    let sessions = router.handle.generation().host.sessions().map(|t| t.len());
+    let sessions = router.handle.loaded().host.sessions().map(|t| t.len());
     assert_eq!(sessions, Some(2));
     assert!(router.metric("router_session_bindings_total{outcome=\"kept\"}") >= 9.0);
     router.stop().await;
@@ -332,16 +332,10 @@ async fn hostile_bodies_get_a_clear_4xx_and_change_no_state() {
     }
     assert_eq!(engine.state.seen.completions.load(Ordering::SeqCst), 0);
     assert_eq!(router.in_flight(), (0, 0));
-    let generation = router.handle.generation();
-    assert_eq!(generation.host.sessions().map(|t| t.len()), Some(0));
+    let loaded = router.handle.loaded();
+    assert_eq!(loaded.host.sessions().map(|t| t.len()), Some(0));
     assert_eq!(
-        generation
-            .host
-            .policy_set()
-            .instance(0)
-            .stats
-            .snapshot()
-            .picks,
+        loaded.host.policy_set().instance(0).stats.snapshot().picks,
         0
     );
     assert_eq!(

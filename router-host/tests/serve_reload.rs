@@ -424,11 +424,11 @@ async fn reload_keeps_session_bindings_unless_the_session_settings_change() {
         }
     };
     let bound = turn("s-1").await;
-    let first = router.handle.generation();
+    let first = router.handle.loaded();
 
     // Same session settings: the new configuration shares the table and the binding holds.
     assert_eq!(router.handle.reload().await.unwrap(), 2);
-    let second = router.handle.generation();
+    let second = router.handle.loaded();
     assert!(second.host.shares_sessions_with(&first.host));
     for _ in 0..4 {
         // Round-robin alone would alternate; the hard binding pins the session.
@@ -438,7 +438,7 @@ async fn reload_keeps_session_bindings_unless_the_session_settings_change() {
     // New settings: a new, empty table.
     std::fs::write(&router.config, yaml(60)).unwrap();
     assert_eq!(router.handle.reload().await.unwrap(), 3);
-    let third = router.handle.generation();
+    let third = router.handle.loaded();
     assert!(!third.host.shares_sessions_with(&second.host));
     assert!(third.host.sessions().unwrap().binding("s-1").is_none());
     assert!(eventually(WAIT, || router.handle.in_flight() == 0).await);
@@ -452,9 +452,9 @@ async fn reload_keeps_session_bindings_unless_the_session_settings_change() {
 async fn a_reload_keeps_an_unchanged_tokenizer_and_its_caches() {
     let bpe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bpe-tokenizer");
     let engine = Engine::start(1).await;
-    let yaml = |dir: &std::path::Path, generation: u32| {
+    let yaml = |dir: &std::path::Path, loaded: u32| {
         format!(
-            "# generation {generation}\nblock_size: 4\nserve:\n  tokenizer:\n    path: {}\n{}",
+            "# config {loaded}\nblock_size: 4\nserve:\n  tokenizer:\n    path: {}\n{}",
             dir.display(),
             workers_yaml(&[&engine])
         )

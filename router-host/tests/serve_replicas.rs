@@ -505,7 +505,7 @@ async fn a_reload_keeps_the_shared_bindings_and_takes_a_new_id_tag() {
     assert_eq!((status, outcome.as_str()), (200, "created"));
     let tag_before = router
         .handle
-        .generation()
+        .loaded()
         .shared_sessions
         .as_ref()
         .expect("redis store")
@@ -513,7 +513,7 @@ async fn a_reload_keeps_the_shared_bindings_and_takes_a_new_id_tag() {
     assert_eq!(router.handle.reload().await.expect("reload"), 2);
     let tag_after = router
         .handle
-        .generation()
+        .loaded()
         .shared_sessions
         .as_ref()
         .unwrap()

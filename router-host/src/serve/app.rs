@@ -9,9 +9,9 @@ use std::sync::Arc;
 use super::failure::ServeError;
 use super::health::{self, HealthTable};
 use super::metrics::Metrics;
-use super::state::{Current, Generation, ServeOptions, Upstream};
+use super::state::{Current, LoadedConfig, ServeOptions, Upstream};
 use super::stop::Stop;
-use super::{kv_events, offload};
+use super::{decider, kv_events};
 
 /// Shared by every handler and background task.
 pub struct App {
@@ -19,21 +19,21 @@ pub struct App {
     pub(super) options: ServeOptions,
     pub(crate) metrics: Metrics,
     pub(crate) health: Arc<HealthTable>,
-    /// Requests booked and not yet finished, across generations.
+    /// Requests booked and not yet finished, across loaded configurations.
     pub(crate) flights: AtomicUsize,
     pub(crate) stopping: Stop,
     /// Held while a reload swaps its configuration in (not while it loads).
     pub(super) reload_lock: tokio::sync::Mutex<()>,
     /// The number of the configuration serving now.
-    pub(super) generations: AtomicU64,
+    pub(super) loaded_configs: AtomicU64,
     /// Reloads started, and which of them was swapped in last.
     pub(super) reloads_started: AtomicU64,
     pub(super) swapped_reload: AtomicU64,
     pub(super) tokenizer_turn: AtomicUsize,
     /// KV-event subscribers, one per `(worker, rank)` with `kv_events` (`kv_events/`).
     pub(crate) kv_subscribers: kv_events::Subscribers,
-    /// Where routing decisions run (`offload.rs`): for the whole process, across reloads.
-    pub(crate) offload: offload::Offload,
+    /// Where routing decisions run (`decider.rs`): for the whole process, across reloads.
+    pub(crate) decider: decider::Decider,
 }
 
 impl std::fmt::Debug for App {
@@ -47,11 +47,8 @@ impl std::fmt::Debug for App {
 
 impl App {
     /// The engine to ask for remote tokenization: the healthy ones in turn.
-    pub(crate) fn tokenizer_upstream<'g>(
-        &self,
-        generation: &'g Generation,
-    ) -> Option<&'g Upstream> {
-        let healthy: Vec<&Upstream> = generation
+    pub(crate) fn tokenizer_upstream<'g>(&self, loaded: &'g LoadedConfig) -> Option<&'g Upstream> {
+        let healthy: Vec<&Upstream> = loaded
             .upstreams
             .iter()
             .filter(|u| self.health.is_healthy(u.id))
@@ -63,7 +60,7 @@ impl App {
         Some(healthy[turn % healthy.len()])
     }
 
-    /// Read the YAML again, build a new generation off the request path and swap it in.
+    /// Read the YAML again, build a new loaded configuration off the request path and swap it in.
     /// A configuration that fails keeps the running one; the error is logged and counted.
     ///
     /// Loading runs outside the reload lock: a load that never returns (a plugin's `create`
@@ -77,7 +74,7 @@ impl App {
         self.metrics.reloads_loading.inc();
         let loading = tokio::task::spawn_blocking(move || {
             // Numbered when swapped in.
-            Generation::load(&options, 0, Some(&previous))
+            LoadedConfig::load(&options, 0, Some(&previous))
         })
         .await;
         self.metrics.reloads_loading.dec();
@@ -108,13 +105,13 @@ impl App {
                 return Err(err);
             }
         };
-        let number = self.generations.load(Ordering::SeqCst) + 1;
+        let number = self.loaded_configs.load(Ordering::SeqCst) + 1;
         next.number = number;
         self.health.sync(&next.upstreams);
         self.health.apply(&next);
         let next = Arc::new(next);
         let previous = self.current.swap(next.clone());
-        self.generations.store(number, Ordering::SeqCst);
+        self.loaded_configs.store(number, Ordering::SeqCst);
         self.swapped_reload.store(started, Ordering::SeqCst);
         self.kv_subscribers
             .sync(&next, &self.current, &self.metrics.kv);
@@ -134,8 +131,8 @@ impl App {
         );
         let app = self.clone();
         tokio::spawn(async move {
-            let generation = app.current.load();
-            health::probe_round(&app.health, &app.metrics, &generation).await;
+            let loaded = app.current.load();
+            health::probe_round(&app.health, &app.metrics, &loaded).await;
         });
         Ok(number)
     }

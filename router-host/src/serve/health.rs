@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use super::engine_calls::{call_engine, AnswerError, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT};
 use super::metrics::Metrics;
-use super::state::{Generation, Upstream};
+use super::state::{LoadedConfig, Upstream};
 use crate::model::RowId;
 
 #[derive(Debug, Clone)]
@@ -131,15 +131,15 @@ impl HealthTable {
         rows
     }
 
-    /// Give `generation`'s routing core the table's availability of every engine, and the KV
+    /// Give `loaded`'s routing core the table's availability of every engine, and the KV
     /// capacity each reported last where the configuration sets none (a reload then does not
     /// wait for the next probe to know it).
-    pub fn apply(&self, generation: &Generation) {
-        let core = generation.host.core();
-        for u in &generation.upstreams {
+    pub fn apply(&self, loaded: &LoadedConfig) {
+        let core = loaded.host.core();
+        for u in &loaded.upstreams {
             let healthy = self.is_healthy(u.id);
             let _ = core.set_worker_state(u.id, Some(healthy), None, None);
-            let configured = configured_kv_capacity(generation, u.id);
+            let configured = configured_kv_capacity(loaded, u.id);
             let reported = self
                 .read()
                 .get(&u.id)
@@ -152,17 +152,17 @@ impl HealthTable {
     }
 }
 
-/// Mark one engine healthy or not, in the table and in `generation`'s routing core.
+/// Mark one engine healthy or not, in the table and in `loaded`'s routing core.
 pub fn mark(
     table: &HealthTable,
-    generation: &Generation,
+    loaded: &LoadedConfig,
     id: u64,
     healthy: bool,
     error: Option<String>,
 ) {
     let changed = table.set(id, healthy, error.clone());
     if changed {
-        let _ = generation
+        let _ = loaded
             .host
             .core()
             .set_worker_state(id, Some(healthy), None, None);
@@ -356,14 +356,14 @@ async fn scrape(
 
 static LOCAL_PROBE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(10_000);
 
-/// Probe every engine of `generation` once, concurrently.
-pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, generation: &Generation) {
-    let health = generation.serve.health;
-    let probes = generation.upstreams.iter().map(|u| async move {
-        let result = probe(router_metrics, &generation.client, u, health.timeout).await;
+/// Probe every engine of `loaded` once, concurrently.
+pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, loaded: &LoadedConfig) {
+    let health = loaded.serve.health;
+    let probes = loaded.upstreams.iter().map(|u| async move {
+        let result = probe(router_metrics, &loaded.client, u, health.timeout).await;
         let load = match (&result, health.scrape_load) {
             (Probe::Healthy, true) => {
-                scrape(router_metrics, &generation.client, u, health.timeout).await
+                scrape(router_metrics, &loaded.client, u, health.timeout).await
             }
             _ => None,
         };
@@ -389,17 +389,17 @@ pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, generati
                 continue;
             }
         };
-        let core = generation.host.core();
+        let core = loaded.host.core();
         match load {
             Some(text) => {
                 let metrics = parse_engine_metrics(&text);
                 let by_rank = &metrics.load;
-                let configured = generation
+                let configured = loaded
                     .config
                     .workers
                     .iter()
                     .find(|w| w.id == u.id)
-                    .map_or(generation.config.block_size, |w| w.block_size);
+                    .map_or(loaded.config.block_size, |w| w.block_size);
                 if let Some(err) = block_size_error(u.id, &u.base, configured, &metrics) {
                     if table.is_healthy(u.id)
                         || table.last_error(u.id).as_deref() != Some(err.as_str())
@@ -416,7 +416,7 @@ pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, generati
                     .collect();
                 usage.sort_by_key(|r| r.0);
                 table.set_kv_usage(u.id, usage);
-                learn_kv_capacity(table, generation, u, &metrics);
+                learn_kv_capacity(table, loaded, u, &metrics);
                 for rank in 0..u.dp_size {
                     let row = RowId {
                         worker_id: u.id,
@@ -437,10 +437,10 @@ pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, generati
             }
         }
         match result {
-            Ok(()) => mark(table, generation, u.id, true, None),
-            Err(err) => mark(table, generation, u.id, false, Some(err)),
+            Ok(()) => mark(table, loaded, u.id, true, None),
+            Err(err) => mark(table, loaded, u.id, false, Some(err)),
         }
-        sync_flag(generation, u.id, table.is_healthy(u.id));
+        sync_flag(loaded, u.id, table.is_healthy(u.id));
     }
 }
 
@@ -449,14 +449,14 @@ pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, generati
 /// an engine that reports another capacity is logged (once per value it reports).
 fn learn_kv_capacity(
     table: &HealthTable,
-    generation: &Generation,
+    loaded: &LoadedConfig,
     u: &Upstream,
     metrics: &EngineMetrics,
 ) {
     let Some(blocks) = engine_kv_capacity(metrics, u.dp_size) else {
         return;
     };
-    let configured = configured_kv_capacity(generation, u.id);
+    let configured = configured_kv_capacity(loaded, u.id);
     let changed = table.see_kv_capacity(u.id, configured, blocks);
     if let Some(configured) = configured {
         if changed && configured != blocks {
@@ -472,7 +472,7 @@ fn learn_kv_capacity(
         }
         return;
     }
-    let core = generation.host.core();
+    let core = loaded.host.core();
     let known = core
         .topology()
         .cluster()
@@ -489,9 +489,9 @@ fn learn_kv_capacity(
     }
 }
 
-/// Worker `id`'s `workers[].total_kv_blocks` in `generation`'s configuration.
-fn configured_kv_capacity(generation: &Generation, id: u64) -> Option<u64> {
-    generation
+/// Worker `id`'s `workers[].total_kv_blocks` in `loaded`'s configuration.
+fn configured_kv_capacity(loaded: &LoadedConfig, id: u64) -> Option<u64> {
+    loaded
         .config
         .workers
         .iter()
@@ -513,9 +513,9 @@ fn engine_kv_capacity(metrics: &EngineMetrics, dp_size: u32) -> Option<u64> {
 }
 
 /// Make the core's availability flag of worker `id` say `healthy`, if it does not already (a
-/// state marked on another generation while this one was being swapped in).
-fn sync_flag(generation: &Generation, id: u64, healthy: bool) {
-    let core = generation.host.core();
+/// state marked on another loaded configuration while this one was being swapped in).
+fn sync_flag(loaded: &LoadedConfig, id: u64, healthy: bool) {
+    let core = loaded.host.core();
     let available = core.topology().cluster().worker(id).map(|w| w.available);
     if available.is_some_and(|available| available != healthy) {
         let _ = core.set_worker_state(id, Some(healthy), None, None);

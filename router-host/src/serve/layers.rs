@@ -14,7 +14,7 @@ const NEUTRAL: &[&str] = &[
     "kv_events",
     "lifecycle",
     "metrics",
-    "offload",
+    "decider",
     "prompt",
     "scrape",
     "segments",

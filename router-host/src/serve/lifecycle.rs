@@ -19,7 +19,7 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::app::App;
 use super::metrics::Metrics;
-use super::state::Generation;
+use super::state::LoadedConfig;
 use crate::host::{OwedHook, RequestId, Routed, Ticket};
 use crate::model::RowId;
 
@@ -42,7 +42,7 @@ pub struct DecisionInfo {
 /// One dispatched request until it ends: releases its booking exactly once.
 pub struct Flight {
     app: Arc<App>,
-    generation: Arc<Generation>,
+    loaded: Arc<LoadedConfig>,
     id: RequestId,
     pub info: DecisionInfo,
     endpoint: &'static str,
@@ -57,7 +57,7 @@ pub struct Flight {
 impl Flight {
     pub fn new(
         app: Arc<App>,
-        generation: Arc<Generation>,
+        loaded: Arc<LoadedConfig>,
         routed: &Routed,
         info: DecisionInfo,
         endpoint: &'static str,
@@ -70,7 +70,7 @@ impl Flight {
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Flight {
             app,
-            generation,
+            loaded,
             id: routed.id,
             info,
             endpoint,
@@ -91,8 +91,8 @@ impl Flight {
     pub fn first_byte(&mut self) {
         if !self.prefilled && !self.done {
             self.prefilled = true;
-            self.generation.host.prefill_complete(self.id);
-            after_release(&self.app, &self.generation, None);
+            self.loaded.host.prefill_complete(self.id);
+            after_release(&self.app, &self.loaded, None);
         }
     }
 
@@ -125,12 +125,12 @@ impl Flight {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        let owed = self.generation.host.core().finish_owing_hook(self.id, code);
+        let owed = self.loaded.host.core().finish_owing_hook(self.id, code);
         self.gauge.dec();
         self.app
             .flights
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        after_release(&self.app, &self.generation, owed);
+        after_release(&self.app, &self.loaded, owed);
         if self.final_attempt {
             self.app.metrics.request(self.endpoint, outcome);
             let info = &self.info;
@@ -146,7 +146,7 @@ impl Flight {
                 session = %info.session,
                 queued_ms = info.queued.as_millis() as u64,
                 duration_ms = self.started.elapsed().as_millis() as u64,
-                config = self.generation.number,
+                config = self.loaded.number,
                 "request"
             );
         }
@@ -160,47 +160,47 @@ impl Drop for Flight {
     }
 }
 
-/// What a release still owes, made in a task of its own by `offload.rs`'s rule: the policy's
+/// What a release still owes, made in a task of its own by `decider.rs`'s rule: the policy's
 /// `on_complete` call, and re-evaluating the queues (only when requests wait), which calls
 /// policies too. Called where the release happens (a response body's poll or drop), a call that
 /// never returned would hold that worker with no permit, and strand whatever task its poll had
 /// just woken (docs/serve.md, "Where decisions run"). Off a runtime (a test's drop) it runs here.
-pub fn after_release(app: &Arc<App>, generation: &Arc<Generation>, mut owed: Option<OwedHook>) {
+pub fn after_release(app: &Arc<App>, loaded: &Arc<LoadedConfig>, mut owed: Option<OwedHook>) {
     // A built-in policy's hook is the host's own code, which returns: no task needed for it.
     if let Some(hook) = owed.take_if(|hook| {
-        generation
+        loaded
             .host
             .policy_set()
             .instance(hook.instance())
             .is_builtin()
     }) {
-        generation.host.core().call_hook(hook);
+        loaded.host.core().call_hook(hook);
     }
-    if owed.is_none() && !queued_requests(generation) {
+    if owed.is_none() && !queued_requests(loaded) {
         return;
     }
     let run = {
-        let generation = generation.clone();
+        let loaded = loaded.clone();
         move || {
             if let Some(owed) = owed {
-                generation.host.core().call_hook(owed);
+                loaded.host.core().call_hook(owed);
             }
-            if queued_requests(&generation) {
-                generation.host.core().drain(true);
+            if queued_requests(&loaded) {
+                loaded.host.core().drain(true);
             }
         }
     };
     match tokio::runtime::Handle::try_current() {
         Ok(handle) => {
-            let (app, generation) = (app.clone(), generation.clone());
-            handle.spawn(async move { app.offload.decide(&generation, run).await });
+            let (app, loaded) = (app.clone(), loaded.clone());
+            handle.spawn(async move { app.decider.decide(&loaded, run).await });
         }
         Err(_) => run(),
     }
 }
 
-fn queued_requests(generation: &Generation) -> bool {
-    generation.host.core().admission_stats().waiting > 0
+fn queued_requests(loaded: &LoadedConfig) -> bool {
+    loaded.host.core().admission_stats().waiting > 0
 }
 
 /// A request waiting in an admission queue; dropped while still waiting (the client went away),
@@ -209,7 +209,7 @@ fn queued_requests(generation: &Generation) -> bool {
 /// is released here as cancelled.
 pub struct Queued {
     app: Arc<App>,
-    generation: Arc<Generation>,
+    loaded: Arc<LoadedConfig>,
     ticket: Option<Ticket>,
     endpoint: &'static str,
 }
@@ -217,13 +217,13 @@ pub struct Queued {
 impl Queued {
     pub fn new(
         app: Arc<App>,
-        generation: Arc<Generation>,
+        loaded: Arc<LoadedConfig>,
         ticket: Ticket,
         endpoint: &'static str,
     ) -> Queued {
         Queued {
             app,
-            generation,
+            loaded,
             ticket: Some(ticket),
             endpoint,
         }
@@ -241,7 +241,7 @@ impl Queued {
     /// Take it out of the queue now: `true` if it was still queued (it booked nothing).
     pub fn cancel(&mut self) -> bool {
         match &self.ticket {
-            Some(ticket) if self.generation.host.core().cancel(ticket.id()) => {
+            Some(ticket) if self.loaded.host.core().cancel(ticket.id()) => {
                 self.ticket = None;
                 true
             }
@@ -259,10 +259,10 @@ impl Drop for Queued {
         self.app.metrics.request(self.endpoint, "cancelled");
         // Still queued: taken out, booking nothing. Being dispatched right now: the core
         // releases whatever it gets. Already dispatched: released here.
-        let core = self.generation.host.core();
+        let core = self.loaded.host.core();
         if let Some(Ok(routed)) = core.abandon(&ticket) {
             let owed = core.finish_owing_hook(routed.id, CompletionCode::CANCELLED);
-            after_release(&self.app, &self.generation, owed);
+            after_release(&self.app, &self.loaded, owed);
         }
         tracing::debug!(ticket = ticket.id(), "client gone while queued");
     }

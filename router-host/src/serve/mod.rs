@@ -6,7 +6,7 @@
 //! core's), forwards the body unchanged to the chosen engine and relays the answer byte for byte
 //! (`proxy/`), mapping the request's edges onto the core with guards that cannot leak
 //! (`lifecycle.rs`). Engine health and observed load come from a periodic probe (`health.rs`);
-//! `/metrics` is in `metrics/`; one loaded configuration is a [`state::Generation`], swapped
+//! `/metrics` is in `metrics/`; one loaded configuration is a [`state::LoadedConfig`], swapped
 //! atomically on reload (SIGHUP) while requests in flight finish on the one they started with.
 //!
 //! The modules in two layers; a lower one never imports a higher one.
@@ -16,18 +16,19 @@
 //!   and the engine's body relayed as the response), `request.rs` (the OpenAI bodies parsed and
 //!   checked), `errors.rs` (the OpenAI-style error answers), `status.rs` (`/health`, `/ready`).
 //! - Below it, nothing HTTP-server specific: `app.rs` (what handlers and tasks share; reload),
-//!   `state.rs` (generations), `prompt.rs` (what a request asks of an engine), `tokenize.rs`
+//!   `state.rs` (loaded configurations), `prompt.rs` (what a request asks of an engine), `tokenize.rs`
 //!   with `segments.rs` and `words.rs`, `lifecycle.rs` (a request's edges on the core),
 //!   `upstream.rs` (the client that sends completions to engines, on connections the request's
 //!   own task drives), `coalesce.rs` (the relayed body's ready chunks joined into one write),
 //!   `engine_calls.rs` (the router's own bounded calls to engines), `health.rs`, `metrics/` and
-//!   `scrape.rs` (the values read at scrape time), `kv_events/`, `offload.rs` (which calls run
+//!   `scrape.rs` (the values read at scrape time), `kv_events/`, `decider.rs` (which calls run
 //!   on the async worker and which under `block_in_place`), `failure.rs` (start-up and reload
 //!   errors, cause chains), `stop.rs`.
 
 pub mod accept;
 mod app;
 pub mod coalesce;
+pub mod decider;
 pub mod engine_calls;
 pub mod errors;
 pub mod failure;
@@ -37,7 +38,6 @@ pub mod kv_events;
 mod layers;
 pub mod lifecycle;
 pub mod metrics;
-pub mod offload;
 pub mod prompt;
 pub mod proxy;
 pub mod request;
@@ -64,7 +64,7 @@ use axum::routing::{get, post};
 pub use app::App;
 pub use errors::ApiError;
 pub use failure::ServeError;
-pub use state::{Generation, ServeOptions, Upstream};
+pub use state::{LoadedConfig, ServeOptions, Upstream};
 pub use stop::Stop;
 
 use health::HealthTable;
@@ -95,7 +95,7 @@ impl ServeHandle {
     }
 
     /// The configuration serving new requests.
-    pub fn generation(&self) -> Arc<Generation> {
+    pub fn loaded(&self) -> Arc<LoadedConfig> {
         self.app.current.load()
     }
 
@@ -161,13 +161,13 @@ fn routes(app: Arc<App>) -> axum::Router {
         .with_state(app)
 }
 
-/// Probe forever, every `serve.health.interval` of the generation serving now.
+/// Probe forever, every `serve.health.interval` of the loaded configuration serving now.
 async fn probe_loop(app: Arc<App>) {
     loop {
-        let generation = app.current.load();
-        let interval = generation.serve.health.interval;
-        health::probe_round(&app.health, &app.metrics, &generation).await;
-        drop(generation);
+        let loaded = app.current.load();
+        let interval = loaded.serve.health.interval;
+        health::probe_round(&app.health, &app.metrics, &loaded).await;
+        drop(loaded);
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = app.stopping.cancelled() => return,
@@ -193,21 +193,21 @@ impl Server {
     /// and bind the listening socket.
     pub async fn bind(options: ServeOptions) -> Result<Server, ServeError> {
         let load_options = options.clone();
-        let generation =
-            tokio::task::spawn_blocking(move || Generation::load(&load_options, 1, None))
+        let loaded =
+            tokio::task::spawn_blocking(move || LoadedConfig::load(&load_options, 1, None))
                 .await
                 .map_err(|err| ServeError::ReloadTask(err.to_string()))??;
         // Once the configuration is known to load: a refused one says only why.
         let open_files = accept::raise_open_files_limit();
         let max_connections = accept::default_max_connections(open_files);
-        let addr = options.listen.unwrap_or(generation.serve.listen);
+        let addr = options.listen.unwrap_or(loaded.serve.listen);
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|cause| ServeError::Bind { addr, cause })?;
         let addr = listener.local_addr()?;
         let health = Arc::new(HealthTable::default());
-        health.sync(&generation.upstreams);
-        let current = Arc::new(Current::new(generation));
+        health.sync(&loaded.upstreams);
+        let current = Arc::new(Current::new(loaded));
         let metrics = Metrics::new(Box::new(scrape::StateCollector {
             current: current.clone(),
             health: health.clone(),
@@ -220,19 +220,19 @@ impl Server {
             flights: AtomicUsize::new(0),
             stopping: Stop::default(),
             reload_lock: tokio::sync::Mutex::new(()),
-            generations: AtomicU64::new(1),
+            loaded_configs: AtomicU64::new(1),
             reloads_started: AtomicU64::new(0),
             swapped_reload: AtomicU64::new(0),
             tokenizer_turn: AtomicUsize::new(0),
             kv_subscribers: kv_events::Subscribers::default(),
-            offload: offload::Offload::for_current_runtime(),
+            decider: decider::Decider::for_current_runtime(),
         });
-        let generation = app.current.load();
-        health::probe_round(&app.health, &app.metrics, &generation).await;
+        let loaded = app.current.load();
+        health::probe_round(&app.health, &app.metrics, &loaded).await;
         tracing::info!(
             open_files,
-            max_connections = generation.serve.max_connections.unwrap_or(max_connections),
-            configured = generation.serve.max_connections.is_some(),
+            max_connections = loaded.serve.max_connections.unwrap_or(max_connections),
+            configured = loaded.serve.max_connections.is_some(),
             "client connections capped (serve.max_connections)"
         );
         Ok(Server {

@@ -52,8 +52,8 @@ type FlagSpec = (
 
 impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let generation = self.current.load();
-        let host = &generation.host;
+        let loaded = self.current.load();
+        let host = &loaded.host;
         let core = host.core();
         let topology = core.topology();
         let rows: Vec<_> = topology
@@ -159,13 +159,9 @@ impl Collector for StateCollector {
             "router_config_generation",
             "Number of the configuration serving now (1 at start, +1 per successful reload)",
             MetricType::Gauge,
-            std::iter::once((Labels::new(), ConstGauge::new(generation.number as i64))),
+            std::iter::once((Labels::new(), ConstGauge::new(loaded.number as i64))),
         )?;
-        if let Some(stats) = generation
-            .tokenizer
-            .as_ref()
-            .and_then(|t| t.segment_stats())
-        {
+        if let Some(stats) = loaded.tokenizer.as_ref().and_then(|t| t.segment_stats()) {
             // docs/serve.md, "The segment cache": pieces of prompts not tokenized again.
             family(
                 &mut encoder,
@@ -176,7 +172,7 @@ impl Collector for StateCollector {
                     (vec![("outcome", outcome.to_owned())], ConstCounter::new(n))
                 }),
             )?;
-            let words = generation.tokenizer.as_ref().and_then(|t| t.word_stats());
+            let words = loaded.tokenizer.as_ref().and_then(|t| t.word_stats());
             if let Some(words) = words {
                 // docs/serve.md, "The word split": words not tokenized again.
                 family(
@@ -218,7 +214,7 @@ impl Collector for StateCollector {
                 std::iter::once((Labels::new(), ConstGauge::new(table.len() as i64))),
             )?;
         }
-        if let Some(store) = &generation.shared_sessions {
+        if let Some(store) = &loaded.shared_sessions {
             // docs/replicas.md, "Outages": what the shared session store costs and did.
             let s = store.store_stats();
             family(

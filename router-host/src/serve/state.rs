@@ -1,6 +1,6 @@
-//! One loaded configuration ([`Generation`]): the YAML, the `Host` built from it (policies,
+//! One loaded configuration ([`LoadedConfig`]): the YAML, the `Host` built from it (policies,
 //! routing core), the engines' URLs, the tokenizer and the upstream HTTP client. A reload builds
-//! a new one off the request path and swaps it in ([`Current`]); a request keeps the generation
+//! a new one off the request path and swaps it in ([`Current`]); a request keeps the loaded configuration
 //! it started on until it finishes.
 
 use std::path::{Path, PathBuf};
@@ -91,7 +91,7 @@ impl Upstream {
 }
 
 /// One loaded configuration.
-pub struct Generation {
+pub struct LoadedConfig {
     /// 1 for the configuration loaded at start, +1 per successful reload.
     pub number: u64,
     pub config: RouterConfig,
@@ -109,7 +109,7 @@ pub struct Generation {
     pub upstream: UpstreamClient,
 }
 
-impl std::fmt::Debug for Generation {
+impl std::fmt::Debug for LoadedConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Generation")
             .field("number", &self.number)
@@ -118,18 +118,18 @@ impl std::fmt::Debug for Generation {
     }
 }
 
-impl Generation {
+impl LoadedConfig {
     /// Read and validate the YAML, load plugins and create instances, build the cluster and the
     /// host, load a local tokenizer. Blocking (file I/O, `dlopen`): run it off the request path.
     ///
-    /// On a reload, `previous` is the running generation: the new one keeps its session table
+    /// On a reload, `previous` is the running loaded configuration: the new one keeps its session table
     /// when the settings allow ([`Host::reusable_table`]), so a reload forgets no binding. (Its
     /// KV index is seeded by the KV-event subscribers, `kv_events/`.)
     pub fn load(
         options: &ServeOptions,
         number: u64,
-        previous: Option<&Generation>,
-    ) -> Result<Generation, ServeError> {
+        previous: Option<&LoadedConfig>,
+    ) -> Result<LoadedConfig, ServeError> {
         let file = options.config.clone();
         let config = RouterConfig::from_file(&file)?;
         if config.workers.is_empty() {
@@ -212,7 +212,7 @@ impl Generation {
                     file: file.clone(),
                     cause: err,
                 })?;
-        Ok(Generation {
+        Ok(LoadedConfig {
             number,
             config,
             serve,
@@ -241,8 +241,8 @@ impl Generation {
     }
 }
 
-/// The generation serving new requests, swapped atomically on reload.
-pub struct Current(ArcSwap<Generation>);
+/// The loaded configuration serving new requests, swapped atomically on reload.
+pub struct Current(ArcSwap<LoadedConfig>);
 
 impl std::fmt::Debug for Current {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -253,15 +253,15 @@ impl std::fmt::Debug for Current {
 }
 
 impl Current {
-    pub fn new(generation: Generation) -> Current {
-        Current(ArcSwap::from_pointee(generation))
+    pub fn new(loaded: LoadedConfig) -> Current {
+        Current(ArcSwap::from_pointee(loaded))
     }
 
-    pub fn load(&self) -> Arc<Generation> {
+    pub fn load(&self) -> Arc<LoadedConfig> {
         self.0.load_full()
     }
 
-    pub fn swap(&self, next: Arc<Generation>) -> Arc<Generation> {
+    pub fn swap(&self, next: Arc<LoadedConfig>) -> Arc<LoadedConfig> {
         self.0.swap(next)
     }
 }

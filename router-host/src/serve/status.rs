@@ -82,7 +82,7 @@ fn policy_states(router: &crate::policy_set::PolicySet) -> PolicyStates {
 
 /// `GET /ready`: a configuration is loaded and at least one engine is healthy.
 pub async fn ready(State(app): State<Arc<App>>) -> Response {
-    let generation = app.current.load();
+    let loaded = app.current.load();
     let engines: Vec<serde_json::Value> = app
         .health
         .snapshot()
@@ -96,14 +96,14 @@ pub async fn ready(State(app): State<Arc<App>>) -> Response {
             })
         })
         .collect();
-    let policies = policy_states(generation.host.policy_set());
+    let policies = policy_states(loaded.host.policy_set());
     let ready = app.health.any_healthy()
         && !app.stopping.is_cancelled()
         && policies.unservable_roles.is_empty();
     let body = serde_json::json!({
         "ready": ready,
         "degraded": !policies.out_of_service.is_empty(),
-        "config_generation": generation.number,
+        "config_generation": loaded.number,
         "engines": engines,
         "policies": policies.instances,
         "out_of_service": policies.out_of_service,

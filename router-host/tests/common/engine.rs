@@ -515,7 +515,7 @@ impl TestRouter {
     pub fn in_flight(&self) -> (usize, usize) {
         (
             self.handle.in_flight(),
-            self.handle.generation().host.core().in_flight(),
+            self.handle.loaded().host.core().in_flight(),
         )
     }
 
@@ -598,8 +598,8 @@ pub fn header(response: &reqwest::Response, name: &str) -> String {
 
 /// How many of `ids` (leading) the row `(worker, 0)` holds in the current core's KV index.
 pub fn held_ids(router: &TestRouter, worker: u64, ids: &[u64]) -> usize {
-    let generation = router.handle.generation();
-    let core = generation.host.core();
+    let loaded = router.handle.loaded();
+    let core = loaded.host.core();
     let Some(slot) = core.topology().slot(router_host::model::RowId {
         worker_id: worker,
         dp_rank: 0,

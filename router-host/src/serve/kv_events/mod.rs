@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::metrics::KvMetrics;
-use super::state::{Current, Generation};
+use super::state::{Current, LoadedConfig};
 use super::stop::Stop;
 
 /// What one subscriber is: its row and settings (a change restarts it).
@@ -32,9 +32,9 @@ pub struct Spec {
 }
 
 /// The subscribers a configuration asks for.
-pub fn specs(generation: &Generation) -> Vec<Spec> {
+pub fn specs(loaded: &LoadedConfig) -> Vec<Spec> {
     let mut out = Vec::new();
-    for w in &generation.config.workers {
+    for w in &loaded.config.workers {
         let Some(kv) = &w.kv_events else { continue };
         for rank in 0..w.dp_size {
             out.push(Spec {
@@ -58,10 +58,10 @@ pub struct Subscribers {
 }
 
 impl Subscribers {
-    /// Make the running set match `generation`: start what is new, stop what is gone.
+    /// Make the running set match `loaded`: start what is new, stop what is gone.
     /// Must run inside the tokio runtime.
-    pub fn sync(&self, generation: &Generation, current: &Arc<Current>, metrics: &KvMetrics) {
-        let wanted = specs(generation);
+    pub fn sync(&self, loaded: &LoadedConfig, current: &Arc<Current>, metrics: &KvMetrics) {
+        let wanted = specs(loaded);
         let mut running = match self.running.lock() {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),

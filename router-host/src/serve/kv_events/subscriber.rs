@@ -97,7 +97,7 @@ pub(super) struct Subscriber {
     stop: Stop,
     ingest: RowIngest,
     /// The configuration whose core holds this row's blocks.
-    generation: u64,
+    config_number: u64,
     /// Conditions already logged at `warn` (later ones go to `debug`).
     warned: HashSet<&'static str>,
     /// Most blocks indexed per tier without a known capacity.
@@ -115,14 +115,14 @@ impl Subscriber {
     ) -> Result<Subscriber, router_core::blocks::BlockHashError> {
         let ingest = RowIngest::new(spec.block_size)?;
         let max_indexed_blocks = spec.max_indexed_blocks;
-        let generation = current.load().number;
+        let config_number = current.load().number;
         Ok(Subscriber {
             spec,
             current,
             metrics,
             stop,
             ingest,
-            generation,
+            config_number,
             warned: HashSet::new(),
             max_indexed_blocks,
             overflow_logged: None,
@@ -268,13 +268,13 @@ impl Subscriber {
 
     /// After a reload the core is new and its index empty: give it this row's blocks.
     fn follow_generation(&mut self) {
-        let generation = self.current.load();
-        if generation.number == self.generation {
+        let loaded = self.current.load();
+        if loaded.number == self.config_number {
             return;
         }
-        self.generation = generation.number;
+        self.config_number = loaded.number;
         let row = self.row();
-        let core = generation.host.core();
+        let core = loaded.host.core();
         core.clear_kv_row(row);
         core.apply_kv_events(row, self.ingest.holdings());
     }
@@ -355,10 +355,10 @@ impl Subscriber {
             seq = got,
             "KV events: the sequence went backwards (engine restarted); row cleared"
         );
-        let generation = self.current.load();
-        self.generation = generation.number;
+        let loaded = self.current.load();
+        self.config_number = loaded.number;
         let mut sink = CoreSink {
-            core: generation.host.core(),
+            core: loaded.host.core(),
             row: self.row(),
         };
         self.ingest.clear(&mut sink);
@@ -405,10 +405,10 @@ impl Subscriber {
             Ok(batch) => batch,
             Err(err) => return self.count_decode_error("payload", &err),
         };
-        let generation = self.current.load();
-        self.set_limits(generation.host.core());
+        let loaded = self.current.load();
+        self.set_limits(loaded.host.core());
         let mut sink = CoreSink {
-            core: generation.host.core(),
+            core: loaded.host.core(),
             row: self.row(),
         };
         let mut tally = Tally::default();

@@ -9,7 +9,7 @@ use super::relay::Relay;
 use crate::model::RowId;
 use crate::serve::lifecycle::{DecisionInfo, Flight};
 use crate::serve::request::Endpoint;
-use crate::serve::state::{Generation, Upstream};
+use crate::serve::state::{LoadedConfig, Upstream};
 use crate::serve::upstream::UpstreamResponse;
 
 /// An upstream failure before the response headers.
@@ -23,7 +23,7 @@ pub(super) struct UpstreamFailure {
 const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tracestate"];
 
 pub(super) async fn send(
-    generation: &Generation,
+    loaded: &LoadedConfig,
     upstream: &Upstream,
     row: RowId,
     endpoint: Endpoint,
@@ -44,9 +44,9 @@ pub(super) async fn send(
         // vLLM's external data-parallel routing header.
         forwarded.insert("x-data-parallel-rank", HeaderValue::from(row.dp_rank));
     }
-    let timeout = generation.serve.timeouts.response;
+    let timeout = loaded.serve.timeouts.response;
     let url = upstream.url(endpoint);
-    match tokio::time::timeout(timeout, generation.upstream.post(&url, forwarded, body)).await {
+    match tokio::time::timeout(timeout, loaded.upstream.post(&url, forwarded, body)).await {
         Err(_) => Err(UpstreamFailure {
             kind: "timeout",
             message: format!(
@@ -115,7 +115,7 @@ fn header_value(text: &str) -> HeaderValue {
     })
 }
 
-pub fn decision_headers(headers: &mut HeaderMap, info: &DecisionInfo, generation: u64) {
+pub fn decision_headers(headers: &mut HeaderMap, info: &DecisionInfo, config_number: u64) {
     let mut put = |name: &'static str, value: HeaderValue| {
         headers.insert(HeaderName::from_static(name), value);
     };
@@ -125,7 +125,7 @@ pub fn decision_headers(headers: &mut HeaderMap, info: &DecisionInfo, generation
     put("x-router-policy", header_value(&info.policy));
     put("x-router-reason", header_value(&info.reason));
     put("x-router-session", header_value(&info.session));
-    put("x-router-config", HeaderValue::from(generation));
+    put("x-router-config", HeaderValue::from(config_number));
     if let Some(fallback) = &info.fallback {
         put("x-router-fallback", header_value(fallback));
     }
@@ -134,7 +134,7 @@ pub fn decision_headers(headers: &mut HeaderMap, info: &DecisionInfo, generation
 /// The engine's answer relayed: its status, its headers (less hop-by-hop ones), the decision
 /// headers, and its body byte for byte through a [`Relay`].
 pub(super) fn respond(
-    generation: &Generation,
+    loaded: &LoadedConfig,
     response: UpstreamResponse,
     flight: Flight,
 ) -> Response {
@@ -145,8 +145,8 @@ pub(super) fn respond(
             headers.append(name.clone(), value.clone());
         }
     }
-    if generation.serve.decision_headers {
-        decision_headers(&mut headers, &flight.info, generation.number);
+    if loaded.serve.decision_headers {
+        decision_headers(&mut headers, &flight.info, loaded.number);
     }
     let ok = status.is_success();
     let sse = response
@@ -157,7 +157,7 @@ pub(super) fn respond(
     let relay = Relay::new(
         response.body,
         flight,
-        generation.serve.timeouts.stream_idle,
+        loaded.serve.timeouts.stream_idle,
         ok,
         sse,
     );

@@ -38,7 +38,7 @@ use super::errors::ApiError;
 use super::health;
 use super::lifecycle::Flight;
 use super::request::{self, Endpoint};
-use super::state::Generation;
+use super::state::LoadedConfig;
 use crate::model::Request;
 
 /// `POST /v1/completions`.
@@ -57,8 +57,8 @@ pub async fn chat_completions(
 
 async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let received = Instant::now();
-    let generation = app.current.load();
-    match proxy(&app, &generation, endpoint, &headers, body, received).await {
+    let loaded = app.current.load();
+    match proxy(&app, &loaded, endpoint, &headers, body, received).await {
         Ok(response) => response,
         Err(err) => {
             app.metrics.request(endpoint.label(), err.outcome());
@@ -112,13 +112,13 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Bytes,
 
 async fn proxy(
     app: &Arc<App>,
-    generation: &Arc<Generation>,
+    loaded: &Arc<LoadedConfig>,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
     received: Instant,
 ) -> Result<Response, ApiError> {
-    let serve = &generation.serve;
+    let serve = &loaded.serve;
     let body_read = serve.timeouts.body_read;
     let bytes =
         match tokio::time::timeout(body_read, read_body(headers, body, serve.max_body_bytes)).await
@@ -141,7 +141,7 @@ async fn proxy(
     let session = request::session_id(headers, &parsed.body, serve)?;
 
     let tokenize_started = Instant::now();
-    let tokens = tokens_for(app, generation, &parsed).await?;
+    let tokens = tokens_for(app, loaded, &parsed).await?;
     let tokenize_time = tokenize_started.elapsed();
     app.metrics.stage("tokenize", tokenize_time.as_secs_f64());
     // Each prompt's ids, in order (none when it could not be tokenized).
@@ -194,7 +194,7 @@ async fn proxy(
         lora,
         cache_salt: parsed.cache_salt.as_deref(),
     };
-    let hasher = BlockHasher::new(generation.config.block_size, tenant)
+    let hasher = BlockHasher::new(loaded.config.block_size, tenant)
         .map_err(|err| ApiError::internal(err.to_string()))?;
     // The core's `Request` carries one block chain, so a batch is routed by its first prompt's
     // blocks: a batch's shared preamble is in its first prompt, and the others' own overlap is
@@ -218,7 +218,7 @@ async fn proxy(
     let mut last_failure: Option<UpstreamFailure> = None;
     for attempt in 0..attempts {
         let allowed = (!excluded.is_empty()).then(|| {
-            generation
+            loaded
                 .upstreams
                 .iter()
                 .map(|u| u.id)
@@ -234,7 +234,7 @@ async fn proxy(
             ..Request::default()
         };
         let decide_started = Instant::now();
-        let routed = match admit(app, generation, request, endpoint).await {
+        let routed = match admit(app, loaded, request, endpoint).await {
             Ok(routed) => routed,
             // Retrying, and no other row is left: the client gets the upstream failure.
             Err(err) if attempt > 0 && err.status == StatusCode::SERVICE_UNAVAILABLE => {
@@ -247,18 +247,18 @@ async fn proxy(
         };
         let decide_time = decide_started.elapsed().saturating_sub(routed.queued_for);
         app.metrics.stage("decide", decide_time.as_secs_f64());
-        let info = decision_info(generation, &routed);
-        record_decision(app, generation, &routed, &info);
+        let info = decision_info(loaded, &routed);
+        record_decision(app, loaded, &routed, &info);
         let row = info.row;
         let flight = Flight::new(
             app.clone(),
-            generation.clone(),
+            loaded.clone(),
             &routed,
             info,
             endpoint.label(),
             received,
         );
-        let Some(upstream) = generation.upstream(row.worker_id) else {
+        let Some(upstream) = loaded.upstream(row.worker_id) else {
             flight.release_uncounted(CompletionCode::FAILED);
             return Err(ApiError::internal(format!(
                 "worker {} has no upstream URL",
@@ -268,7 +268,7 @@ async fn proxy(
         let overhead = received.elapsed().saturating_sub(routed.queued_for);
         app.metrics.stage("total", overhead.as_secs_f64());
         let last = attempt + 1 == attempts;
-        let sent = send(generation, upstream, row, endpoint, headers, bytes.clone()).await;
+        let sent = send(loaded, upstream, row, endpoint, headers, bytes.clone()).await;
         if let Ok(response) = &sent {
             app.metrics.upstream_connection(response.connection);
         }
@@ -282,7 +282,7 @@ async fn proxy(
                 ));
                 excluded.push(row.worker_id);
             }
-            Ok(response) => return Ok(respond(generation, response, flight)),
+            Ok(response) => return Ok(respond(loaded, response, flight)),
             // The router's own descriptors or ports ran out: the engine is not at fault, and
             // another row would fail the same way.
             Err(failure) if failure.kind == LOCAL_FAILURE => {
@@ -310,7 +310,7 @@ async fn proxy(
                 if failure.kind == "connect" {
                     health::mark(
                         &app.health,
-                        generation,
+                        loaded,
                         row.worker_id,
                         false,
                         Some(failure.message.clone()),
@@ -333,10 +333,10 @@ async fn proxy(
 
 /// `GET /v1/models`: `serve.models` when configured, else the first healthy engine's list.
 pub async fn models(State(app): State<Arc<App>>) -> Response {
-    let generation = app.current.load();
+    let loaded = app.current.load();
     let label = Endpoint::Models.label();
-    if !generation.serve.models.is_empty() {
-        let data: Vec<serde_json::Value> = generation
+    if !loaded.serve.models.is_empty() {
+        let data: Vec<serde_json::Value> = loaded
             .serve
             .models
             .iter()
@@ -347,13 +347,13 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
         return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
     }
     let mut last_error = String::from("no engine is healthy");
-    for upstream in &generation.upstreams {
+    for upstream in &loaded.upstreams {
         if !app.health.is_healthy(upstream.id) {
             continue;
         }
         let url = format!("{}/v1/models", upstream.base);
-        let timeout = generation.serve.timeouts.tokenize;
-        let request = generation.client.get(&url).timeout(timeout);
+        let timeout = loaded.serve.timeouts.tokenize;
+        let request = loaded.client.get(&url).timeout(timeout);
         let answer = super::engine_calls::call_engine(
             Some(&app.metrics),
             upstream.id,

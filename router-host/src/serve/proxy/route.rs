@@ -14,7 +14,7 @@ use crate::serve::app::App;
 use crate::serve::errors::ApiError;
 use crate::serve::lifecycle::{DecisionInfo, Queued};
 use crate::serve::request::Endpoint;
-use crate::serve::state::Generation;
+use crate::serve::state::LoadedConfig;
 
 /// Why a request was not routed, as the client is told.
 pub(super) fn route_error(err: RouteError) -> ApiError {
@@ -54,23 +54,23 @@ pub(super) fn route_error(err: RouteError) -> ApiError {
 /// `max_queue_wait_ms` (else `serve.timeouts.queue_ms`); 429 past that.
 pub(super) async fn admit(
     app: &Arc<App>,
-    generation: &Arc<Generation>,
+    loaded: &Arc<LoadedConfig>,
     request: Request,
     endpoint: Endpoint,
 ) -> Result<Routed, ApiError> {
-    let core = generation.host.core();
-    let wait = generation
+    let core = loaded.host.core();
+    let wait = loaded
         .config
         .policy_class(request.policy_class.as_deref().unwrap_or("default"))
         .and_then(|c| c.max_queue_wait)
-        .unwrap_or(generation.serve.timeouts.queue);
+        .unwrap_or(loaded.serve.timeouts.queue);
     // The decision may wait: on a shared session store (a network round trip), or on a policy
     // that hangs (the watchdog takes the instance out of service, but cannot give its thread
-    // back). `offload.rs` decides where it runs so that one stuck call never stops the server
+    // back). `decider.rs` decides where it runs so that one stuck call never stops the server
     // (tests/serve_hangs.rs).
     let submitted = app
-        .offload
-        .decide(generation, || core.submit_indexed(request, true))
+        .decider
+        .decide(loaded, || core.submit_indexed(request, true))
         .await;
     let ticket = match submitted {
         Ok(Submitted::Dispatched(routed)) => return Ok(routed),
@@ -78,7 +78,7 @@ pub(super) async fn admit(
         Err(err) => return Err(route_error(err)),
     };
     let started = Instant::now();
-    let mut queued = Queued::new(app.clone(), generation.clone(), ticket, endpoint.label());
+    let mut queued = Queued::new(app.clone(), loaded.clone(), ticket, endpoint.label());
     let waited = match queued.ticket() {
         Some(ticket) => tokio::time::timeout(wait, ticket).await,
         None => return Err(ApiError::internal("queued request has no ticket")),
@@ -142,9 +142,9 @@ pub(super) async fn admit(
     }
 }
 
-pub(super) fn decision_info(generation: &Generation, routed: &Routed) -> DecisionInfo {
+pub(super) fn decision_info(loaded: &LoadedConfig, routed: &Routed) -> DecisionInfo {
     let d = &routed.decision;
-    let router = generation.host.policy_set();
+    let router = loaded.host.policy_set();
     let session = match &routed.session {
         None => "-".to_owned(),
         Some(SessionOutcome::Dispatched(o)) => o.as_str().to_owned(),
@@ -169,7 +169,7 @@ pub(super) fn decision_info(generation: &Generation, routed: &Routed) -> Decisio
 
 pub(super) fn record_decision(
     app: &App,
-    generation: &Generation,
+    loaded: &LoadedConfig,
     routed: &Routed,
     info: &DecisionInfo,
 ) {
@@ -195,7 +195,7 @@ pub(super) fn record_decision(
             labels = ?e.labels,
             candidates = routed.decision.candidates,
             pick_ns = routed.decision.pick_ns,
-            config = generation.number,
+            config = loaded.number,
             "decision explained"
         );
     }

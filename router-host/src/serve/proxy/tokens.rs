@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use crate::serve::app::App;
 use crate::serve::errors::ApiError;
 use crate::serve::request::{self, Endpoint, Parsed, Prompt};
-use crate::serve::state::Generation;
+use crate::serve::state::LoadedConfig;
 use crate::serve::tokenize::{self, TokenizeError, Tokens};
 
 /// The bytes of text a prompt gives the tokenizer (chat: its messages' contents, plus a little
@@ -40,7 +40,7 @@ const INLINE_TOKENIZE_BYTES: usize = 64 << 10;
 /// routed without overlap).
 pub(super) async fn tokens_for(
     app: &App,
-    generation: &Generation,
+    loaded: &LoadedConfig,
     parsed: &Parsed,
 ) -> Result<Option<Vec<Tokens>>, ApiError> {
     let given: Option<Vec<Tokens>> = parsed
@@ -50,7 +50,7 @@ pub(super) async fn tokens_for(
     if given.is_some() {
         return Ok(given);
     }
-    if let Some(local) = &generation.tokenizer {
+    if let Some(local) = &loaded.tokenizer {
         let tokenize = || local.tokenize_all(parsed);
         let tokens = if parsed.prompts().map(text_bytes).sum::<usize>() > INLINE_TOKENIZE_BYTES {
             crate::session_store::blocking(tokenize)
@@ -59,18 +59,18 @@ pub(super) async fn tokens_for(
         };
         return tokens.map(Some).map_err(ApiError::from);
     }
-    let Some(upstream) = app.tokenizer_upstream(generation) else {
+    let Some(upstream) = app.tokenizer_upstream(loaded) else {
         app.metrics.tokenize_fallbacks.inc();
         return Ok(None);
     };
-    let timeout = generation.serve.timeouts.tokenize;
+    let timeout = loaded.serve.timeouts.tokenize;
     let target = tokenize::TokenizeTarget {
-        client: &generation.client,
+        client: &loaded.client,
         base: &upstream.base,
         worker: upstream.id,
         metrics: Some(&app.metrics),
         answer_limit: crate::serve::engine_calls::tokenize_answer_limit(
-            generation.serve.max_body_bytes,
+            loaded.serve.max_body_bytes,
         ),
         turns: Some(&upstream.tokenize_turns),
     };

@@ -13,46 +13,46 @@
 //! - and it is the first thing its task does in this poll. A worker runs next the task that the
 //!   running one woke (tokio's "LIFO slot"), and no other worker can take that task: behind a
 //!   call that never returns it would never run. That slot is empty when a poll starts, so
-//!   [`Offload::decide`] lets its task be polled once more first.
+//!   [`Decider::decide`] lets its task be polled once more first.
 //!
 //! A runtime with one worker has no permit: every decision is handed off there, as before.
 //!
 //! What a release owes (the policy's `on_complete`, a queue drain) goes through
-//! [`Offload::decide`] too, from a task of its own (`lifecycle.rs`, `after_release`).
+//! [`Decider::decide`] too, from a task of its own (`lifecycle.rs`, `after_release`).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
-use super::state::Generation;
+use super::state::LoadedConfig;
 
 /// The inline permits of one server's runtime.
 #[derive(Debug)]
-pub struct Offload {
+pub struct Decider {
     inline_free: AtomicUsize,
 }
 
-impl Offload {
+impl Decider {
     /// `workers - 1` permits for the runtime this is called on (none off a runtime, and none on
     /// a current-thread runtime, which has one worker).
-    pub fn for_current_runtime() -> Offload {
+    pub fn for_current_runtime() -> Decider {
         let workers = tokio::runtime::Handle::try_current()
             .map(|handle| handle.metrics().num_workers())
             .unwrap_or(1);
-        Offload::with_permits(workers.saturating_sub(1))
+        Decider::with_permits(workers.saturating_sub(1))
     }
 
-    pub fn with_permits(permits: usize) -> Offload {
-        Offload {
+    pub fn with_permits(permits: usize) -> Decider {
+        Decider {
             inline_free: AtomicUsize::new(permits),
         }
     }
 
     /// Run the decision `f`: inline when the rules above allow, else under
     /// [`crate::session_store::blocking`].
-    pub async fn decide<T>(&self, generation: &Generation, f: impl FnOnce() -> T) -> T {
-        self.run(generation.shared_sessions.is_none(), f).await
+    pub async fn decide<T>(&self, loaded: &LoadedConfig, f: impl FnOnce() -> T) -> T {
+        self.run(loaded.shared_sessions.is_none(), f).await
     }
 
     async fn run<T>(&self, io_free: bool, f: impl FnOnce() -> T) -> T {
@@ -80,7 +80,7 @@ impl Offload {
 }
 
 /// Given back when the call returns (or unwinds); never, when it hangs.
-struct Permit<'a>(&'a Offload);
+struct Permit<'a>(&'a Decider);
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
@@ -117,29 +117,29 @@ mod tests {
 
     #[test]
     fn a_permit_is_taken_for_the_call_and_given_back_after_it() {
-        let offload = Offload::with_permits(1);
-        let inner = block_on(offload.run(true, || {
-            assert_eq!(offload.inline_free(), 0, "the call holds the only permit");
-            offload.inline_free()
+        let decider = Decider::with_permits(1);
+        let inner = block_on(decider.run(true, || {
+            assert_eq!(decider.inline_free(), 0, "the call holds the only permit");
+            decider.inline_free()
         }));
         assert_eq!(inner, 0);
-        assert_eq!(offload.inline_free(), 1);
+        assert_eq!(decider.inline_free(), 1);
     }
 
     #[test]
     fn a_call_with_io_takes_no_permit() {
-        let offload = Offload::with_permits(1);
-        assert_eq!(block_on(offload.run(false, || offload.inline_free())), 1);
+        let decider = Decider::with_permits(1);
+        assert_eq!(block_on(decider.run(false, || decider.inline_free())), 1);
     }
 
     #[test]
     fn a_call_that_unwinds_gives_its_permit_back() {
-        let offload = Offload::with_permits(1);
+        let decider = Decider::with_permits(1);
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            block_on(offload.run(true, || panic!("policy bug")))
+            block_on(decider.run(true, || panic!("policy bug")))
         }));
         assert!(caught.is_err());
-        assert_eq!(offload.inline_free(), 1);
+        assert_eq!(decider.inline_free(), 1);
     }
 
     #[test]
@@ -149,16 +149,16 @@ mod tests {
                 .worker_threads(workers)
                 .build()
                 .unwrap();
-            let found = runtime.block_on(async { Offload::for_current_runtime().inline_free() });
+            let found = runtime.block_on(async { Decider::for_current_runtime().inline_free() });
             assert_eq!(found, permits, "{workers} workers");
         }
         assert_eq!(
-            block_on(async { Offload::for_current_runtime().inline_free() }),
+            block_on(async { Decider::for_current_runtime().inline_free() }),
             0,
             "current-thread runtime"
         );
         assert_eq!(
-            Offload::for_current_runtime().inline_free(),
+            Decider::for_current_runtime().inline_free(),
             0,
             "no runtime"
         );
