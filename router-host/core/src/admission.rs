@@ -18,7 +18,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::model::{Request, RowId, RowLoad};
-use crate::routing::{RouteError, Routed};
+use crate::routed::{RouteError, Routed};
 
 crate::spelled_enum! {
     /// How a policy class decides that a queued request may go (docs/routing-contract.md §8).

@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod log_limit;
 pub mod model;
 pub mod rng;
+pub mod routed;
 pub mod routing;
 pub mod select;
 pub mod sessions;

@@ -12,14 +12,12 @@ use plugin_api::abi::RawCreateContext;
 use plugin_api::Inputs;
 
 use crate::builtin::Builtin;
+pub use crate::instance::BUILT_IN;
 use crate::instance::{HostSettings, InstanceLogs, InstanceStats, PolicyInstance};
 use crate::loader::{printable, PolicyLibrary, PolicyTypeDoc};
 use crate::plugin_log::host_log;
 use crate::watchdog::{Call, Watch, WatchSpec};
 use router_config::InstanceConfig;
-
-/// The origin of a built-in instance or type (a plugin's is its file's path).
-pub const BUILT_IN: &str = "built-in";
 
 /// Where a policy type comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

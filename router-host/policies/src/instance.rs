@@ -11,10 +11,12 @@ use router_core::select::PolicyFailure;
 use router_core::striped::StripedCounter;
 
 use crate::builtin::BuiltinSettings;
-use crate::catalog::BUILT_IN;
 use crate::loader::plugin_text;
 use crate::watchdog::{Call, Hang, OnHang, Watch};
 use router_config::OnError;
+
+/// The origin of a built-in instance or type (a plugin's is its file's path).
+pub const BUILT_IN: &str = "built-in";
 
 /// Host settings passed to every instance at creation.
 #[derive(Debug, Clone, Copy, PartialEq)]

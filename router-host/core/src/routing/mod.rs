@@ -44,97 +44,23 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use crate::admission::{AdmissionStats, ClassSpec, Lanes};
-use crate::eligibility::EligibilityError;
 use crate::fast_hash::FastMap;
 use crate::kv_index::KvIndex;
 use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{Cluster, RowId, RowLoad};
-use crate::select::{Decision, InstanceId, SelectError, Selector};
-use crate::sessions::{Clock, DispatchOutcome, SessionError, SessionStore, SystemClock};
+use crate::select::{InstanceId, Selector};
+use crate::sessions::{Clock, SessionStore, SystemClock};
 use crate::topology::{Slot, SlotAllocator, Topology};
 use held::HeldBlocks;
 
+pub use crate::routed::{RequestId, RouteError, Routed, SessionOutcome, DRAWN_ID_BIT, ID_TAG_BITS};
 pub use dispatch::{OwedHook, Submitted};
 pub use queue::Drained;
 pub use signals::{IndexOverlap, OverlapBuffers};
 pub use workers::RemovedWorker;
 
-/// Identifies a dispatched request until it completes: the caller's id, or one the core drew.
-pub type RequestId = u64;
-
-/// Ids the core draws have this bit set (`RoutingCore::draw_id`); callers' ids must not.
-pub const DRAWN_ID_BIT: u64 = 1 << 63;
-
-/// Bits of a drawn id that carry the replica tag ([`CoreSettings::id_tag`]), just below
-/// [`DRAWN_ID_BIT`]: several router processes drawing ids at once never draw the same one.
-pub const ID_TAG_BITS: u32 = 16;
 /// Where the replica tag sits in a drawn id.
 const ID_TAG_SHIFT: u32 = 63 - ID_TAG_BITS;
-
-/// Why a request was not routed.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum RouteError {
-    #[error(transparent)]
-    Select(#[from] SelectError),
-    // The cause is in the message and not a `source()` (no `#[from]`): printed with its chain
-    // it would otherwise say it twice.
-    #[error("session: {0}")]
-    Session(SessionError),
-    #[error("unknown policy class `{name}`; defined classes: {}", if .defined.is_empty() { "none".to_string() } else { .defined.join(", ") })]
-    UnknownClass { name: String, defined: Vec<String> },
-    #[error("request id {0} is already in flight")]
-    DuplicateRequestId(RequestId),
-    #[error("request id {0} is 2^63 or more; ids from 2^63 up are the ones the core draws itself")]
-    ReservedRequestId(RequestId),
-    #[error(
-        "worker {worker_id} was removed while the request was being decided; nothing was booked"
-    )]
-    WorkerRemoved { worker_id: u64 },
-    #[error("waited {waited_ms} ms in the queue of policy class `{class}`, over its max_wait of {max_wait_ms} ms; nothing was booked")]
-    QueueTimeout {
-        class: String,
-        waited_ms: u64,
-        max_wait_ms: u64,
-    },
-    #[error("cancelled while queued; nothing was booked")]
-    Cancelled,
-    #[error("the queued request was still being re-evaluated {stall_ms} ms after its wait ended (a policy call hung); it was given up, and whatever it gets is released")]
-    EvaluationStalled { stall_ms: u64 },
-}
-
-impl From<SessionError> for RouteError {
-    fn from(err: SessionError) -> Self {
-        RouteError::Session(err)
-    }
-}
-
-impl From<EligibilityError> for RouteError {
-    fn from(err: EligibilityError) -> Self {
-        RouteError::Select(SelectError::Eligibility(err))
-    }
-}
-
-/// A dispatched request.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Routed {
-    pub id: RequestId,
-    pub decision: Decision,
-    /// What happened to the session binding (when affinity is on and the request has a session).
-    pub session: Option<SessionOutcome>,
-    /// How long the request waited in an admission queue (zero when dispatched at once).
-    pub queued_for: Duration,
-}
-
-/// The binding side of a dispatch.
-#[derive(Debug, Clone, PartialEq)]
-pub enum SessionOutcome {
-    Dispatched(DispatchOutcome),
-    /// Hard mode: the bound row was gone; the binding was invalidated and selection ran once
-    /// without it.
-    HardBindingGone,
-    /// The binding could not be honoured or recorded (e.g. table full); routed without it.
-    NotRecorded(SessionError),
-}
 
 /// How the core is set up; built by the caller from its configuration.
 #[derive(Clone, Default)]
