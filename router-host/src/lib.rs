@@ -1,12 +1,14 @@
 //! # router-host
 //!
-//! The host side of the router: it loads worker-selection policies from shared objects
-//! ([`loader`]), validates configuration ([`config`]), decides which rows a request may use
-//! ([`eligibility`]), calls the configured policy ([`router`]) and runs the request lifecycle
-//! around it: session bindings ([`sessions`]), load booking and completion ([`host`]), with
-//! prompt overlap from the KV-overlap index fed by engines' cache events ([`kv_index`]).
-//! [`watchdog`] notices a policy call that never returns and takes its instance out of service.
-//! [`replay`] drives all of it against simulated engines.
+//! The router's binary side and its live server: `serve` ([`serve`], the OpenAI-compatible
+//! proxy with KV-event subscribers, health, metrics and reload), the Redis/Valkey session store
+//! replicas share ([`session_store`]), and the `mock-engine` and CLI commands in the binary.
+//!
+//! The routing itself lives in the crates below, re-exported here at their old paths so tools
+//! and tests need one dependency: router-core ([`model`], [`eligibility`], [`kv_index`],
+//! [`sessions`], ...), router-config ([`config`], [`input`]), router-policies ([`loader`],
+//! [`builtin`], [`catalog`], [`instance`], [`watchdog`], [`policy_set`], [`host`]) and
+//! router-sim ([`replay`], [`scenario`]).
 //!
 //! Architecture, invariants and the crate map are in `docs/architecture.md`.
 

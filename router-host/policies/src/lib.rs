@@ -5,7 +5,7 @@
 //! types ([`catalog`]), each configured instance with every call into it contained
 //! ([`instance`]), the watchdog that takes a hung instance out of service ([`watchdog`]), the log
 //! sink plugins write to ([`plugin_log`]), and the configured set of instances the routing core
-//! calls through its `Selector` trait ([`router`]); and [`host`], the routing core built from a
+//! calls through its `Selector` trait ([`policy_set`]); and [`host`], the routing core built from a
 //! configuration and its policies.
 //!
 //! No async runtime, no network: a policy call is a plain function call on the caller's thread.
