@@ -8,6 +8,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 pub use super::failure::{is_local_resource, is_local_resource_io, ServeError};
+use super::pipeline::PrepareError;
+use super::prompt::Endpoint;
 use super::tokenize::TokenizeError;
 
 /// The `type` of an OpenAI-style error body.
@@ -185,6 +187,26 @@ impl From<TokenizeError> for ApiError {
                 ..ApiError::bad_request("prompt_too_large", message)
             },
             other => ApiError::bad_request("tokenization_failed", other.to_string()),
+        }
+    }
+}
+
+impl ApiError {
+    /// A request the pipeline could not prepare, as the OpenAI client is told: a tokenizer
+    /// refusal as above, a prompt over a limit as a `400` naming the endpoint's prompt field.
+    pub fn prepare(err: PrepareError, endpoint: Endpoint) -> Self {
+        match err {
+            PrepareError::Tokenize(err) => ApiError::from(err),
+            err @ PrepareError::PromptTooLong { .. } => {
+                ApiError::bad_request("prompt_too_long", err.to_string()).param(
+                    if endpoint == Endpoint::Completions {
+                        "prompt"
+                    } else {
+                        "messages"
+                    },
+                )
+            }
+            PrepareError::Blocks(message) => ApiError::internal(message),
         }
     }
 }

@@ -15,6 +15,7 @@ const NEUTRAL: &[&str] = &[
     "lifecycle",
     "metrics",
     "decider",
+    "pipeline",
     "prompt",
     "scrape",
     "segments",

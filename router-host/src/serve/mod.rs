@@ -16,7 +16,8 @@
 //!   and the engine's body relayed as the response), `request.rs` (the OpenAI bodies parsed and
 //!   checked), `errors.rs` (the OpenAI-style error answers), `status.rs` (`/health`, `/ready`).
 //! - Below it, nothing HTTP-server specific: `app.rs` (what handlers and tasks share; reload),
-//!   `state.rs` (loaded configurations), `prompt.rs` (what a request asks of an engine), `tokenize.rs`
+//!   `state.rs` (loaded configurations), `prompt.rs` (what a request asks of an engine),
+//!   `pipeline.rs` (tokens, limits and block ids: what the core is asked), `tokenize.rs`
 //!   with `segments.rs` and `words.rs`, `lifecycle.rs` (a request's edges on the core),
 //!   `upstream.rs` (the client that sends completions to engines, on connections the request's
 //!   own task drives), `coalesce.rs` (the relayed body's ready chunks joined into one write),
@@ -38,6 +39,7 @@ pub mod kv_events;
 mod layers;
 pub mod lifecycle;
 pub mod metrics;
+pub mod pipeline;
 pub mod prompt;
 pub mod proxy;
 pub mod request;

@@ -5,14 +5,13 @@
 //! The routing rules are the core's; this file only maps HTTP onto them.
 //!
 //! Here: the handlers and `proxy()`, one request from its body to the engine's answer;
-//! `tokens.rs` tokenizes the prompt, `route.rs` routes it through admission, `forward.rs`
+//! `pipeline.rs` (below the front end) prepares what the core is asked, `route.rs` routes it through admission, `forward.rs`
 //! sends it to the engine and answers with the engine's status and headers, `relay.rs` streams
 //! its body.
 
 mod forward;
 mod relay;
 mod route;
-mod tokens;
 
 pub use forward::decision_headers;
 
@@ -20,7 +19,6 @@ use forward::{
     respond, retryable_status, send, UpstreamFailure, LOCAL_FAILURE, LOCAL_RESOURCE_LOG,
 };
 use route::{admit, decision_info, record_decision};
-use tokens::{estimate_tokens, tokens_for, with_token_ids};
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,12 +29,12 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use plugin_api::abi::CompletionCode;
-use router_core::blocks::{BlockHasher, Tenant};
 
 use super::app::App;
 use super::errors::ApiError;
 use super::health;
 use super::lifecycle::Flight;
+use super::pipeline::{self, with_token_ids, Prepared};
 use super::request::{self, Endpoint};
 use super::state::LoadedConfig;
 use crate::model::Request;
@@ -140,72 +138,14 @@ async fn proxy(
     let parsed = request::parse(endpoint, &bytes)?;
     let session = request::session_id(headers, &parsed.body, serve)?;
 
-    let tokenize_started = Instant::now();
-    let tokens = tokens_for(app, loaded, &parsed).await?;
-    let tokenize_time = tokenize_started.elapsed();
-    app.metrics.stage("tokenize", tokenize_time.as_secs_f64());
-    // Each prompt's ids, in order (none when it could not be tokenized).
-    let (ids, max_model_len): (Vec<Vec<u32>>, Option<u64>) = match tokens {
-        Some(tokens) => {
-            let max_model_len = tokens.iter().filter_map(|t| t.max_model_len).min();
-            (tokens.into_iter().map(|t| t.ids).collect(), max_model_len)
-        }
-        None => (Vec::new(), None),
-    };
-    let lengths: Vec<u64> = parsed
-        .prompts()
-        .enumerate()
-        .map(|(i, prompt)| match ids.get(i) {
-            Some(ids) if !ids.is_empty() => ids.len() as u64,
-            _ => estimate_tokens(prompt),
-        })
-        .collect();
-    // The engine prefills every prompt of a batch: all of them are booked.
-    let isl = lengths.iter().fold(0u64, |sum, &n| sum.saturating_add(n));
-    // The limits hold per prompt, as vLLM checks them.
-    for (limit, what) in [
-        (serve.max_prompt_tokens, "serve.max_prompt_tokens"),
-        (max_model_len, "the engine's max_model_len"),
-    ] {
-        let Some(limit) = limit else { continue };
-        let Some((index, &n)) = lengths.iter().enumerate().find(|&(_, &n)| n > limit) else {
-            continue;
-        };
-        let message = if lengths.len() == 1 {
-            format!("the prompt has {n} tokens, over the limit of {limit} ({what})")
-        } else {
-            format!(
-                "prompt {index} has {n} tokens, over the limit of {limit} ({what}); the batch's \
-                 {} prompts count from 0",
-                lengths.len()
-            )
-        };
-        return Err(ApiError::bad_request("prompt_too_long", message).param(
-            if endpoint == Endpoint::Completions {
-                "prompt"
-            } else {
-                "messages"
-            },
-        ));
-    }
-    // An adapter's KV is its own: vLLM keys its blocks with the adapter's name.
-    let lora = Some(parsed.model.as_str()).filter(|m| serve.lora_adapters.iter().any(|a| a == m));
-    let tenant = Tenant {
-        lora,
-        cache_salt: parsed.cache_salt.as_deref(),
-    };
-    let hasher = BlockHasher::new(loaded.config.block_size, tenant)
-        .map_err(|err| ApiError::internal(err.to_string()))?;
-    // The core's `Request` carries one block chain, so a batch is routed by its first prompt's
-    // blocks: a batch's shared preamble is in its first prompt, and the others' own overlap is
-    // not credited. `isl` above still counts every prompt.
-    let mut blocks = Vec::new();
-    hasher.prompt_blocks(ids.first().map_or(&[][..], Vec::as_slice), &mut blocks);
-    let expected_output_tokens = parsed
-        .body
-        .get("max_completion_tokens")
-        .or_else(|| parsed.body.get("max_tokens"))
-        .and_then(serde_json::Value::as_u64);
+    let Prepared {
+        ids,
+        isl_tokens: isl,
+        blocks,
+        expected_output_tokens,
+    } = pipeline::prepare(app, loaded, &parsed)
+        .await
+        .map_err(|err| ApiError::prepare(err, endpoint))?;
 
     let bytes = if serve.forward_token_ids {
         with_token_ids(endpoint, &parsed, &ids).unwrap_or(bytes)
