@@ -76,7 +76,8 @@ fn json_response(value: &Value) -> Response {
 /// Parse a body as the endpoint's request, with the model checked as vLLM does.
 /// Errors are boxed: a `Response` is large.
 fn parse(app: &App, endpoint: Endpoint, body: &[u8]) -> Result<Parsed, Box<Response>> {
-    let parsed = request::parse(endpoint, body).map_err(|e| Box::new(e.into_response()))?;
+    let parsed =
+        request::parse(endpoint, body).map_err(|e| Box::new(router_host::serve::json_error(e)))?;
     if parsed.model != app.settings.model {
         return Err(Box::new(error(
             StatusCode::NOT_FOUND,

@@ -1,11 +1,10 @@
-//! What a client is told when its request is refused ([`ApiError`], an OpenAI-style JSON
-//! body). The errors that are not a client's answer (start-up and reload, resource
+//! What a client is told when its request is refused ([`ApiError`]: a status and an
+//! OpenAI-style JSON body, which each front end frames in its own protocol). The errors that are not a client's answer (start-up and reload, resource
 //! exhaustion, cause chains) are in `failure.rs`, re-exported here.
 
 use std::time::Duration;
 
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use hyper::http::StatusCode;
 
 pub use super::failure::{is_local_resource, is_local_resource_io, ServeError};
 use super::pipeline::PrepareError;
@@ -211,21 +210,10 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = self.body().to_string();
-        let mut response = (self.status, body).into_response();
-        let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let Some(after) = self.retry_after {
-            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
-            if let Ok(value) = HeaderValue::from_str(&secs.to_string()) {
-                headers.insert(header::RETRY_AFTER, value);
-            }
-        }
-        response
+impl ApiError {
+    /// Seconds for the `retry-after` header, when the error has one (at least 1).
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after
+            .map(|after| after.as_secs_f64().ceil().max(1.0) as u64)
     }
 }

@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
@@ -117,8 +117,18 @@ pub struct Server {
     max_connections: u64,
 }
 
-fn json_error(err: ApiError) -> Response {
-    err.into_response()
+/// An [`ApiError`] as an HTTP response: its status, `retry-after` when it has one, its JSON body.
+pub fn json_error(err: ApiError) -> Response {
+    let mut response = (err.status, err.body().to_string()).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(secs) = err.retry_after_secs() {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
 }
 
 async fn not_found() -> Response {

@@ -2,7 +2,7 @@
 //! `/v1/chat/completions` to tokenize the prompt, find the session and refuse hostile input.
 //! The body itself is forwarded to the engine unchanged.
 
-use axum::http::HeaderMap;
+use hyper::http::HeaderMap;
 use serde_json::{Map, Value};
 
 use super::errors::ApiError;

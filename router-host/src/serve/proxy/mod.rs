@@ -4,40 +4,30 @@
 //! `serve.forward_token_ids`) to the chosen engine and relay its answer byte for byte.
 //! The routing rules are the core's; this file only maps HTTP onto them.
 //!
-//! Here: the handlers and `proxy()`, one request from its body to the engine's answer;
-//! `pipeline.rs` (below the front end) prepares what the core is asked, `route.rs` routes it through admission, `forward.rs`
-//! sends it to the engine and answers with the engine's status and headers, `relay.rs` streams
-//! its body.
+//! Here: the handlers and `proxy()`, which reads the body, parses it, and hands it to the
+//! front-end-neutral `pipeline` (tokens, block ids, limits, admission, the policy, booking,
+//! the legs to engines); `forward.rs` answers with the engine's status and headers,
+//! `relay.rs` streams its body.
 
 mod forward;
 mod relay;
-mod route;
 
-pub use forward::decision_headers;
-
-use forward::{
-    respond, retryable_status, send, UpstreamFailure, LOCAL_FAILURE, LOCAL_RESOURCE_LOG,
-};
-use route::{admit, decision_info, record_decision};
+use forward::respond;
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
-use plugin_api::abi::CompletionCode;
 
 use super::app::App;
 use super::errors::ApiError;
-use super::health;
-use super::lifecycle::Flight;
-use super::pipeline::{self, with_token_ids, Prepared};
+use super::pipeline::{self, Inbound};
 use super::request::{self, Endpoint};
 use super::state::LoadedConfig;
-use crate::model::Request;
 
 /// `POST /v1/completions`.
 pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -56,7 +46,7 @@ pub async fn chat_completions(
 async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let received = Instant::now();
     let loaded = app.current.load();
-    match proxy(&app, &loaded, endpoint, &headers, body, received).await {
+    match proxy(&app, &loaded, endpoint, headers, body, received).await {
         Ok(response) => response,
         Err(err) => {
             app.metrics.request(endpoint.label(), err.outcome());
@@ -67,7 +57,7 @@ async fn handle(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bod
                 error = %err.message,
                 "request refused"
             );
-            err.into_response()
+            super::json_error(err)
         }
     }
 }
@@ -108,167 +98,50 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Bytes,
     Ok(Bytes::from(buffer))
 }
 
+/// The body read within `serve.timeouts.body_read_ms`, parsed and checked, then the pipeline;
+/// the engine's answer is relayed.
 async fn proxy(
     app: &Arc<App>,
     loaded: &Arc<LoadedConfig>,
     endpoint: Endpoint,
-    headers: &HeaderMap,
+    headers: HeaderMap,
     body: Body,
     received: Instant,
 ) -> Result<Response, ApiError> {
     let serve = &loaded.serve;
     let body_read = serve.timeouts.body_read;
-    let bytes =
-        match tokio::time::timeout(body_read, read_body(headers, body, serve.max_body_bytes)).await
-        {
-            Ok(read) => read?,
-            Err(_elapsed) => {
-                app.metrics.client_timeout("body");
-                if let Some(left_out) = BODY_TIMEOUT_LOG.check() {
-                    tracing::warn!(
-                        body_read_ms = body_read.as_millis() as u64,
-                        similar_lines_left_out = left_out,
-                        "client request body too slow; answered 408 and closed \
+    let bytes = match tokio::time::timeout(
+        body_read,
+        read_body(&headers, body, serve.max_body_bytes),
+    )
+    .await
+    {
+        Ok(read) => read?,
+        Err(_elapsed) => {
+            app.metrics.client_timeout("body");
+            if let Some(left_out) = BODY_TIMEOUT_LOG.check() {
+                tracing::warn!(
+                    body_read_ms = body_read.as_millis() as u64,
+                    similar_lines_left_out = left_out,
+                    "client request body too slow; answered 408 and closed \
                      (serve.timeouts.body_read_ms)"
-                    );
-                }
-                return Err(ApiError::body_timeout(body_read));
+                );
             }
-        };
-    let parsed = request::parse(endpoint, &bytes)?;
-    let session = request::session_id(headers, &parsed.body, serve)?;
-
-    let Prepared {
-        ids,
-        isl_tokens: isl,
-        blocks,
-        expected_output_tokens,
-    } = pipeline::prepare(app, loaded, &parsed)
-        .await
-        .map_err(|err| ApiError::prepare(err, endpoint))?;
-
-    let bytes = if serve.forward_token_ids {
-        with_token_ids(endpoint, &parsed, &ids).unwrap_or(bytes)
-    } else {
-        bytes
+            return Err(ApiError::body_timeout(body_read));
+        }
     };
-
-    let attempts = 1 + serve.retries as usize;
-    let mut excluded: Vec<u64> = Vec::new();
-    let mut last_failure: Option<UpstreamFailure> = None;
-    for attempt in 0..attempts {
-        let allowed = (!excluded.is_empty()).then(|| {
-            loaded
-                .upstreams
-                .iter()
-                .map(|u| u.id)
-                .filter(|id| !excluded.contains(id))
-                .collect::<Vec<_>>()
-        });
-        let request = Request {
-            blocks: blocks.clone(),
-            isl_tokens: isl,
-            session_id: session.clone(),
-            allowed_worker_ids: allowed,
-            expected_output_tokens,
-            ..Request::default()
-        };
-        let decide_started = Instant::now();
-        let routed = match admit(app, loaded, request, endpoint).await {
-            Ok(routed) => routed,
-            // Retrying, and no other row is left: the client gets the upstream failure.
-            Err(err) if attempt > 0 && err.status == StatusCode::SERVICE_UNAVAILABLE => {
-                if let Some(failure) = last_failure {
-                    return Err(ApiError::upstream(failure.status, failure.message));
-                }
-                return Err(err);
-            }
-            Err(err) => return Err(err),
-        };
-        let decide_time = decide_started.elapsed().saturating_sub(routed.queued_for);
-        app.metrics.stage("decide", decide_time.as_secs_f64());
-        let info = decision_info(loaded, &routed);
-        record_decision(app, loaded, &routed, &info);
-        let row = info.row;
-        let flight = Flight::new(
-            app.clone(),
-            loaded.clone(),
-            &routed,
-            info,
-            endpoint.label(),
-            received,
-        );
-        let Some(upstream) = loaded.upstream(row.worker_id) else {
-            flight.release_uncounted(CompletionCode::FAILED);
-            return Err(ApiError::internal(format!(
-                "worker {} has no upstream URL",
-                row.worker_id
-            )));
-        };
-        let overhead = received.elapsed().saturating_sub(routed.queued_for);
-        app.metrics.stage("total", overhead.as_secs_f64());
-        let last = attempt + 1 == attempts;
-        let sent = send(loaded, upstream, row, endpoint, headers, bytes.clone()).await;
-        if let Ok(response) = &sent {
-            app.metrics.upstream_connection(response.connection);
-        }
-        match sent {
-            Ok(response) if retryable_status(response.status) && !last => {
-                app.metrics.upstream_error(row.worker_id, "status");
-                app.metrics.retries.inc();
-                flight.retried(&format!(
-                    "engine {} answered {}",
-                    row.worker_id, response.status
-                ));
-                excluded.push(row.worker_id);
-            }
-            Ok(response) => return Ok(respond(loaded, response, flight)),
-            // The router's own descriptors or ports ran out: the engine is not at fault, and
-            // another row would fail the same way.
-            Err(failure) if failure.kind == LOCAL_FAILURE => {
-                app.metrics.local_resource_error("upstream_connect");
-                if let Some(left_out) = LOCAL_RESOURCE_LOG.check() {
-                    tracing::error!(
-                        worker = row.worker_id,
-                        error = %failure.message,
-                        similar_lines_left_out = left_out,
-                        "cannot connect to the engine: the router ran out of file descriptors, \
-                         local ports or memory; the engine is not marked unhealthy \
-                         (router_local_resource_errors_total)"
-                    );
-                }
-                // Counted and logged once, by `handle`, as the 503 it answers.
-                flight.release_uncounted(CompletionCode::CANCELLED);
-                return Err(ApiError::local_resources(format!(
-                    "the router is out of local resources (file descriptors, ports or memory) \
-                     and cannot reach an engine now; retry later: {}",
-                    failure.message
-                )));
-            }
-            Err(failure) => {
-                app.metrics.upstream_error(row.worker_id, failure.kind);
-                if failure.kind == "connect" {
-                    health::mark(
-                        &app.health,
-                        loaded,
-                        row.worker_id,
-                        false,
-                        Some(failure.message.clone()),
-                    );
-                }
-                if last {
-                    tracing::warn!(worker = row.worker_id, error = %failure.message, "upstream failed");
-                    flight.release_uncounted(CompletionCode::FAILED);
-                    return Err(ApiError::upstream(failure.status, failure.message));
-                }
-                app.metrics.retries.inc();
-                flight.retried(&failure.message);
-                excluded.push(row.worker_id);
-                last_failure = Some(failure);
-            }
-        }
-    }
-    Err(ApiError::internal("no attempt was made"))
+    let parsed = request::parse(endpoint, &bytes)?;
+    let session = request::session_id(&headers, &parsed.body, serve)?;
+    let inbound = Inbound {
+        endpoint,
+        parsed,
+        body: bytes,
+        session,
+        headers,
+        received,
+    };
+    let answer = pipeline::run(app, loaded, &inbound).await?;
+    Ok(respond(loaded, answer))
 }
 
 /// `GET /v1/models`: `serve.models` when configured, else the first healthy engine's list.
@@ -327,5 +200,5 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
         format!("cannot list models: {last_error}"),
     );
     app.metrics.request(label, err.outcome());
-    err.into_response()
+    super::json_error(err)
 }

@@ -1,5 +1,6 @@
-//! Routing through the core and admission, as the client sees it: the queue wait, the
-//! errors, and the decision recorded in the metrics and the logs.
+//! The admission step: the request routed through the core (sessions, admission, the
+//! policy, booking) at once, or after a wait in its class's queue; the core's refusals as
+//! the client is told them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -7,17 +8,17 @@ use std::time::{Duration, Instant};
 use router_core::sessions::SessionError;
 
 use crate::eligibility::EligibilityError;
-use crate::host::{RouteError, Routed, SessionOutcome, Submitted};
+use crate::host::{RouteError, Routed, Submitted};
 use crate::model::Request;
 use crate::policy_set::SelectError;
 use crate::serve::app::App;
 use crate::serve::errors::ApiError;
-use crate::serve::lifecycle::{DecisionInfo, Queued};
-use crate::serve::request::Endpoint;
+use crate::serve::lifecycle::Queued;
+use crate::serve::prompt::Endpoint;
 use crate::serve::state::LoadedConfig;
 
 /// Why a request was not routed, as the client is told.
-pub(super) fn route_error(err: RouteError) -> ApiError {
+pub fn route_error(err: RouteError) -> ApiError {
     match err {
         RouteError::Select(SelectError::Eligibility(e)) => {
             let code = match e {
@@ -52,7 +53,7 @@ pub(super) fn route_error(err: RouteError) -> ApiError {
 
 /// Dispatch through admission: at once, or after waiting in the class's queue up to its
 /// `max_queue_wait_ms` (else `serve.timeouts.queue_ms`); 429 past that.
-pub(super) async fn admit(
+pub async fn admit(
     app: &Arc<App>,
     loaded: &Arc<LoadedConfig>,
     request: Request,
@@ -139,64 +140,5 @@ pub(super) async fn admit(
             Err(route_error(err))
         }
         None => Err(ApiError::internal("the queued request's outcome was lost")),
-    }
-}
-
-pub(super) fn decision_info(loaded: &LoadedConfig, routed: &Routed) -> DecisionInfo {
-    let d = &routed.decision;
-    let router = loaded.host.policy_set();
-    let session = match &routed.session {
-        None => "-".to_owned(),
-        Some(SessionOutcome::Dispatched(o)) => o.as_str().to_owned(),
-        Some(SessionOutcome::HardBindingGone) => "hard_binding_gone".to_owned(),
-        Some(SessionOutcome::NotRecorded(_)) => "not_recorded".to_owned(),
-    };
-    DecisionInfo {
-        row: d.row,
-        instance: router.instance(d.instance).name.clone(),
-        policy: router.instance(d.decided_by).type_name.clone(),
-        reason: d
-            .explanation
-            .as_ref()
-            .map(|e| e.reason.clone())
-            .filter(|r| !r.is_empty())
-            .unwrap_or_else(|| "none".to_owned()),
-        fallback: d.fallback.as_ref().map(ToString::to_string),
-        session,
-        queued: routed.queued_for,
-    }
-}
-
-pub(super) fn record_decision(
-    app: &App,
-    loaded: &LoadedConfig,
-    routed: &Routed,
-    info: &DecisionInfo,
-) {
-    app.metrics
-        .decisions
-        .get_or_create(&crate::serve::metrics::DecisionLabels {
-            instance: info.instance.clone(),
-            policy: info.policy.clone(),
-            reason: info.reason.clone(),
-            fallback: info.fallback.is_some().to_string(),
-        })
-        .inc();
-    if info.session != "-" {
-        app.metrics.session(&info.session);
-    }
-    if let Some(e) = &routed.decision.explanation {
-        tracing::debug!(
-            worker = info.row.worker_id,
-            dp_rank = info.row.dp_rank,
-            instance = %info.instance,
-            reason = %e.reason,
-            fields = ?e.fields,
-            labels = ?e.labels,
-            candidates = routed.decision.candidates,
-            pick_ns = routed.decision.pick_ns,
-            config = loaded.number,
-            "decision explained"
-        );
     }
 }
