@@ -1,11 +1,11 @@
 //! # router-host
 //!
-//! The router's binary side and its live server: `serve` ([`serve`], the OpenAI-compatible
-//! proxy with KV-event subscribers, health, metrics and reload), the Redis/Valkey session store
-//! replicas share ([`session_store`]), and the `mock-engine` and CLI commands in the binary.
+//! The `router-host` binary's library side: the crates below re-exported at their old paths,
+//! so tools and tests need one dependency. The CLI and `mock-engine` are in the binary.
 //!
-//! The routing itself lives in the crates below, re-exported here at their old paths so tools
-//! and tests need one dependency: router-core ([`model`], [`eligibility`], [`kv_index`],
+//! The live router is router-runtime (the pipeline, engines, KV events, the Redis session
+//! store [`session_store`], metrics, reload) under router-http (the OpenAI-compatible HTTP
+//! front end), together at [`serve`]; the routing is router-core ([`model`], [`eligibility`], [`kv_index`],
 //! [`sessions`], ...), router-config ([`config`], [`input`]), router-policies ([`loader`],
 //! [`builtin`], [`catalog`], [`instance`], [`watchdog`], [`policy_set`], [`host`]) and
 //! router-sim ([`replay`], [`scenario`]).
@@ -20,5 +20,15 @@ pub use router_policies::{
 };
 pub use router_sim::{replay, scenario};
 
-pub mod serve;
-pub mod session_store;
+pub use router_runtime::session_store;
+
+/// `serve`: the OpenAI HTTP front end (router-http) over the runtime's modules (router-runtime),
+/// at the paths they had when both were one module.
+pub mod serve {
+    pub use router_http::*;
+    pub use router_runtime::{
+        app, coalesce, decider, engine_calls, errors, failure, health, kv_events, lifecycle,
+        metrics, pipeline, prompt, request, scrape, segments, state, stop, tokenize, upstream,
+        words, ApiError, App, LoadedConfig, ServeError, ServeOptions, Stop, Upstream,
+    };
+}

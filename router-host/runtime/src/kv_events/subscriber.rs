@@ -1,0 +1,581 @@
+//! One `(worker, rank)` subscriber: a ZMTP SUB connection to the engine's publisher
+//! ([`super::zmtp`]), its own tokio task. It decodes each message, applies it to the current
+//! configuration's routing core in one batch per message (a short write lock on the KV index,
+//! never awaited under), and reconnects with backoff when the connection breaks or the peer
+//! breaks the protocol. A gap in the sequence numbers is counted and, with a replay endpoint,
+//! filled by asking the engine's replay socket.
+
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hasher};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use router_core::kv_index::Tier;
+use tokio::time::Instant;
+
+use super::decode::{decode_batch, decode_seq, DecodeError, MAX_PAYLOAD_BYTES};
+use super::ingest::{capacity_limit, RowIngest, SeqCheck, Sink, Tally, Update};
+use super::zmtp::{Connection, Limits, ProtocolError, SocketType};
+use super::Spec;
+use crate::metrics::{KvKindLabels, KvMetrics, RowLabels, RowTierLabels, RowTierReasonLabels};
+use crate::state::Current;
+use crate::stop::Stop;
+use router_core::model::RowId;
+
+/// First and longest wait between connection attempts (each wait is shortened by up to a
+/// fifth at random, so that rows restarted together do not reconnect in lockstep).
+pub(super) const BACKOFF_MIN: Duration = Duration::from_millis(100);
+pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Limit on one connection attempt (TCP connect and handshake), and on each replay step.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a quiet subscriber checks for a reloaded configuration (to seed its new index).
+const GENERATION_CHECK: Duration = Duration::from_millis(500);
+/// What a publisher may send: a message is `[topic, seq, payload]` (a replay reply has one
+/// more, empty, frame), the payload at most [`MAX_PAYLOAD_BYTES`], and once a message started
+/// its next byte comes within `stall`.
+pub(super) const LIMITS: Limits = Limits {
+    max_message: MAX_PAYLOAD_BYTES + (64 << 10),
+    max_frames: 8,
+    stall: Duration::from_secs(3),
+};
+/// Least time between two warnings that a row's index went over its limit.
+const OVERFLOW_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Run `session`; a panic in it becomes its message (the subscriber then reconnects instead
+/// of leaving its row silently dead).
+async fn caught<T>(session: impl std::future::Future<Output = T>) -> Result<T, String> {
+    AssertUnwindSafe(session)
+        .catch_unwind()
+        .await
+        .map_err(|panic| {
+            panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".to_owned())
+        })
+}
+
+/// A random fraction in [0, 1) (jitter; no need for a generator).
+fn random_fraction() -> f64 {
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The core of the configuration serving now, for one row.
+struct CoreSink<'a> {
+    core: &'a router_core::routing::RoutingCore,
+    row: RowId,
+}
+
+impl Sink for CoreSink<'_> {
+    fn apply(&mut self, updates: &[Update]) {
+        self.core.apply_kv_events(self.row, updates.iter().copied());
+    }
+
+    fn clear(&mut self) {
+        self.core.clear_kv_row(self.row);
+    }
+
+    fn clear_tier(&mut self, tier: Tier) {
+        self.core.clear_kv_row_tier(self.row, tier);
+    }
+}
+
+pub(super) struct Subscriber {
+    spec: Spec,
+    current: Arc<Current>,
+    metrics: KvMetrics,
+    stop: Stop,
+    ingest: RowIngest,
+    /// The configuration whose core holds this row's blocks.
+    config_number: u64,
+    /// Conditions already logged at `warn` (later ones go to `debug`).
+    warned: HashSet<&'static str>,
+    /// Most blocks indexed per tier without a known capacity.
+    max_indexed_blocks: u64,
+    /// When an over-limit clear was last logged at `warn`.
+    overflow_logged: Option<Instant>,
+}
+
+impl Subscriber {
+    pub(super) fn new(
+        spec: Spec,
+        current: Arc<Current>,
+        metrics: KvMetrics,
+        stop: Stop,
+    ) -> Result<Subscriber, router_core::blocks::BlockHashError> {
+        let ingest = RowIngest::new(spec.block_size)?;
+        let max_indexed_blocks = spec.max_indexed_blocks;
+        let config_number = current.load().number;
+        Ok(Subscriber {
+            spec,
+            current,
+            metrics,
+            stop,
+            ingest,
+            config_number,
+            warned: HashSet::new(),
+            max_indexed_blocks,
+            overflow_logged: None,
+        })
+    }
+
+    fn row(&self) -> RowId {
+        RowId {
+            worker_id: self.spec.worker,
+            dp_rank: self.spec.rank,
+        }
+    }
+
+    fn row_labels(&self) -> RowLabels {
+        RowLabels {
+            worker: self.spec.worker.to_string(),
+            dp_rank: self.spec.rank.to_string(),
+        }
+    }
+
+    fn tier_labels(&self, tier: Tier) -> RowTierLabels {
+        RowTierLabels {
+            worker: self.spec.worker.to_string(),
+            dp_rank: self.spec.rank.to_string(),
+            tier: tier.as_str().to_owned(),
+        }
+    }
+
+    fn kind_labels(&self, kind: &str) -> KvKindLabels {
+        KvKindLabels {
+            worker: self.spec.worker.to_string(),
+            dp_rank: self.spec.rank.to_string(),
+            kind: kind.to_owned(),
+        }
+    }
+
+    /// Log a condition at `warn` the first time, at `debug` after that.
+    fn warn_once(&mut self, condition: &'static str, detail: &dyn std::fmt::Display) {
+        let (worker, rank, endpoint) = (self.spec.worker, self.spec.rank, &self.spec.endpoint);
+        if self.warned.insert(condition) {
+            tracing::warn!(worker, dp_rank = rank, endpoint = %endpoint, condition, %detail,
+                "KV events: {condition} (logged once per subscriber; counted in metrics)");
+        } else {
+            tracing::debug!(worker, dp_rank = rank, condition, %detail, "KV events");
+        }
+    }
+
+    fn set_connected(&self, up: bool) {
+        self.metrics
+            .connected
+            .get_or_create(&self.row_labels())
+            .set(i64::from(up));
+    }
+
+    /// Run until stopped. A session that ends (the peer went away, broke the protocol, or a
+    /// bug panicked) sets the connected gauge to 0 and is retried after a backoff of
+    /// [`BACKOFF_MIN`] doubling to [`BACKOFF_MAX`]; the backoff starts over after a session
+    /// that stayed subscribed for [`BACKOFF_MAX`] (so a publisher that breaks the protocol
+    /// right after subscribing is retried, and logged, at most every 5 s).
+    pub(super) async fn run(mut self) {
+        self.set_connected(false);
+        let mut backoff = BACKOFF_MIN;
+        while !self.stop.is_cancelled() {
+            let mut subscribed_at = None;
+            let outcome = caught(self.session(&mut subscribed_at)).await;
+            self.set_connected(false);
+            match outcome {
+                Ok(Ok(())) => break,
+                Ok(Err(err)) => self.session_failed(&err),
+                Err(panic) => self.session_panicked(&panic),
+            }
+            if subscribed_at.is_some_and(|at: Instant| at.elapsed() >= BACKOFF_MAX) {
+                backoff = BACKOFF_MIN;
+            }
+            let wait = backoff.mul_f64(1.0 - 0.2 * random_fraction());
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.stop.cancelled() => break,
+            }
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+        self.set_connected(false);
+    }
+
+    fn session_failed(&mut self, err: &ProtocolError) {
+        let Some(kind) = err.kind() else {
+            self.warn_once("disconnected", err);
+            return;
+        };
+        self.metrics
+            .protocol_errors
+            .get_or_create(&self.kind_labels(kind))
+            .inc();
+        // A protocol violation is logged every time: it drops the connection, so it repeats
+        // at most once per backoff.
+        tracing::warn!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            endpoint = %self.spec.endpoint,
+            kind,
+            error = %err,
+            "KV events: protocol error; connection dropped, reconnecting"
+        );
+    }
+
+    fn session_panicked(&mut self, message: &str) {
+        self.metrics.panics.get_or_create(&self.row_labels()).inc();
+        tracing::error!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            endpoint = %self.spec.endpoint,
+            panic = message,
+            "KV events: the subscriber panicked; reconnecting"
+        );
+    }
+
+    /// One connection: `Ok` when stopped, `Err` when the connection could not be made or broke.
+    async fn session(&mut self, subscribed_at: &mut Option<Instant>) -> Result<(), ProtocolError> {
+        let endpoint = self.spec.endpoint.clone();
+        let mut conn = tokio::select! {
+            conn = Connection::connect(&endpoint, SocketType::Sub, LIMITS, CONNECT_TIMEOUT) => conn?,
+            () = self.stop.cancelled() => return Ok(()),
+        };
+        conn.subscribe(self.spec.topic.as_bytes()).await?;
+        *subscribed_at = Some(Instant::now());
+        self.set_connected(true);
+        self.warned.remove("disconnected");
+        tracing::info!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            endpoint = %self.spec.endpoint,
+            "KV events: subscribed"
+        );
+        let mut tick = tokio::time::interval(GENERATION_CHECK);
+        loop {
+            tokio::select! {
+                message = conn.recv() => self.message(message?).await,
+                _ = tick.tick() => self.follow_generation(),
+                () = self.stop.cancelled() => return Ok(()),
+            }
+        }
+    }
+
+    /// After a reload the core is new and its index empty: give it this row's blocks.
+    fn follow_generation(&mut self) {
+        let loaded = self.current.load();
+        if loaded.number == self.config_number {
+            return;
+        }
+        self.config_number = loaded.number;
+        let row = self.row();
+        let core = loaded.host.core();
+        core.clear_kv_row(row);
+        core.apply_kv_events(row, self.ingest.holdings());
+    }
+
+    fn count_protocol_error(&self, err: &ProtocolError) {
+        if let Some(kind) = err.kind() {
+            self.metrics
+                .protocol_errors
+                .get_or_create(&self.kind_labels(kind))
+                .inc();
+        }
+    }
+
+    fn count_decode_error(&mut self, kind: &'static str, err: &DecodeError) {
+        self.metrics
+            .decode_errors
+            .get_or_create(&self.kind_labels(kind))
+            .inc();
+        self.warn_once(kind, err);
+    }
+
+    /// A live message: `[topic, seq, payload]`.
+    async fn message(&mut self, frames: Vec<Bytes>) {
+        self.follow_generation();
+        if frames
+            .first()
+            .is_some_and(|topic| !topic.starts_with(self.spec.topic.as_bytes()))
+        {
+            return; // another topic (a publisher that does not filter)
+        }
+        if frames.len() != 3 {
+            self.count_decode_error("frames", &DecodeError::Frames(frames.len()));
+            return;
+        }
+        let seq = match decode_seq(&frames[1]) {
+            Ok(seq) => seq,
+            Err(err) => return self.count_decode_error("frames", &err),
+        };
+        self.metrics.batches.get_or_create(&self.row_labels()).inc();
+        match self.ingest.check_seq(seq) {
+            SeqCheck::First | SeqCheck::InOrder => {}
+            SeqCheck::Restart { last, got } => {
+                self.restart(last, got);
+            }
+            SeqCheck::Gap { expected, got } => {
+                self.metrics.gaps.get_or_create(&self.row_labels()).inc();
+                self.warn_once(
+                    "sequence gap",
+                    &format_args!("batches {expected}..{got} lost"),
+                );
+                if let Some(replay) = self.spec.replay_endpoint.clone() {
+                    let outcome = match self.replay(&replay, expected, got).await {
+                        Ok(_) => "ok",
+                        Err(err) => {
+                            self.warn_once("replay failed", &err);
+                            "error"
+                        }
+                    };
+                    self.metrics
+                        .replays
+                        .get_or_create(&self.kind_labels(outcome))
+                        .inc();
+                }
+            }
+        }
+        self.payload(&frames[2]);
+    }
+
+    fn restart(&mut self, last: u64, got: u64) {
+        self.metrics
+            .clears
+            .get_or_create(&self.kind_labels("restart"))
+            .inc();
+        tracing::info!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            last_seq = last,
+            seq = got,
+            "KV events: the sequence went backwards (engine restarted); row cleared"
+        );
+        let loaded = self.current.load();
+        self.config_number = loaded.number;
+        let mut sink = CoreSink {
+            core: loaded.host.core(),
+            row: self.row(),
+        };
+        self.ingest.clear(&mut sink);
+        self.update_blocks();
+    }
+
+    fn update_blocks(&self) {
+        for tier in Tier::ALL {
+            if tier != Tier::Device && !self.ingest.has_seen(tier) {
+                continue; // no offload tier on this engine (yet): no series for it
+            }
+            let blocks = self.ingest.blocks_on(tier);
+            self.metrics
+                .blocks
+                .get_or_create(&self.tier_labels(tier))
+                .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// The limits of this row's tiers: `max_indexed_blocks`, and on the device the engine's
+    /// reported capacity (plus slack) when known and smaller. The capacity comes from the
+    /// engine's own `/metrics`, as untrusted as its events: it can lower the bound, not raise it.
+    fn set_limits(&mut self, core: &router_core::routing::RoutingCore) {
+        let capacity = core
+            .topology()
+            .cluster()
+            .worker(self.spec.worker)
+            .and_then(|w| w.total_kv_blocks)
+            .map(capacity_limit);
+        let cap = usize::try_from(self.max_indexed_blocks).unwrap_or(usize::MAX);
+        for tier in Tier::ALL {
+            match capacity {
+                Some(limit) if tier == Tier::Device && limit <= cap => {
+                    self.ingest.set_limit(tier, limit, "over_capacity")
+                }
+                _ => self.ingest.set_limit(tier, cap, "over_limit"),
+            }
+        }
+    }
+
+    /// Decode and apply one payload.
+    fn payload(&mut self, payload: &[u8]) {
+        let batch = match decode_batch(payload) {
+            Ok(batch) => batch,
+            Err(err) => return self.count_decode_error("payload", &err),
+        };
+        let loaded = self.current.load();
+        self.set_limits(loaded.host.core());
+        let mut sink = CoreSink {
+            core: loaded.host.core(),
+            row: self.row(),
+        };
+        let mut tally = Tally::default();
+        let ts = batch.ts;
+        self.ingest.apply(batch.events, &mut sink, &mut tally);
+        self.record(&tally);
+        self.update_blocks();
+        if let Some(ts) = ts.filter(|ts| ts.is_finite()) {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            // Clock skew between hosts can make it negative: shown as 0.
+            self.metrics
+                .lag
+                .get_or_create(&self.row_labels())
+                .set((now - ts).max(0.0));
+        }
+    }
+
+    fn record_evictions(&mut self, tally: &Tally) {
+        for &(tier, reason, blocks) in &tally.evicted {
+            self.metrics
+                .evictions
+                .get_or_create(&RowTierReasonLabels {
+                    worker: self.spec.worker.to_string(),
+                    dp_rank: self.spec.rank.to_string(),
+                    tier: tier.as_str().to_owned(),
+                    reason: reason.to_owned(),
+                })
+                .inc_by(blocks);
+            let now = Instant::now();
+            let due = self
+                .overflow_logged
+                .is_none_or(|at| now.duration_since(at) >= OVERFLOW_LOG_EVERY);
+            if due {
+                self.overflow_logged = Some(now);
+                tracing::warn!(
+                    worker = self.spec.worker,
+                    dp_rank = self.spec.rank,
+                    tier = tier.as_str(),
+                    reason,
+                    blocks,
+                    "KV events: the row's index went over its limit (the engine's events \
+                     contradict its capacity); tier cleared (logged at most once a minute; \
+                     counted in router_kv_index_evictions_total)"
+                );
+            } else {
+                tracing::debug!(
+                    worker = self.spec.worker,
+                    dp_rank = self.spec.rank,
+                    tier = tier.as_str(),
+                    reason,
+                    blocks,
+                    "KV events: tier cleared (over its limit)"
+                );
+            }
+        }
+    }
+
+    fn record(&mut self, tally: &Tally) {
+        let families = [
+            (&self.metrics.events, &tally.applied),
+            (&self.metrics.refused, &tally.refused),
+            (&self.metrics.ignored, &tally.ignored),
+            (&self.metrics.decode_errors, &tally.decode_errors),
+            (&self.metrics.clears, &tally.clears),
+        ];
+        for (family, counts) in families {
+            for (label, n) in counts {
+                family.get_or_create(&self.kind_labels(label)).inc_by(*n);
+            }
+        }
+        self.record_evictions(tally);
+        for (label, _) in &tally.refused {
+            self.warn_once(label, &"event refused");
+        }
+        if !tally.decode_errors.is_empty() {
+            self.warn_once("undecodable event", &"event skipped");
+        }
+    }
+
+    /// Ask the replay socket for batches `from ..` and apply those before `until`, in order.
+    /// vLLM's protocol: a DEALER sends `["", start_seq (8 bytes BE)]`; replies are
+    /// `["", topic, seq, payload]` (older: `["", seq, payload]`), ending with seq = u64::MAX.
+    async fn replay(&mut self, endpoint: &str, from: u64, until: u64) -> Result<u64, String> {
+        let mut dealer = Connection::connect(endpoint, SocketType::Dealer, LIMITS, CONNECT_TIMEOUT)
+            .await
+            .map_err(|err| {
+                self.count_protocol_error(&err);
+                err.to_string()
+            })?;
+        tokio::time::timeout(REPLAY_TIMEOUT, dealer.send(&[b"", &from.to_be_bytes()]))
+            .await
+            .map_err(|_| "send timed out".to_owned())?
+            .map_err(|err| format!("send: {err}"))?;
+        let mut applied = 0;
+        loop {
+            let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
+                .await
+                .map_err(|_| "no reply in time".to_owned())?
+                .map_err(|err| {
+                    self.count_protocol_error(&err);
+                    format!("receive: {err}")
+                })?;
+            let mut frames = reply;
+            if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
+                frames.remove(0);
+            }
+            let (seq, payload) = match frames.as_slice() {
+                [_, seq, payload] | [seq, payload] => (decode_seq(seq), payload.clone()),
+                other => {
+                    self.count_decode_error("frames", &DecodeError::Frames(other.len()));
+                    continue;
+                }
+            };
+            let seq = match seq {
+                Ok(seq) => seq,
+                Err(err) => {
+                    self.count_decode_error("frames", &err);
+                    continue;
+                }
+            };
+            if seq == u64::MAX {
+                break;
+            }
+            if seq >= until {
+                // The live message that revealed the gap, and later ones, come live.
+                continue;
+            }
+            if seq < from {
+                continue;
+            }
+            self.payload(&payload);
+            applied += 1;
+        }
+        Ok(applied)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_session_becomes_an_error_with_its_message() {
+        assert_eq!(caught(async { 7 }).await, Ok(7));
+        let index = 3;
+        let outcome = caught(async move {
+            let empty: Vec<u8> = Vec::new();
+            empty[index]
+        })
+        .await;
+        assert!(
+            matches!(&outcome, Err(m) if m.contains("index out of bounds")),
+            "{outcome:?}"
+        );
+        assert_eq!(
+            caught(async { std::panic::panic_any(5u8) }).await,
+            Err::<(), _>("(no message)".to_owned())
+        );
+    }
+
+    #[test]
+    fn backoff_waits_double_to_the_longest_with_jitter_below() {
+        for _ in 0..100 {
+            let f = random_fraction();
+            assert!((0.0..1.0).contains(&f));
+            let wait = BACKOFF_MAX.mul_f64(1.0 - 0.2 * f);
+            assert!(wait <= BACKOFF_MAX && wait >= BACKOFF_MAX.mul_f64(0.8));
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! A request's way from its parsed body to what the routing core is asked, front-end neutral:
+//! [`prepare`] runs the steps in order, each a function of its own: the prompt's [`tokens`]
+//! (local or remote tokenizer, inline or off the async worker), their [`lengths`], the
+//! [`check_limits`] vLLM applies, and the first prompt's block ids ([`blocks`]); then
+//! [`with_token_ids`] rewrites the body under `serve.forward_token_ids`. Errors are
+//! [`PrepareError`]s, which each front end answers in its own protocol.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use router_core::blocks::{BlockHasher, Tenant};
+
+use crate::app::App;
+use crate::errors::ApiError;
+use crate::prompt::{content_text, Endpoint, Parsed, Prompt};
+use crate::state::LoadedConfig;
+use crate::tokenize::{self, TokenizeError, Tokens};
+
+/// Why a request cannot be routed as it is; nothing was booked.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The tokenizer refused the prompt (`Invalid`, `TooLarge`).
+    #[error(transparent)]
+    Tokenize(TokenizeError),
+    /// A prompt is over a token limit: `serve.max_prompt_tokens` or the engine's
+    /// `max_model_len` (`limit_name`). `index` counts a batch's prompts from 0.
+    #[error("{}", prompt_too_long(*.index, *.tokens, *.limit, .limit_name, *.prompts))]
+    PromptTooLong {
+        index: usize,
+        tokens: u64,
+        limit: u64,
+        limit_name: &'static str,
+        prompts: usize,
+    },
+    /// Block ids cannot be computed with this configuration.
+    #[error("{0}")]
+    Blocks(String),
+}
+
+fn prompt_too_long(index: usize, n: u64, limit: u64, what: &str, prompts: usize) -> String {
+    if prompts == 1 {
+        format!("the prompt has {n} tokens, over the limit of {limit} ({what})")
+    } else {
+        format!(
+            "prompt {index} has {n} tokens, over the limit of {limit} ({what}); the batch's \
+             {prompts} prompts count from 0"
+        )
+    }
+}
+
+impl PrepareError {
+    /// As the OpenAI client is told: a tokenizer refusal as `ApiError::from` says, a prompt
+    /// over a limit as a `400` naming the endpoint's prompt field.
+    pub fn into_api_error(self, endpoint: Endpoint) -> ApiError {
+        match self {
+            PrepareError::Tokenize(err) => ApiError::from(err),
+            err @ PrepareError::PromptTooLong { .. } => {
+                ApiError::bad_request("prompt_too_long", err.to_string()).param(
+                    if endpoint == Endpoint::Completions {
+                        "prompt"
+                    } else {
+                        "messages"
+                    },
+                )
+            }
+            PrepareError::Blocks(message) => ApiError::internal(message),
+        }
+    }
+}
+
+/// What the routing core is asked about one request, and what the engine is sent.
+#[derive(Debug)]
+pub struct Prepared {
+    /// Each prompt's token ids, in order (empty when the prompts could not be tokenized).
+    pub ids: Vec<Vec<u32>>,
+    /// The prompt tokens the engine prefills: every prompt of a batch.
+    pub isl_tokens: u64,
+    /// The first prompt's block ids: a batch is routed by its first prompt (its shared
+    /// preamble); the others' own overlap is not credited.
+    pub blocks: Vec<u64>,
+    /// `max_completion_tokens` or `max_tokens`, when the request states one.
+    pub expected_output_tokens: Option<u64>,
+}
+
+/// Tokens, lengths, limits and block ids of `parsed`, in that order (the `tokenize` stage
+/// of `router_overhead_seconds` is recorded here).
+pub async fn prepare(
+    app: &App,
+    loaded: &LoadedConfig,
+    parsed: &Parsed,
+) -> Result<Prepared, PrepareError> {
+    let started = Instant::now();
+    let tokens = tokens(app, loaded, parsed)
+        .await
+        .map_err(PrepareError::Tokenize)?;
+    app.metrics
+        .stage("tokenize", started.elapsed().as_secs_f64());
+    let (ids, max_model_len): (Vec<Vec<u32>>, Option<u64>) = match tokens {
+        Some(tokens) => {
+            let max_model_len = tokens.iter().filter_map(|t| t.max_model_len).min();
+            (tokens.into_iter().map(|t| t.ids).collect(), max_model_len)
+        }
+        None => (Vec::new(), None),
+    };
+    let lengths = lengths(parsed, &ids);
+    check_limits(&lengths, loaded.serve.max_prompt_tokens, max_model_len)?;
+    let blocks = blocks(loaded, parsed, ids.first().map_or(&[][..], Vec::as_slice))?;
+    let expected_output_tokens = parsed
+        .body
+        .get("max_completion_tokens")
+        .or_else(|| parsed.body.get("max_tokens"))
+        .and_then(serde_json::Value::as_u64);
+    Ok(Prepared {
+        isl_tokens: lengths.iter().fold(0u64, |sum, &n| sum.saturating_add(n)),
+        ids,
+        blocks,
+        expected_output_tokens,
+    })
+}
+
+/// Each prompt's length in tokens: its ids, or an estimate for a prompt not tokenized.
+pub fn lengths(parsed: &Parsed, ids: &[Vec<u32>]) -> Vec<u64> {
+    parsed
+        .prompts()
+        .enumerate()
+        .map(|(i, prompt)| match ids.get(i) {
+            Some(ids) if !ids.is_empty() => ids.len() as u64,
+            _ => estimate_tokens(prompt),
+        })
+        .collect()
+}
+
+/// The limits hold per prompt, as vLLM checks them: `serve.max_prompt_tokens`, then the
+/// engine's `max_model_len`.
+pub fn check_limits(
+    lengths: &[u64],
+    max_prompt_tokens: Option<u64>,
+    max_model_len: Option<u64>,
+) -> Result<(), PrepareError> {
+    for (limit, limit_name) in [
+        (max_prompt_tokens, "serve.max_prompt_tokens"),
+        (max_model_len, "the engine's max_model_len"),
+    ] {
+        let Some(limit) = limit else { continue };
+        if let Some((index, &tokens)) = lengths.iter().enumerate().find(|&(_, &n)| n > limit) {
+            return Err(PrepareError::PromptTooLong {
+                index,
+                tokens,
+                limit,
+                limit_name,
+                prompts: lengths.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The block ids of `ids` under the request's tenant: a LoRA adapter's KV is its own (vLLM keys
+/// its blocks with the adapter's name), and so is a `cache_salt`'s.
+pub fn blocks(
+    loaded: &LoadedConfig,
+    parsed: &Parsed,
+    ids: &[u32],
+) -> Result<Vec<u64>, PrepareError> {
+    let serve = &loaded.serve;
+    let lora = Some(parsed.model.as_str()).filter(|m| serve.lora_adapters.iter().any(|a| a == m));
+    let tenant = Tenant {
+        lora,
+        cache_salt: parsed.cache_salt.as_deref(),
+    };
+    let hasher = BlockHasher::new(loaded.config.block_size, tenant)
+        .map_err(|err| PrepareError::Blocks(err.to_string()))?;
+    let mut blocks = Vec::new();
+    hasher.prompt_blocks(ids, &mut blocks);
+    Ok(blocks)
+}
+
+/// The bytes of text a prompt gives the tokenizer (chat: its messages' contents, plus a little
+/// per message for the template); 0 for token ids.
+fn text_bytes(prompt: &Prompt) -> usize {
+    match prompt {
+        Prompt::Text(text) => text.len(),
+        Prompt::Tokens(_) => 0,
+        Prompt::Chat(messages) => messages
+            .iter()
+            .map(|m| content_text(m.get("content")).len() + 8)
+            .sum(),
+    }
+}
+
+/// A rough token count for a prompt that could not be tokenized (routing without overlap).
+pub fn estimate_tokens(prompt: &Prompt) -> u64 {
+    match prompt {
+        Prompt::Tokens(ids) => ids.len() as u64,
+        _ => (text_bytes(prompt) as u64).div_ceil(4),
+    }
+}
+
+/// Requests with more text than this are tokenized off the async worker: a 64 KiB prompt takes
+/// a few milliseconds (serve/words.rs), one near `max_body_bytes` up to seconds, and a worker
+/// held that long holds every request queued on it.
+const INLINE_TOKENIZE_BYTES: usize = 64 << 10;
+
+/// Every prompt's tokens, in order (one entry but for a batched completion); `Ok(None)` when
+/// the remote tokenizer is unavailable for any of them (counted and logged: the request is
+/// routed without overlap).
+pub async fn tokens(
+    app: &App,
+    loaded: &LoadedConfig,
+    parsed: &Parsed,
+) -> Result<Option<Vec<Tokens>>, TokenizeError> {
+    let given: Option<Vec<Tokens>> = parsed
+        .prompts()
+        .map(|prompt| prompt.token_ids().map(Tokens::given))
+        .collect();
+    if given.is_some() {
+        return Ok(given);
+    }
+    if let Some(local) = &loaded.tokenizer {
+        let tokenize = || local.tokenize_all(parsed);
+        let tokens = if parsed.prompts().map(text_bytes).sum::<usize>() > INLINE_TOKENIZE_BYTES {
+            crate::session_store::blocking(tokenize)
+        } else {
+            tokenize()
+        };
+        return tokens.map(Some);
+    }
+    let Some(upstream) = app.tokenizer_upstream(loaded) else {
+        app.metrics.tokenize_fallbacks.inc();
+        return Ok(None);
+    };
+    let timeout = loaded.serve.timeouts.tokenize;
+    let target = tokenize::TokenizeTarget {
+        client: &loaded.client,
+        base: &upstream.base,
+        worker: upstream.id,
+        metrics: Some(&app.metrics),
+        answer_limit: crate::engine_calls::tokenize_answer_limit(loaded.serve.max_body_bytes),
+        turns: Some(&upstream.tokenize_turns),
+    };
+    match tokenize::remote_all(&target, parsed, timeout).await {
+        Ok(tokens) => Ok(Some(tokens)),
+        Err(err @ (TokenizeError::Invalid(_) | TokenizeError::TooLarge(_))) => Err(err),
+        Err(TokenizeError::Unavailable(message)) => {
+            app.metrics.tokenize_fallbacks.inc();
+            tracing::warn!(
+                worker = upstream.id,
+                error = %message,
+                "remote tokenization failed; routing without prompt overlap"
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// `serve.forward_token_ids`: the body with a completion's text prompt replaced by its token ids
+/// (vLLM takes `prompt` as ids), and a list of text prompts by the list of their id lists, so
+/// the engine skips its own tokenization. `ids` holds each prompt's ids, in order. `None` (the
+/// body goes as received) for chat, ids already, or prompts not tokenized.
+pub fn with_token_ids(endpoint: Endpoint, parsed: &Parsed, ids: &[Vec<u32>]) -> Option<Bytes> {
+    use serde_json::Value;
+    if endpoint != Endpoint::Completions
+        || ids.len() != parsed.prompt_count()
+        || ids.iter().any(Vec::is_empty)
+    {
+        return None;
+    }
+    let prompt = match (parsed.body.get("prompt"), ids) {
+        (Some(Value::String(_)), [one]) => Value::from(one.clone()),
+        (Some(Value::Array(texts)), _) if texts.iter().all(Value::is_string) => {
+            Value::from(ids.to_vec())
+        }
+        _ => return None,
+    };
+    let mut body = parsed.body.clone();
+    body.insert("prompt".to_owned(), prompt);
+    serde_json::to_vec(&body).ok().map(Bytes::from)
+}
