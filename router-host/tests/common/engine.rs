@@ -58,6 +58,88 @@ impl Engine {
     }
 }
 
+/// The body of a deliberately broken engine's answer: an `Err` item cuts the connection
+/// mid-body, as an engine that dies does.
+pub type RawBody = http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, std::io::Error>;
+pub type RawResponse = hyper::Response<RawBody>;
+
+/// An answer of `status` with `headers` and the whole `body`.
+pub fn raw_full(
+    status: u16,
+    headers: &[(&'static str, String)],
+    body: impl Into<bytes::Bytes>,
+) -> RawResponse {
+    use http_body_util::BodyExt as _;
+    let body = http_body_util::Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    let mut response = hyper::Response::new(body);
+    *response.status_mut() =
+        hyper::StatusCode::from_u16(status).expect("tests answer valid statuses");
+    for (name, value) in headers {
+        response.headers_mut().insert(
+            *name,
+            value.parse().expect("tests answer valid header values"),
+        );
+    }
+    response
+}
+
+/// A 200 answer whose body is `stream`'s items, sent as they come.
+pub fn raw_stream(
+    stream: impl futures_util::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send + 'static,
+) -> RawResponse {
+    use futures_util::StreamExt as _;
+    use http_body_util::BodyExt as _;
+    let frames = stream.map(|item| item.map(hyper::body::Frame::data));
+    hyper::Response::new(http_body_util::StreamBody::new(frames).boxed_unsync())
+}
+
+/// A server for what no well-behaved engine does: hyper's HTTP/1 server on a free port of
+/// 127.0.0.1 answering every request with `answer(method, path, body)` (the body read whole,
+/// up to 64 MiB). Runs until the returned task is aborted or the runtime ends.
+pub async fn serve_raw<F, Fut>(answer: F) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(hyper::Method, String, bytes::Bytes) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = RawResponse> + Send + 'static,
+{
+    use http_body_util::BodyExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the raw engine");
+    let addr = listener.local_addr().expect("local addr");
+    let answer = std::sync::Arc::new(answer);
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |request: hyper::Request<_>| {
+                    let answer = answer.clone();
+                    async move {
+                        let method = request.method().clone();
+                        let path = request.uri().path().to_owned();
+                        let body = http_body_util::Limited::new(request.into_body(), 64 << 20)
+                            .collect()
+                            .await
+                            .map(|c| c.to_bytes())
+                            .unwrap_or_default();
+                        Ok::<_, std::convert::Infallible>(answer(method, path, body).await)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (addr, task)
+}
+
 /// Poll `check` every 10 ms until it holds or `limit` passes; returns whether it held.
 pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
