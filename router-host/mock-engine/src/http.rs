@@ -21,6 +21,8 @@ use crate::{EngineState, Mode};
 
 pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
 pub type Response = hyper::Response<Body>;
+/// A refusal on the way to an answer (boxed: a response is large).
+pub type Refusal = Box<Response>;
 
 /// Accept connections until `stop` turns true (or its sender goes), then let the open ones end
 /// their answers (idle ones close at once) for up to 10 s.
@@ -162,29 +164,31 @@ pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The body, at most `max_body_bytes` of it.
-async fn read_body(state: &EngineState, body: Incoming) -> Result<Bytes, Response> {
+async fn read_body(state: &EngineState, body: Incoming) -> Result<Bytes, Refusal> {
     match Limited::new(body, state.max_body_bytes).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(error(
+        Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(Box::new(error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "BadRequestError",
             format!(
                 "the request body is over the engine's limit of {} bytes",
                 state.max_body_bytes
             ),
-        )),
-        Err(err) => Err(bad_request(format!("cannot read the request body: {err}"))),
+        ))),
+        Err(err) => Err(Box::new(bad_request(format!(
+            "cannot read the request body: {err}"
+        )))),
     }
 }
 
 /// The model check, as vLLM answers a request for a model it does not serve.
-pub fn check_model(state: &EngineState, model: &str) -> Result<(), Response> {
+pub fn check_model(state: &EngineState, model: &str) -> Result<(), Refusal> {
     if state.check_model && model != state.model {
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "NotFoundError",
             format!("The model `{model}` does not exist."),
-        ));
+        )));
     }
     Ok(())
 }
@@ -234,7 +238,7 @@ async fn completion(
     *lock(&state.seen.last_headers) = Some(parts.headers.clone());
     let bytes = match read_body(&state, body).await {
         Ok(bytes) => bytes,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     let body: Value = match serde_json::from_slice(&bytes) {
         Ok(v) => v,
@@ -272,7 +276,7 @@ async fn tokenize(state: Arc<EngineState>, request: hyper::Request<Incoming>) ->
     state.seen.tokenize.fetch_add(1, Ordering::SeqCst);
     let bytes = match read_body(&state, request.into_body()).await {
         Ok(bytes) => bytes,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     // `{"model", "prompt"}` or `{"model", "messages", ...}`, as vLLM's /tokenize.
     let chat = serde_json::from_slice::<Value>(&bytes)
@@ -283,7 +287,7 @@ async fn tokenize(state: Arc<EngineState>, request: hyper::Request<Incoming>) ->
         Err(message) => return bad_request(message),
     };
     if let Err(response) = check_model(&state, &request.model) {
-        return response;
+        return *response;
     }
     match state.tokenizer.tokenize_request(&request) {
         Ok(tokens) => json_response(&json!({

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::events;
 use crate::http::{
-    bad_request, check_model, error, full, json_response, Active, Completion, Response,
+    bad_request, check_model, error, full, json_response, Active, Completion, Refusal, Response,
 };
 use crate::rank::{Progress, Rank};
 use crate::request::Request;
@@ -127,7 +127,7 @@ impl Model {
     }
 
     /// The rank named by `x-data-parallel-rank`, or the least busy one.
-    fn pick_rank(&self, headers: &HeaderMap) -> Result<Arc<Rank>, Response> {
+    fn pick_rank(&self, headers: &HeaderMap) -> Result<Arc<Rank>, Refusal> {
         if let Some(value) = headers.get("x-data-parallel-rank") {
             let rank = value
                 .to_str()
@@ -136,10 +136,10 @@ impl Model {
                 .and_then(|r| self.ranks.get(r));
             return match rank {
                 Some(r) => Ok(r.clone()),
-                None => Err(bad_request(format!(
+                None => Err(Box::new(bad_request(format!(
                     "x-data-parallel-rank: {value:?} is not a rank from 0 to {}",
                     self.ranks.len().saturating_sub(1)
-                ))),
+                )))),
             };
         }
         self.ranks
@@ -147,17 +147,17 @@ impl Model {
             .min_by_key(|r| r.active())
             .cloned()
             .ok_or_else(|| {
-                error(
+                Box::new(error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "ServiceUnavailable",
                     "no rank",
-                )
+                ))
             })
     }
 
-    fn read(state: &EngineState, completion: &Completion) -> Result<Request, Response> {
-        let request =
-            crate::request::read(completion.chat, &completion.bytes).map_err(bad_request)?;
+    fn read(state: &EngineState, completion: &Completion) -> Result<Request, Refusal> {
+        let request = crate::request::read(completion.chat, &completion.bytes)
+            .map_err(|message| Box::new(bad_request(message)))?;
         check_model(state, &request.model)?;
         Ok(request)
     }
@@ -165,7 +165,7 @@ impl Model {
     pub async fn answer(&self, state: &EngineState, completion: Completion) -> Response {
         let request = match Model::read(state, &completion) {
             Ok(request) => request,
-            Err(response) => return response,
+            Err(response) => return *response,
         };
         // The engine model runs one sequence per request; answering a batch for its first
         // prompt would be a silent fallback.
@@ -195,7 +195,7 @@ impl Model {
         }
         let rank = match self.pick_rank(&completion.headers) {
             Ok(rank) => rank,
-            Err(response) => return response,
+            Err(response) => return *response,
         };
         let progress = match rank.submit(&tokens, output, request.cache_salt.as_deref()) {
             Ok(progress) => progress,
