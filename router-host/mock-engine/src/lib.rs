@@ -16,8 +16,15 @@
 //!   ([`stream_chunks`]), so tests can compare bytes, and `/metrics` reports the completions
 //!   being answered as running.
 //!
-//! The fault controls and counters work in both. Tokenization is this crate's own
-//! ([`Tokenizer`]): see `tokens.rs` for why it is not the router's.
+//! The fault controls and counters work in both.
+//!
+//! Reading requests and tokenizing ([`Tokenizer`]: a tokenizer directory through `tokenizers`
+//! and the chat template through `minijinja`, or one token per byte) are this crate's own code,
+//! not the router's, on purpose: the router tokenizes prompts locally to compute block ids, and
+//! its ids must equal the engine's. Tests check that by comparing the router's local tokenizer
+//! with this engine's `/tokenize`; if the engine called the router's code, a router bug would
+//! be on both sides of the comparison and pass unseen. For the same reason the crate depends
+//! on no router code beyond the engine model (router-sim) and the KV event kinds (router-core).
 
 mod events;
 mod http;
