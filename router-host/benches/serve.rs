@@ -1,8 +1,9 @@
 //! What `router-host serve` adds to a request's latency (docs/performance.md,
 //! "`serve`: added latency").
 //!
-//! One process, three tokio runtimes on their own threads: two stand-in engines
-//! (`tests/common/engine.rs`, the `serve_*` tests' stand-in, on 127.0.0.1 port 0), `serve` itself
+//! One process, three tokio runtimes on their own threads: two engines (the mock engine with
+//! scripted answers, started by `tests/common/engine.rs` as the `serve_*` tests start it, on
+//! 127.0.0.1 port 0), `serve` itself
 //! started in-process in front of them (as the tests start it), and the load generator's HTTP
 //! client. A pacer thread issues short streamed completions open loop at a fixed rate (Poisson
 //! arrivals by default), alternately straight to an engine and through `serve`, in blocks, so
@@ -13,9 +14,9 @@
 //! achieved rates, errors, and the process CPU time per request on each side.
 //!
 //! Setups: the built-in `round-robin` and the shipped two-tier policy (from its `.so`), each with
-//! remote tokenization (the stand-in's `/tokenize`) and local tokenization
-//! (`tests/data/tokenizer/`); and `bare-proxy`, the floor: the same HTTP stack (an axum server
-//! with `TCP_NODELAY`, a reqwest client) forwarding each body round-robin and relaying the
+//! remote tokenization (the engine's `/tokenize`) and local tokenization
+//! (`tests/data/tokenizer/`); and `bare-proxy`, the floor: the same HTTP stack (hyper's HTTP/1
+//! server with `TCP_NODELAY`, a reqwest client) forwarding each body round-robin and relaying the
 //! answer, with no parsing, tokenizing, routing, metrics or logging, which is what any proxy
 //! costs on this machine.
 //!
@@ -34,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
+use bytes::Bytes;
 use engine::{workers_yaml, Engine, TestRouter};
 
 // ---- what engine.rs takes from tests/common ------------------------------------------------
@@ -104,69 +105,42 @@ struct BareProxy {
     task: tokio::task::JoinHandle<()>,
 }
 
-struct BareState {
-    client: reqwest::Client,
-    upstreams: Vec<String>,
-    next: std::sync::atomic::AtomicUsize,
-}
-
-async fn bare_forward(
-    axum::extract::State(state): axum::extract::State<Arc<BareState>>,
-    body: Bytes,
-) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    let i = state
-        .next
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        % state.upstreams.len();
-    let sent = state
-        .client
-        .post(&state.upstreams[i])
-        .header(axum::http::header::CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .await;
-    match sent {
-        Ok(response) => {
-            let status = axum::http::StatusCode::from_u16(response.status().as_u16())
-                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-            let mut out = axum::response::Response::new(axum::body::Body::from_stream(
-                response.bytes_stream(),
-            ));
-            *out.status_mut() = status;
-            out
-        }
-        Err(err) => (axum::http::StatusCode::BAD_GATEWAY, err.to_string()).into_response(),
-    }
-}
-
 async fn start_bare_proxy(engines: &[&Engine]) -> BareProxy {
-    use axum::serve::ListenerExt;
-    let state = Arc::new(BareState {
-        client: reqwest::Client::builder()
-            .no_proxy()
-            .tcp_nodelay(true)
-            .build()
-            .expect("bare proxy client"),
-        upstreams: engines
-            .iter()
-            .map(|e| format!("{}/v1/completions", e.url()))
-            .collect(),
-        next: std::sync::atomic::AtomicUsize::new(0),
-    });
-    let app = axum::Router::new()
-        .route("/v1/completions", axum::routing::post(bare_forward))
-        .with_state(state);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bare proxy listens");
-    let addr = listener.local_addr().expect("bare proxy address");
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    use futures_util::TryStreamExt as _;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .build()
+        .expect("bare proxy client");
+    let upstreams: Arc<[String]> = engines
+        .iter()
+        .map(|e| format!("{}/v1/completions", e.url()))
+        .collect();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (addr, task) = engine::serve_raw(move |_method, _path, body| {
+        let (client, upstreams, next) = (client.clone(), upstreams.clone(), next.clone());
+        async move {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % upstreams.len();
+            let sent = client
+                .post(&upstreams[i])
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body)
+                .send()
+                .await;
+            match sent {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    let mut out =
+                        engine::raw_stream(response.bytes_stream().map_err(std::io::Error::other));
+                    *out.status_mut() = hyper::StatusCode::from_u16(status)
+                        .unwrap_or(hyper::StatusCode::BAD_GATEWAY);
+                    out
+                }
+                Err(err) => engine::raw_full(502, &[], err.to_string()),
+            }
+        }
+    })
+    .await;
     BareProxy { addr, task }
 }
 

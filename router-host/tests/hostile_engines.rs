@@ -11,13 +11,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
-use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use bytes::Bytes;
 use common::child::{self, ServeChild};
-use common::engine::{client, metric_value, post as post_json, TestRouter};
+use common::engine::{
+    client, metric_value, post as post_json, raw_full, raw_stream, serve_raw, RawResponse,
+    TestRouter,
+};
 use futures_util::StreamExt;
+use hyper::Method;
 use serde_json::json;
 
 /// How a stand-in misbehaves.
@@ -66,136 +67,115 @@ impl Default for Behaviour {
 }
 
 /// `n` chunks of `chunk`, or endless (`None`).
-fn repeated(chunk: &'static [u8], n: Option<usize>) -> Body {
+fn repeated(chunk: &'static [u8], n: Option<usize>) -> RawResponse {
     let stream = futures_util::stream::iter(std::iter::repeat_n((), n.unwrap_or(usize::MAX)))
         .map(move |()| Ok::<_, std::io::Error>(Bytes::from_static(chunk)));
-    Body::from_stream(stream)
+    raw_stream(stream)
 }
 
 const MIB: &[u8] = &[b'#'; 1 << 20];
 
+/// A text answer, as a plain web framework sends a `String`.
+fn text(status: u16, body: String) -> RawResponse {
+    raw_full(
+        status,
+        &[("content-type", "text/plain; charset=utf-8".to_owned())],
+        body,
+    )
+}
+
+async fn metrics(b: &Behaviour) -> RawResponse {
+    match b.metrics {
+        Metrics::Plain => text(200, "vllm:num_requests_running{engine=\"0\"} 0.0\n".into()),
+        Metrics::Endless => repeated(MIB, None),
+        Metrics::Huge => {
+            let mut r = repeated(MIB, Some(300));
+            r.headers_mut()
+                .insert(hyper::header::CONTENT_LENGTH, (300usize << 20).into());
+            r
+        }
+    }
+}
+
+async fn tokenize(b: &Behaviour) -> RawResponse {
+    tokio::time::sleep(b.tokenize_delay).await;
+    match &b.tokenize {
+        Tokenize::Plain => text(
+            200,
+            json!({"tokens": [1, 2, 3], "max_model_len": 4096}).to_string(),
+        ),
+        Tokenize::Huge => {
+            let head = futures_util::stream::once(async {
+                Ok::<_, std::io::Error>(Bytes::from_static(
+                    b"{\"tokens\": [1, 2, 3], \"token_strs\": \"",
+                ))
+            });
+            let bulk = futures_util::stream::iter(0..200)
+                .map(|_| Ok::<_, std::io::Error>(Bytes::from_static(&[b'a'; 1 << 20])));
+            let tail = futures_util::stream::once(async {
+                Ok::<_, std::io::Error>(Bytes::from_static(b"\"}"))
+            });
+            raw_stream(head.chain(bulk).chain(tail))
+        }
+        Tokenize::Redirect(to) => raw_full(307, &[("location", to.clone())], ""),
+        Tokenize::TooLarge => text(413, json!({"detail": "length limit exceeded"}).to_string()),
+    }
+}
+
+fn completions(b: &Behaviour) -> RawResponse {
+    let events: Vec<Result<Bytes, std::io::Error>> = vec![
+        Ok(Bytes::from_static(
+            b"data: {\"choices\":[{\"text\":\" one\"}]}\n\n",
+        )),
+        Ok(Bytes::from_static(
+            b"data: {\"choices\":[{\"text\":\" two\"}]}\n\n",
+        )),
+    ];
+    let end: Result<Bytes, std::io::Error> = if b.cut_streams {
+        Err(std::io::Error::other("engine died"))
+    } else {
+        Ok(Bytes::from_static(b"data: [DONE]\n\n"))
+    };
+    let stream = futures_util::stream::iter(events).chain(futures_util::stream::once(async move {
+        // The first events leave before the cut.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        end
+    }));
+    let mut r = raw_stream(stream);
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("header"),
+    );
+    r
+}
+
+fn models(b: &Behaviour) -> RawResponse {
+    if b.endless_models {
+        repeated(MIB, None)
+    } else {
+        text(
+            200,
+            json!({"object": "list", "data": [{"id": "tiny"}]}).to_string(),
+        )
+    }
+}
+
 async fn start(behaviour: Behaviour) -> SocketAddr {
     let b = Arc::new(behaviour);
-    let metrics_b = b.clone();
-    let tokenize_b = b.clone();
-    let completions_b = b.clone();
-    let models_b = b.clone();
-    let app = axum::Router::new()
-        .route("/health", get(|| async { StatusCode::OK }))
-        .route(
-            "/metrics",
-            get(move || {
-                let b = metrics_b.clone();
-                async move {
-                    match b.metrics {
-                        Metrics::Plain => {
-                            "vllm:num_requests_running{engine=\"0\"} 0.0\n".into_response()
-                        }
-                        Metrics::Endless => repeated(MIB, None).into_response(),
-                        Metrics::Huge => {
-                            let mut r = repeated(MIB, Some(300)).into_response();
-                            r.headers_mut()
-                                .insert(header::CONTENT_LENGTH, (300usize << 20).into());
-                            r
-                        }
-                    }
-                }
-            }),
-        )
-        .route(
-            "/tokenize",
-            post(move || {
-                let b = tokenize_b.clone();
-                async move {
-                    tokio::time::sleep(b.tokenize_delay).await;
-                    match &b.tokenize {
-                        Tokenize::Plain => json!({"tokens": [1, 2, 3], "max_model_len": 4096})
-                            .to_string()
-                            .into_response(),
-                        Tokenize::Huge => {
-                            let head = futures_util::stream::once(async {
-                                Ok::<_, std::io::Error>(Bytes::from_static(
-                                    b"{\"tokens\": [1, 2, 3], \"token_strs\": \"",
-                                ))
-                            });
-                            let bulk = futures_util::stream::iter(0..200).map(|_| {
-                                Ok::<_, std::io::Error>(Bytes::from_static(&[b'a'; 1 << 20]))
-                            });
-                            let tail = futures_util::stream::once(async {
-                                Ok::<_, std::io::Error>(Bytes::from_static(b"\"}"))
-                            });
-                            Body::from_stream(head.chain(bulk).chain(tail)).into_response()
-                        }
-                        Tokenize::Redirect(to) => (
-                            StatusCode::TEMPORARY_REDIRECT,
-                            [(header::LOCATION, to.clone())],
-                        )
-                            .into_response(),
-                        Tokenize::TooLarge => (
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            json!({"detail": "length limit exceeded"}).to_string(),
-                        )
-                            .into_response(),
-                    }
-                }
-            }),
-        )
-        .route(
-            "/v1/completions",
-            post(move || {
-                let b = completions_b.clone();
-                async move {
-                    let events: Vec<Result<Bytes, std::io::Error>> = vec![
-                        Ok(Bytes::from_static(
-                            b"data: {\"choices\":[{\"text\":\" one\"}]}\n\n",
-                        )),
-                        Ok(Bytes::from_static(
-                            b"data: {\"choices\":[{\"text\":\" two\"}]}\n\n",
-                        )),
-                    ];
-                    let end: Result<Bytes, std::io::Error> = if b.cut_streams {
-                        Err(std::io::Error::other("engine died"))
-                    } else {
-                        Ok(Bytes::from_static(b"data: [DONE]\n\n"))
-                    };
-                    let stream = futures_util::stream::iter(events).chain(
-                        futures_util::stream::once(async move {
-                            // The first events leave before the cut.
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            end
-                        }),
-                    );
-                    let mut r = Body::from_stream(stream).into_response();
-                    r.headers_mut().insert(
-                        header::CONTENT_TYPE,
-                        "text/event-stream".parse().expect("header"),
-                    );
-                    r
-                }
-            }),
-        )
-        .route(
-            "/v1/models",
-            get(move || {
-                let b = models_b.clone();
-                async move {
-                    if b.endless_models {
-                        repeated(MIB, None).into_response()
-                    } else {
-                        json!({"object": "list", "data": [{"id": "tiny"}]})
-                            .to_string()
-                            .into_response()
-                    }
-                }
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the stand-in");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let (addr, _task) = serve_raw(move |method, path, _body| {
+        let b = b.clone();
+        async move {
+            match (method, path.as_str()) {
+                (Method::GET, "/health") => raw_full(200, &[], ""),
+                (Method::GET, "/metrics") => metrics(&b).await,
+                (Method::POST, "/tokenize") => tokenize(&b).await,
+                (Method::POST, "/v1/completions") => completions(&b),
+                (Method::GET, "/v1/models") => models(&b),
+                _ => raw_full(404, &[], ""),
+            }
+        }
+    })
+    .await;
     addr
 }
 

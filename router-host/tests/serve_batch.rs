@@ -14,12 +14,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use common::engine::{
-    client, eventually, header, held_ids, post, tokenizer_dir, workers_yaml, Engine, TestRouter,
+    client, eventually, header, held_ids, post, raw_full, serve_raw, tokenizer_dir, workers_yaml,
+    Engine, RawResponse, TestRouter,
 };
 use common::mock::{Mock, FAST};
 use router_core::blocks::{BlockHasher, Tenant};
@@ -418,10 +416,14 @@ impl Drop for Call<'_> {
     }
 }
 
-async fn bare_tokenize(State(bare): State<Arc<Bare>>, body: Bytes) -> Response {
+async fn bare_tokenize(bare: Arc<Bare>, body: Bytes) -> RawResponse {
     bare.calls.fetch_add(1, Ordering::SeqCst);
     if bare.tokenize_fails.load(Ordering::SeqCst) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "overloaded").into_response();
+        return raw_full(
+            503,
+            &[("content-type", "text/plain; charset=utf-8".to_owned())],
+            "overloaded",
+        );
     }
     let now = bare.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
     let _call = Call(&bare);
@@ -436,12 +438,20 @@ async fn bare_tokenize(State(bare): State<Arc<Bare>>, body: Bytes) -> Response {
         .map(u32::from)
         .collect();
     let answer = json!({"count": tokens.len(), "max_model_len": 4096, "tokens": tokens});
-    ([("content-type", "application/json")], answer.to_string()).into_response()
+    raw_full(
+        200,
+        &[("content-type", "application/json".to_owned())],
+        answer.to_string(),
+    )
 }
 
-async fn bare_completion() -> Response {
+async fn bare_completion() -> RawResponse {
     tokio::time::sleep(Duration::from_millis(HOLD_MS)).await;
-    ([("content-type", "application/json")], "{}").into_response()
+    raw_full(
+        200,
+        &[("content-type", "application/json".to_owned())],
+        "{}",
+    )
 }
 
 async fn start_bare(tokenize_fails: bool) -> (Arc<Bare>, SocketAddr) {
@@ -451,18 +461,19 @@ async fn start_bare(tokenize_fails: bool) -> (Arc<Bare>, SocketAddr) {
         in_flight: AtomicUsize::new(0),
         max_in_flight: AtomicUsize::new(0),
     });
-    let app = axum::Router::new()
-        .route("/health", axum::routing::get(|| async { StatusCode::OK }))
-        .route("/tokenize", axum::routing::post(bare_tokenize))
-        .route("/v1/completions", axum::routing::post(bare_completion))
-        .with_state(bare.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the bare engine");
-    let addr = listener.local_addr().expect("local addr");
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let state = bare.clone();
+    let (addr, _task) = serve_raw(move |method, path, body| {
+        let bare = state.clone();
+        async move {
+            match (method, path.as_str()) {
+                (hyper::Method::GET, "/health") => raw_full(200, &[], ""),
+                (hyper::Method::POST, "/tokenize") => bare_tokenize(bare, body).await,
+                (hyper::Method::POST, "/v1/completions") => bare_completion().await,
+                _ => raw_full(404, &[], ""),
+            }
+        }
+    })
+    .await;
     (bare, addr)
 }
 

@@ -1,26 +1,13 @@
-//! `router-host mock-engine`: a simulated vLLM engine for running the whole stack without a GPU
-//! (docs/engines.md, "The mock engine").
-//!
-//! Its timing and KV cache are the replay's engine model (`router_host::replay::engine`, the
-//! same code `replay` runs), driven in real time: simulated nanoseconds are nanoseconds since
-//! start. Around it, what a vLLM server shows the router: the OpenAI subset, `/tokenize`,
-//! `/metrics` with vLLM's names, and KV-cache events over ZMQ in vLLM's wire format.
-//!
-//! Files: `rank.rs` (one data-parallel rank: the model, its requests, its events), `events.rs`
-//! (block hashes, msgpack batches, the PUB and replay sockets), `tokens.rs` (tokenizers),
-//! `http.rs` (the HTTP endpoints).
-
-mod events;
-mod http;
-mod rank;
-mod tokens;
+//! `router-host mock-engine`: the flags of the simulated vLLM engine (docs/engines.md, "The
+//! mock engine") and a process around it. The engine itself is the `router-mock-engine` crate
+//! (its engine model answers, with KV-cache events over ZMQ), the one the tests use in-process.
 
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Context as _;
+use mock_engine::{Answers, Engine, EventFormat, EventOptions, ModelOptions, Options, Tokenizer};
 
 /// Run a simulated vLLM engine: the OpenAI subset, `/tokenize`, `/metrics` with vLLM's names,
 /// and KV-cache events over ZMQ.
@@ -78,15 +65,6 @@ pub struct MockArgs {
     pub drop_live: Vec<u64>,
 }
 
-/// Settings every part of the mock reads.
-#[derive(Debug)]
-pub struct Settings {
-    pub model: String,
-    pub block_size: u32,
-    pub max_model_len: u64,
-    pub capacity_blocks: Option<u64>,
-}
-
 /// Run until SIGTERM or SIGINT.
 pub fn run(args: &MockArgs) -> anyhow::Result<std::process::ExitCode> {
     if args.block_size == 0 {
@@ -108,89 +86,53 @@ pub fn run(args: &MockArgs) -> anyhow::Result<std::process::ExitCode> {
         .resolve(args.block_size)
         .map_err(|err| anyhow::anyhow!("{}", err.replace("engine.", "--").replace('_', "-")))?;
     let tokenizer = match &args.tokenizer {
-        Some(dir) => {
-            tokens::MockTokenizer::load(dir).map_err(|err| anyhow::anyhow!("--tokenizer: {err}"))?
-        }
-        None => tokens::MockTokenizer::Bytes,
+        Some(dir) => Tokenizer::load(dir).map_err(|err| anyhow::anyhow!("--tokenizer: {err}"))?,
+        None => Tokenizer::Bytes,
     };
-    let settings = Arc::new(Settings {
-        model: args.model.clone(),
-        block_size: args.block_size,
-        max_model_len: args.max_model_len,
-        capacity_blocks: params.capacity(),
+    let events = args.kv_events.as_ref().map(|endpoint| EventOptions {
+        endpoint: endpoint.clone(),
+        replay: args.replay_endpoint.clone(),
+        topic: args.topic.clone(),
+        buffer: args.replay_buffer,
+        format: EventFormat {
+            legacy: args.legacy_events,
+            bytes_hashes: args.bytes_hashes,
+        },
+        drop_live: args.drop_live.clone(),
     });
+    let options = Options {
+        id: 0,
+        listen: args.listen,
+        model: args.model.clone(),
+        check_model: true,
+        max_model_len: args.max_model_len,
+        tokenizer,
+        answers: Answers::Model(ModelOptions {
+            params,
+            block_size: args.block_size,
+            dp_size: args.dp_size,
+            events,
+        }),
+        max_body_bytes: mock_engine::DEFAULT_MAX_BODY_BYTES,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("mock-engine")
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(async move {
-        let format = events::Format {
-            legacy: args.legacy_events,
-            bytes_hashes: args.bytes_hashes,
-        };
-        let mut ranks = Vec::new();
-        let mut published = Vec::new();
-        let mut replays = Vec::new();
-        let (mut kv_base, mut replay_base) = (None, None);
-        let kv_events = match &args.kv_events {
-            Some(e) => Some(events::free_base(e, args.dp_size).context("--kv-events")?),
-            None => None,
-        };
-        let replay_endpoint = match &args.replay_endpoint {
-            Some(e) => Some(events::free_base(e, args.dp_size).context("--replay-endpoint")?),
-            None => None,
-        };
-        for r in 0..args.dp_size {
-            let publisher = match &kv_events {
-                Some(endpoint) => {
-                    let endpoint =
-                        events::rank_endpoint(endpoint, r, kv_base).context("--kv-events")?;
-                    let replay = match &replay_endpoint {
-                        Some(e) => Some(
-                            events::rank_endpoint(e, r, replay_base)
-                                .context("--replay-endpoint")?,
-                        ),
-                        None => None,
-                    };
-                    let started = events::Publisher::start(events::PublisherOptions {
-                        endpoint,
-                        replay: replay.clone(),
-                        topic: args.topic.clone(),
-                        buffer: args.replay_buffer,
-                        drop_live: args.drop_live.clone(),
-                    })
-                    .await
-                    .with_context(|| format!("rank {r}"))?;
-                    if r == 0 {
-                        kv_base = Some(started.port);
-                        replay_base = started.replay_port;
-                    }
-                    published.push(started.endpoint.clone());
-                    if let Some(e) = &started.replay_endpoint {
-                        replays.push(e.clone());
-                    }
-                    Some(started.sender)
-                }
-                None => None,
-            };
-            ranks.push(rank::Rank::start(
-                r,
-                params,
-                settings.clone(),
-                format,
-                publisher,
-            ));
-        }
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("cannot listen on {}", args.listen))?;
-        let addr = listener.local_addr().context("local address")?;
-        let app = Arc::new(http::App::new(settings.clone(), tokenizer, ranks));
+        let mut engine = Engine::start(options).await.map_err(|err| match err {
+            mock_engine::Error::KvEvents(message) => anyhow::anyhow!("--kv-events: {message}"),
+            mock_engine::Error::Replay(message) => {
+                anyhow::anyhow!("--replay-endpoint: {message}")
+            }
+            other => anyhow::anyhow!(other),
+        })?;
+        let addr = engine.addr;
         let line = serde_json::json!({
             "http": addr.to_string(),
-            "kv_events": published,
-            "replay": replays,
+            "kv_events": engine.kv_events,
+            "replay": engine.replay,
             "block_size": args.block_size,
             "dp_size": args.dp_size,
         });
@@ -205,34 +147,22 @@ pub fn run(args: &MockArgs) -> anyhow::Result<std::process::ExitCode> {
             args.model,
             args.block_size,
             args.dp_size,
-            if published.is_empty() {
+            if engine.kv_events.is_empty() {
                 String::new()
             } else {
-                format!(", KV events on {}", published.join(", "))
+                format!(", KV events on {}", engine.kv_events.join(", "))
             }
         );
-        let shutdown = async {
+        {
             use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) else {
-                return std::future::pending().await;
-            };
+            let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+            let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
             tokio::select! {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
-        };
-        // Streamed chunks are small writes: without TCP_NODELAY each can wait ~40 ms for the
-        // reader's delayed ACK (docs/performance.md, "`serve`: added latency").
-        let listener = axum::serve::ListenerExt::tap_io(listener, |stream| {
-            let _ = stream.set_nodelay(true);
-        });
-        axum::serve(listener, http::routes(app))
-            .with_graceful_shutdown(shutdown)
-            .await
-            .context("HTTP server failed")?;
+        }
+        engine.stop().await;
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(std::process::ExitCode::SUCCESS)

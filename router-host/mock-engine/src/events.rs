@@ -6,7 +6,6 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use anyhow::Context as _;
 use bytes::Bytes;
 use rmpv::Value;
 use sha2::{Digest, Sha256};
@@ -178,16 +177,16 @@ pub fn wall_seconds() -> f64 {
 
 /// The endpoint of rank `rank`: `tcp://HOST:PORT` with PORT + rank. `base` is rank 0's bound
 /// port when the flag said port 0.
-pub fn rank_endpoint(endpoint: &str, rank: u32, base: Option<u16>) -> anyhow::Result<String> {
+pub fn rank_endpoint(endpoint: &str, rank: u32, base: Option<u16>) -> Result<String, String> {
     let rest = endpoint
         .strip_prefix("tcp://")
-        .with_context(|| format!("`{endpoint}` is not tcp://HOST:PORT (only TCP is supported)"))?;
+        .ok_or_else(|| format!("`{endpoint}` is not tcp://HOST:PORT (only TCP is supported)"))?;
     let (host, port) = rest
         .rsplit_once(':')
-        .with_context(|| format!("`{endpoint}` has no :PORT"))?;
+        .ok_or_else(|| format!("`{endpoint}` has no :PORT"))?;
     let port: u16 = port
         .parse()
-        .with_context(|| format!("`{endpoint}`: `{port}` is not a port number"))?;
+        .map_err(|err| format!("`{endpoint}`: `{port}` is not a port number ({err})"))?;
     let port = match (port, base) {
         (0, Some(base)) => base,
         (p, _) => p,
@@ -196,7 +195,7 @@ pub fn rank_endpoint(endpoint: &str, rank: u32, base: Option<u16>) -> anyhow::Re
         0
     } else {
         port.checked_add(u16::try_from(rank).unwrap_or(u16::MAX))
-            .with_context(|| format!("`{endpoint}`: port {port} + rank {rank} is over 65535"))?
+            .ok_or_else(|| format!("`{endpoint}`: port {port} + rank {rank} is over 65535"))?
     };
     // vLLM binds `*`; the ZMQ library here wants an address.
     let host = if host == "*" { "0.0.0.0" } else { host };
@@ -205,7 +204,7 @@ pub fn rank_endpoint(endpoint: &str, rank: u32, base: Option<u16>) -> anyhow::Re
 
 /// With port 0 and several ranks, a base port whose next `count` ports are free too (rank r binds
 /// base + r, so the ports must be consecutive); the endpoint unchanged otherwise.
-pub fn free_base(endpoint: &str, count: u32) -> anyhow::Result<String> {
+pub fn free_base(endpoint: &str, count: u32) -> Result<String, String> {
     let Some((head, port)) = endpoint.rsplit_once(':') else {
         return Ok(endpoint.to_owned());
     };
@@ -216,8 +215,11 @@ pub fn free_base(endpoint: &str, count: u32) -> anyhow::Result<String> {
     let host = if host == "*" { "0.0.0.0" } else { host };
     for _ in 0..50 {
         let first = std::net::TcpListener::bind((host, 0))
-            .with_context(|| format!("`{endpoint}`: cannot bind {host}"))?;
-        let base = first.local_addr()?.port();
+            .map_err(|err| format!("`{endpoint}`: cannot bind {host}: {err}"))?;
+        let base = first
+            .local_addr()
+            .map_err(|err| format!("`{endpoint}`: {err}"))?
+            .port();
         let Some(last) = base.checked_add(u16::try_from(count - 1).unwrap_or(u16::MAX)) else {
             continue;
         };
@@ -228,7 +230,9 @@ pub fn free_base(endpoint: &str, count: u32) -> anyhow::Result<String> {
             return Ok(format!("{head}:{base}"));
         }
     }
-    anyhow::bail!("`{endpoint}`: found no {count} consecutive free ports")
+    Err(format!(
+        "`{endpoint}`: found no {count} consecutive free ports"
+    ))
 }
 
 fn bound_port(endpoint: &zeromq::Endpoint) -> Option<u16> {
@@ -253,18 +257,22 @@ pub struct Publisher {
     pub port: u16,
     pub replay_endpoint: Option<String>,
     pub replay_port: Option<u16>,
+    /// The socket tasks, aborted when the engine stops.
+    pub tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
 impl Publisher {
     /// Bind the PUB socket (and the ROUTER socket), and start their tasks.
-    pub async fn start(options: PublisherOptions) -> anyhow::Result<Publisher> {
+    pub async fn start(options: PublisherOptions) -> Result<Publisher, crate::Error> {
         let mut socket = zeromq::PubSocket::new();
-        let bound = socket
-            .bind(&options.endpoint)
-            .await
-            .with_context(|| format!("cannot bind the event publisher on {}", options.endpoint))?;
+        let bound = socket.bind(&options.endpoint).await.map_err(|err| {
+            crate::Error::KvEvents(format!(
+                "cannot bind the event publisher on {}: {err}",
+                options.endpoint
+            ))
+        })?;
         let port = bound_port(&bound).unwrap_or(0);
         let shown = |endpoint: &str, port: u16| -> String {
             let host = endpoint
@@ -276,29 +284,30 @@ impl Publisher {
         let endpoint = shown(&options.endpoint, port);
         let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
         let (mut replay_endpoint, mut replay_port) = (None, None);
+        let mut tasks = Vec::new();
         if let Some(replay) = &options.replay {
             let mut router = zeromq::RouterSocket::new();
-            let bound = router
-                .bind(replay)
-                .await
-                .with_context(|| format!("cannot bind the replay socket on {replay}"))?;
+            let bound = router.bind(replay).await.map_err(|err| {
+                crate::Error::Replay(format!("cannot bind the replay socket on {replay}: {err}"))
+            })?;
             let p = bound_port(&bound).unwrap_or(0);
             replay_endpoint = Some(shown(replay, p));
             replay_port = Some(p);
-            tokio::spawn(serve_replay(
+            tasks.push(tokio::spawn(serve_replay(
                 router,
                 buffer.clone(),
                 Bytes::from(options.topic.clone().into_bytes()),
-            ));
+            )));
         }
         let (sender, receiver) = mpsc::unbounded_channel();
-        tokio::spawn(publish(socket, receiver, options, buffer));
+        tasks.push(tokio::spawn(publish(socket, receiver, options, buffer)));
         Ok(Publisher {
             sender,
             endpoint,
             port,
             replay_endpoint,
             replay_port,
+            tasks,
         })
     }
 }
@@ -398,7 +407,7 @@ async fn serve_replay(mut socket: zeromq::RouterSocket, buffer: Buffer, topic: B
 #[cfg(test)]
 mod tests {
     use super::*;
-    use router_host::serve::kv_events::decode::{decode_payload, EngineEvent, EngineHash};
+    use router_runtime::kv_events::decode::{decode_payload, EngineEvent, EngineHash};
 
     #[test]
     fn both_forms_decode_with_the_routers_decoder() {

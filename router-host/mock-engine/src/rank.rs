@@ -14,13 +14,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
-use router_host::kv_index::KvEventKind;
-use router_host::replay::engine::{Engine, EngineParams, Job, Outbox};
-use router_host::replay::WorkloadRequest;
+use router_core::kv_index::KvEventKind;
+use router_sim::replay::engine::{Engine, EngineParams, Job, Outbox};
+use router_sim::replay::WorkloadRequest;
 use tokio::sync::{mpsc, Notify};
 
-use super::events::{self, Event, Format};
-use super::Settings;
+use crate::events::{self, Event, Format};
+use crate::model::Settings;
 
 /// What a request hears from the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,14 +95,14 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// Start the rank and its driver task.
+    /// Start the rank and its driver task (which runs until aborted).
     pub fn start(
         index: u32,
         params: EngineParams,
         settings: Arc<Settings>,
         format: Format,
         publisher: Option<mpsc::UnboundedSender<(u64, Bytes)>>,
-    ) -> Arc<Rank> {
+    ) -> (Arc<Rank>, tokio::task::JoinHandle<()>) {
         let rank = Arc::new(Rank {
             index,
             format,
@@ -124,8 +124,8 @@ impl Rank {
             publisher,
             settings,
         });
-        tokio::spawn(drive(rank.clone()));
-        rank
+        let driver = tokio::spawn(drive(rank.clone()));
+        (rank, driver)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -402,8 +402,8 @@ async fn drive(r: Arc<Rank>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use router_host::replay::engine::{EngineSpec, KvCapacity};
-    use router_host::serve::kv_events::decode::{decode_payload, EngineEvent, EngineHash};
+    use router_runtime::kv_events::decode::{decode_payload, EngineEvent, EngineHash};
+    use router_sim::replay::engine::{EngineSpec, KvCapacity};
 
     fn rank(kv_blocks: u64) -> (Arc<Rank>, mpsc::UnboundedReceiver<(u64, Bytes)>) {
         let spec = EngineSpec {
@@ -414,14 +414,12 @@ mod tests {
             ..EngineSpec::default()
         };
         let settings = Arc::new(Settings {
-            model: "m".into(),
             block_size: 4,
-            max_model_len: 1000,
             capacity_blocks: Some(kv_blocks),
         });
         let (sender, receiver) = mpsc::unbounded_channel();
         let params = spec.resolve(4).expect("valid");
-        let r = Rank::start(0, params, settings, Format::default(), Some(sender));
+        let (r, _driver) = Rank::start(0, params, settings, Format::default(), Some(sender));
         (r, receiver)
     }
 
