@@ -1,28 +1,26 @@
 //! The HTTP side, shaped like vLLM's OpenAI server: hyper's HTTP/1 server and a path/method
-//! match. What both ways of answering share is here (body limits, the fault controls, the
-//! counters, `/tokenize`, `/v1/models`, `/health`); the answers themselves are in `scripted.rs`
-//! and `model.rs`.
+//! match, with what both ways of answering share (body limits, the fault controls, the
+//! counters, `/tokenize`, `/v1/models`, `/health`); the answers themselves are in
+//! `scripted.rs` and `model.rs`, the pieces they are made of in `answer.rs`.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full, Limited};
+use http_body_util::{BodyExt as _, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_TYPE};
-use hyper::{HeaderMap, Method, StatusCode};
+use hyper::{Method, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use crate::answer::{
+    bad_request, check_model, error, full, json_response, lock, Active, Completion, Refusal,
+    Response,
+};
 use crate::{EngineState, Mode};
-
-pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
-pub type Response = hyper::Response<Body>;
-/// A refusal on the way to an answer (boxed: a response is large).
-pub type Refusal = Box<Response>;
 
 /// Accept connections until `stop` turns true (or its sender goes), then let the open ones end
 /// their answers (idle ones close at once) for up to 10 s.
@@ -122,45 +120,12 @@ async fn route(state: Arc<EngineState>, request: hyper::Request<Incoming>) -> Re
     }
 }
 
-pub fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response {
-    let mut response = hyper::Response::new(Full::new(body.into()).boxed_unsync());
-    *response.status_mut() = status;
-    if !content_type.is_empty() {
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-    }
-    response
-}
-
 fn plain(status: StatusCode, text: &'static str) -> Response {
     full(status, "", text)
 }
 
 fn not_found() -> Response {
     plain(StatusCode::NOT_FOUND, "")
-}
-
-pub fn json_response(value: &Value) -> Response {
-    full(StatusCode::OK, "application/json", value.to_string())
-}
-
-/// vLLM's error body.
-pub fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"message": message.into(), "type": kind, "param": null,
-                                "code": status.as_u16()}});
-    full(status, "application/json", body.to_string())
-}
-
-pub fn bad_request(message: impl Into<String>) -> Response {
-    error(StatusCode::BAD_REQUEST, "BadRequestError", message)
-}
-
-/// A poisoned lock still holds what was last written; the engine goes on with it.
-pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The body, at most `max_body_bytes` of it.
@@ -179,53 +144,6 @@ async fn read_body(state: &EngineState, body: Incoming) -> Result<Bytes, Refusal
             "cannot read the request body: {err}"
         )))),
     }
-}
-
-/// The model check, as vLLM answers a request for a model it does not serve.
-pub fn check_model(state: &EngineState, model: &str) -> Result<(), Refusal> {
-    if state.check_model && model != state.model {
-        return Err(Box::new(error(
-            StatusCode::NOT_FOUND,
-            "NotFoundError",
-            format!("The model `{model}` does not exist."),
-        )));
-    }
-    Ok(())
-}
-
-/// Counts a completion as active until dropped (a streamed body is dropped when it ends or
-/// when its reader goes away).
-pub struct Active {
-    state: Arc<EngineState>,
-    pub finished: bool,
-}
-
-impl Active {
-    fn new(state: Arc<EngineState>) -> Active {
-        state.seen.active.fetch_add(1, Ordering::SeqCst);
-        Active {
-            state,
-            finished: false,
-        }
-    }
-}
-
-impl Drop for Active {
-    fn drop(&mut self) {
-        self.state.seen.active.fetch_sub(1, Ordering::SeqCst);
-        if !self.finished {
-            self.state.seen.streams_cut.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-}
-
-/// What a completion answer is given.
-pub struct Completion {
-    pub chat: bool,
-    pub headers: HeaderMap,
-    pub bytes: Bytes,
-    pub body: Value,
-    pub active: Active,
 }
 
 async fn completion(

@@ -26,6 +26,7 @@
 //! be on both sides of the comparison and pass unseen. For the same reason the crate depends
 //! on no router code beyond the engine model (router-sim) and the KV event kinds (router-core).
 
+mod answer;
 mod events;
 mod http;
 mod model;

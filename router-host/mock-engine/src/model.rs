@@ -14,20 +14,13 @@ use hyper::{HeaderMap, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::events;
-use crate::http::{
+use crate::answer::{
     bad_request, check_model, error, full, json_response, Active, Completion, Refusal, Response,
 };
-use crate::rank::{Progress, Rank};
+use crate::events;
+use crate::rank::{Progress, Rank, Settings};
 use crate::request::Request;
 use crate::{EngineState, Error, ModelOptions, Options, Tokenizer};
-
-/// Settings every part of the model reads.
-#[derive(Debug)]
-pub struct Settings {
-    pub block_size: u32,
-    pub capacity_blocks: Option<u64>,
-}
 
 pub struct Model {
     settings: Arc<Settings>,

@@ -20,7 +20,13 @@ use router_sim::replay::WorkloadRequest;
 use tokio::sync::{mpsc, Notify};
 
 use crate::events::{self, Event, Format};
-use crate::model::Settings;
+
+/// Settings every part of the model reads.
+#[derive(Debug)]
+pub struct Settings {
+    pub block_size: u32,
+    pub capacity_blocks: Option<u64>,
+}
 
 /// What a request hears from the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

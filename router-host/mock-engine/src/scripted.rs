@@ -14,7 +14,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
-use crate::http::{full, Completion, Response};
+use crate::answer::{full, Completion, Response};
 use crate::EngineState;
 
 /// The bytes of a streamed scripted completion, exactly as the engine sends them.
