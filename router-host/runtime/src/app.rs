@@ -1,7 +1,8 @@
 //! What every handler and background task of a running server shares ([`App`]): the
 //! configuration serving now, the health table, the metrics, the requests in flight, the
-//! KV-event subscribers, and reloading. Nothing here knows HTTP: the front end's handlers
-//! (`proxy`, `status`, `accept`) take an `Arc<App>` as their state.
+//! KV-event subscribers, where decisions run. Nothing here knows a front end's protocol: each
+//! front end holds an `Arc<App>`. Reloading is in `reload.rs`, the background work in
+//! `background.rs`.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -22,13 +23,8 @@ pub struct App {
     /// Requests booked and not yet finished, across loaded configurations.
     pub flights: AtomicUsize,
     pub stopping: Stop,
-    /// Held while a reload swaps its configuration in (not while it loads).
-    reload_lock: tokio::sync::Mutex<()>,
-    /// The number of the configuration serving now.
-    loaded_configs: AtomicU64,
-    /// Reloads started, and which of them was swapped in last.
-    reloads_started: AtomicU64,
-    swapped_reload: AtomicU64,
+    /// Which reloads started and which was swapped in (`App::reload`, `reload.rs`).
+    pub(crate) reloads: Reloads,
     tokenizer_turn: AtomicUsize,
     /// KV-event subscribers, one per `(worker, rank)` with `kv_events` (`kv_events/`).
     pub kv_subscribers: kv_events::Subscribers,
@@ -68,10 +64,7 @@ impl App {
             health,
             flights: AtomicUsize::new(0),
             stopping: Stop::default(),
-            reload_lock: tokio::sync::Mutex::new(()),
-            loaded_configs: AtomicU64::new(1),
-            reloads_started: AtomicU64::new(0),
-            swapped_reload: AtomicU64::new(0),
+            reloads: Reloads::default(),
             tokenizer_turn: AtomicUsize::new(0),
             kv_subscribers: kv_events::Subscribers::default(),
             decider: decider::Decider::for_current_runtime(),
@@ -98,81 +91,28 @@ impl App {
         let turn = self.tokenizer_turn.fetch_add(1, Ordering::Relaxed);
         Some(healthy[turn % healthy.len()])
     }
+}
 
-    /// Read the YAML again, build a new loaded configuration off the request path and swap it in.
-    /// A configuration that fails keeps the running one; the error is logged and counted.
-    ///
-    /// Loading runs outside the reload lock: a load that never returns (a plugin's `create`
-    /// hung; the watchdog reports it) must not hold up every reload after it. Only the swap is
-    /// one at a time, and a load that finishes after a later-started one was swapped in is
-    /// discarded (it read an older file).
-    pub async fn reload(self: &Arc<Self>) -> Result<u64, ServeError> {
-        let started = self.reloads_started.fetch_add(1, Ordering::SeqCst) + 1;
-        let options = self.options.clone();
-        let previous = self.current.load();
-        self.metrics.reloads_loading.inc();
-        let loading = tokio::task::spawn_blocking(move || {
-            // Numbered when swapped in.
-            LoadedConfig::load(&options, 0, Some(&previous))
-        })
-        .await;
-        self.metrics.reloads_loading.dec();
-        let loaded = loading
-            .map_err(|err| ServeError::ReloadTask(err.to_string()))
-            .and_then(|r| r);
-        let _one_at_a_time = self.reload_lock.lock().await;
-        let swapped = self.swapped_reload.load(Ordering::SeqCst);
-        if started < swapped {
-            let serving = self.current.load().number;
-            self.metrics.reload("superseded");
-            tracing::warn!(
-                reload = started,
-                serving,
-                "a reload finished after a later one was swapped in; discarded"
-            );
-            return Err(ServeError::ReloadSuperseded { started, serving });
+/// Which reloads started and which was swapped in last.
+#[derive(Debug)]
+pub(crate) struct Reloads {
+    /// Held while a reload swaps its configuration in (not while it loads).
+    pub(crate) swap_lock: tokio::sync::Mutex<()>,
+    /// The number of the configuration serving now.
+    pub(crate) serving: AtomicU64,
+    /// Reloads started, and which of them was swapped in last.
+    pub(crate) started: AtomicU64,
+    pub(crate) swapped: AtomicU64,
+}
+
+impl Default for Reloads {
+    fn default() -> Reloads {
+        Reloads {
+            swap_lock: tokio::sync::Mutex::new(()),
+            // The configuration loaded at start is number 1.
+            serving: AtomicU64::new(1),
+            started: AtomicU64::new(0),
+            swapped: AtomicU64::new(0),
         }
-        let mut next = match loaded {
-            Ok(next) => next,
-            Err(err) => {
-                self.metrics.reload("error");
-                tracing::error!(
-                    error = %err,
-                    serving = self.current.load().number,
-                    "reload failed; still serving the running configuration"
-                );
-                return Err(err);
-            }
-        };
-        let number = self.loaded_configs.load(Ordering::SeqCst) + 1;
-        next.number = number;
-        self.health.sync(&next.upstreams);
-        self.health.apply(&next);
-        let next = Arc::new(next);
-        let previous = self.current.swap(next.clone());
-        self.loaded_configs.store(number, Ordering::SeqCst);
-        self.swapped_reload.store(started, Ordering::SeqCst);
-        self.kv_subscribers
-            .sync(&next, &self.current, &self.metrics.kv);
-        self.metrics.reload("ok");
-        if next.serve.listen != previous.serve.listen && self.options.listen.is_none() {
-            tracing::warn!(
-                listening = %previous.serve.listen,
-                configured = %next.serve.listen,
-                "serve.listen changed; the socket stays where it is until a restart"
-            );
-        }
-        tracing::info!(
-            config = number,
-            workers = next.upstreams.len(),
-            still_in_flight_on_previous = previous.host.in_flight(),
-            "configuration reloaded"
-        );
-        let app = self.clone();
-        tokio::spawn(async move {
-            let loaded = app.current.load();
-            health::probe_round(&app.health, &app.metrics, &loaded).await;
-        });
-        Ok(number)
     }
 }

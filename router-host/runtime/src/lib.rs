@@ -32,6 +32,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod pipeline;
 pub mod prompt;
+mod reload;
 pub mod request;
 pub mod scrape;
 pub mod segments;
