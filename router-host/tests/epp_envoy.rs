@@ -417,3 +417,110 @@ async fn requests_through_envoy_land_on_the_picked_engine_and_release_their_book
     );
     drop(envoy);
 }
+
+/// An engine-model engine (free steps) that caches blocks of 4 tokens and publishes its
+/// KV-cache events on a free loopback port.
+async fn caching_engine(id: u64) -> mock_engine::Engine {
+    let spec = router_sim::replay::engine::EngineSpec {
+        step_overhead_ms: Some(0.0),
+        decode_ms_per_seq: Some(0.0),
+        prefill_ms_per_token: Some(0.0),
+        ..Default::default()
+    };
+    let params = spec.resolve(4).expect("a valid engine spec");
+    let tokenizer = mock_engine::Tokenizer::load(&common::engine::tokenizer_dir())
+        .expect("the fixture tokenizer loads");
+    mock_engine::Engine::start(mock_engine::Options {
+        answers: mock_engine::Answers::Model(mock_engine::ModelOptions {
+            params,
+            block_size: 4,
+            dp_size: 1,
+            events: Some(mock_engine::EventOptions {
+                endpoint: "tcp://127.0.0.1:0".into(),
+                replay: None,
+                topic: "kv".into(),
+                buffer: 64,
+                format: Default::default(),
+                drop_live: Vec::new(),
+            }),
+        }),
+        ..mock_engine::Options::scripted(id, tokenizer)
+    })
+    .await
+    .expect("the engine starts")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_long_prefix_returns_through_envoy_to_the_engine_that_cached_it() {
+    let binary = match tokio::task::spawn_blocking(envoy_binary)
+        .await
+        .expect("join")
+    {
+        Ok(binary) => binary,
+        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
+            panic!("Envoy is required here: {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: Envoy is not available here: {reason}");
+            return;
+        }
+    };
+    let engines = [caching_engine(1).await, caching_engine(2).await];
+    let mut yaml = String::from("block_size: 4\nworkers:\n");
+    for engine in &engines {
+        yaml.push_str(&format!(
+            "  - id: {}\n    url: {}\n    kv_events: {{endpoint: \"{}\", topic: kv}}\n",
+            engine.state.id,
+            engine.url(),
+            engine.kv_events[0]
+        ));
+    }
+    let dir = common::temp_dir("epp_envoy_prefix");
+    let picker = start_picker(&dir, &yaml).await;
+    let envoy = start_envoy(&binary, &dir, picker.grpc_port).await;
+    let http = reqwest::Client::new();
+    let complete = |prompt: String| {
+        let http = http.clone();
+        let url = format!("http://{}/v1/completions", envoy.listener);
+        async move {
+            let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 2});
+            let response = http
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .expect("Envoy answers");
+            assert_eq!(response.status(), 200);
+            let worker: u64 = header(&response, "x-router-worker")
+                .parse()
+                .expect("x-router-worker");
+            let answer: serde_json::Value =
+                serde_json::from_slice(&response.bytes().await.expect("body")).expect("JSON");
+            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            (worker, cached)
+        }
+    };
+    let preamble = "You are a careful assistant who answers questions about caches. ".repeat(8);
+    let (first, _) = complete(format!("{preamble}What is a KV cache?")).await;
+    // The engine's events reach the router's index before the next request is routed.
+    let started = Instant::now();
+    let stored =
+        format!("router_kv_events_total{{worker=\"{first}\",dp_rank=\"0\",kind=\"block_stored\"}}");
+    while picker.metric(&stored) < 1.0 {
+        assert!(started.elapsed() < WAIT, "no KV events from worker {first}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for question in ["Why does prefix reuse help?", "How are blocks evicted?"] {
+        let (worker, cached) = complete(format!("{preamble}{question}")).await;
+        assert_eq!(worker, first, "the prefix went to another engine");
+        assert!(
+            cached >= 64,
+            "the engine found {cached} prompt tokens cached"
+        );
+    }
+    picker.released().await;
+    drop(envoy);
+}
