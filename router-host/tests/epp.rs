@@ -575,3 +575,109 @@ async fn a_dropped_stream_and_an_engine_5xx_release_the_booking() {
         1.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_queue_timeout_gets_429_with_retry_after_and_the_reason() {
+    let one = Engine::start(1).await;
+    let yaml = format!(
+        "block_size: 4\npolicy_classes:\n  - name: default\n    prefill_busy_threshold: 0\n    \
+         max_queue_wait_ms: 200\n{}",
+        workers_yaml(&[&one])
+    );
+    let picker = start("epp_queue_timeout", &yaml).await;
+    // The first request is picked and its response not begun: the engine is busy prefilling.
+    let (mut first, _) = pick_full_duplex(&picker, &[], None, &completion("first one")).await;
+    let mut second = open(&picker).await;
+    second
+        .send(request_headers(
+            BodySendMode::FullDuplexStreamed,
+            "/v1/completions",
+            &[],
+        ))
+        .await;
+    second
+        .send(body(true, &completion("second one"), true))
+        .await;
+    let (status, reason, retry_after, error) = immediate(&second.answer().await);
+    assert_eq!(status, 429, "{error}");
+    assert_eq!(retry_after.as_deref(), Some("1"));
+    assert_eq!(error["error"]["type"], "rate_limit_error");
+    assert_eq!(reason, error["error"]["code"].as_str().expect("a code"));
+    assert_eq!(picker.in_flight(), (1, 1), "the 429 booked nothing");
+    respond_ok(&mut first).await;
+    picker.released().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_mode_answers_each_chunk_and_names_the_destination_on_the_last() {
+    let one = Engine::start(1).await;
+    let picker = start("epp_streamed", &rr_yaml(&[&one], "")).await;
+    let payload = completion("streamed mode");
+    let (a, b) = payload.split_at(payload.len() / 2);
+    let destination = endpoint_of(&one);
+
+    // Envoy waits for the headers' answer before it sends the body: answered at once.
+    let mut stream = open(&picker).await;
+    stream
+        .send(request_headers(
+            BodySendMode::Streamed,
+            "/v1/completions",
+            &[],
+        ))
+        .await;
+    let headers = stream.answer().await;
+    assert_eq!(set_header(&headers, "x-gateway-destination-endpoint"), None);
+    stream.send(body(true, a, false)).await;
+    let chunk = stream.answer().await;
+    assert_eq!(
+        streamed_body(&chunk),
+        None,
+        "STREAMED: chunks go on as they are"
+    );
+    assert_eq!(set_header(&chunk, "x-gateway-destination-endpoint"), None);
+    stream.send(body(true, b, true)).await;
+    let last = stream.answer().await;
+    assert_eq!(
+        set_header(&last, "x-gateway-destination-endpoint"),
+        Some(destination.clone())
+    );
+    assert_eq!(metadata_destination(&last), Some(destination.clone()));
+    stream.send(response_headers("200", true)).await;
+    stream.answer().await;
+
+    // With send_body_without_waiting_for_header_response the headers' answer waits for the
+    // body and carries the destination.
+    let mut stream = open(&picker).await;
+    let mut first = request_headers(BodySendMode::Streamed, "/v1/completions", &[]);
+    if let Some(config) = first.protocol_config.as_mut() {
+        config.send_body_without_waiting_for_header_response = true;
+    }
+    stream.send(first).await;
+    stream.send(body(true, a, false)).await;
+    stream.send(body(true, b, true)).await;
+    let headers = stream.answer().await;
+    assert!(
+        matches!(
+            headers.response,
+            Some(processing_response::Response::RequestHeaders(_))
+        ),
+        "{headers:?}"
+    );
+    assert_eq!(
+        set_header(&headers, "x-gateway-destination-endpoint"),
+        Some(destination)
+    );
+    for _ in 0..2 {
+        let chunk = stream.answer().await;
+        assert!(
+            matches!(
+                chunk.response,
+                Some(processing_response::Response::RequestBody(_))
+            ),
+            "{chunk:?}"
+        );
+    }
+    stream.send(response_headers("200", true)).await;
+    stream.answer().await;
+    picker.released().await;
+}
