@@ -681,3 +681,29 @@ async fn streamed_mode_answers_each_chunk_and_names_the_destination_on_the_last(
     stream.answer().await;
     picker.released().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_response_body_the_streams_end_after_the_headers_completes_the_request() {
+    let one = Engine::start(1).await;
+    let picker = start("epp_no_response_body", &rr_yaml(&[&one], "")).await;
+    let mut stream = open(&picker).await;
+    let mut first = request_headers(BodySendMode::FullDuplexStreamed, "/v1/completions", &[]);
+    if let Some(config) = first.protocol_config.as_mut() {
+        config.response_body_mode = BodySendMode::None as i32;
+    }
+    stream.send(first).await;
+    stream.send(body(true, &completion("no body"), true)).await;
+    for _ in 0..2 {
+        stream.answer().await;
+    }
+    stream.send(response_headers("200", false)).await;
+    stream.answer().await;
+    assert_eq!(picker.in_flight(), (1, 1));
+    // Envoy ends the stream once the response headers are processed (it resets it).
+    drop(stream);
+    picker.released().await;
+    assert_eq!(
+        picker.metric("router_requests_total{endpoint=\"completions\",outcome=\"completed\"}"),
+        1.0
+    );
+}

@@ -68,10 +68,12 @@ impl ExternalProcessor for Picker {
     }
 }
 
-/// Why a stream ended before its request was answered.
+/// Why a stream ended.
 enum Gone {
-    /// Envoy closed the stream or reset it (client gone, timeout): nothing to answer.
+    /// Envoy closed the stream: it has nothing more to send.
     Closed,
+    /// The stream failed or was reset (client gone, timeout), or our answers have no reader.
+    Reset,
 }
 
 /// The request phase's outcome.
@@ -107,7 +109,7 @@ struct Reading {
 
 impl Exchange {
     async fn send(&self, answer: ProcessingResponse) -> Result<(), Gone> {
-        self.tx.send(Ok(answer)).await.map_err(|_| Gone::Closed)
+        self.tx.send(Ok(answer)).await.map_err(|_| Gone::Reset)
     }
 
     async fn next(&mut self) -> Result<ProcessingRequest, Gone> {
@@ -118,7 +120,8 @@ impl Exchange {
                 }
                 Ok(message)
             }
-            Ok(None) | Err(_) => Err(Gone::Closed),
+            Ok(None) => Err(Gone::Closed),
+            Err(_) => Err(Gone::Reset),
         }
     }
 
@@ -162,7 +165,7 @@ impl Exchange {
                 self.refuse(None, ApiError::body_timeout(limit)).await;
                 return;
             }
-            Ok(Err(Gone::Closed)) => return,
+            Ok(Err(_gone)) => return,
             Ok(Ok((reading, Err(err)))) => {
                 self.refuse(reading.endpoint, err).await;
                 return;
@@ -468,15 +471,28 @@ impl Exchange {
                 .collect::<Vec<HeaderValueOption>>()
         });
         let mut failed = false;
+        let mut headers_seen = false;
         loop {
-            // Envoy closing the stream here ends the request: dropped, the flight cancels
-            // (or, with response processing off, releases when the request phase ends).
-            let Ok(message) = self.next().await else {
-                return;
+            let message = match self.next().await {
+                Ok(message) => message,
+                // Without the response body the picker sees no end of the response: Envoy
+                // ends the stream (a reset, as Envoy 1.40 does it) once the response headers
+                // are processed, so their answer is the end.
+                Err(_) if headers_seen && self.response_mode == BodySendMode::None => {
+                    return finish(flight, failed);
+                }
+                // Before the response's end: the client went away (or the stream was reset, or
+                // response processing is off): dropped, the flight cancels.
+                Err(_) => return,
             };
             match message.request {
                 Some(processing_request::Request::ResponseHeaders(headers)) => {
                     failed = response_status(&headers).is_some_and(|s| s >= 500);
+                    headers_seen = true;
+                    if self.response_mode == BodySendMode::None {
+                        // No body will be seen: the headers are the first byte.
+                        flight.first_byte();
+                    }
                     let answer = proto::response_headers(decision.clone().unwrap_or_default());
                     if headers.end_of_stream {
                         let _ = self.send(answer).await;
