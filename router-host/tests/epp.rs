@@ -707,3 +707,70 @@ async fn without_the_response_body_the_streams_end_after_the_headers_completes_t
         1.0
     );
 }
+
+async fn health_status(
+    channel: &router_epp::proto::Channel,
+    service: &str,
+) -> router_epp::proto::health::health_check_response::ServingStatus {
+    use router_epp::proto::health::{health_client::HealthClient, HealthCheckRequest};
+    HealthClient::new(channel.clone())
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await
+        .expect("a health answer")
+        .into_inner()
+        .status()
+}
+
+async fn until_health(
+    channel: &router_epp::proto::Channel,
+    service: &str,
+    wanted: router_epp::proto::health::health_check_response::ServingStatus,
+) {
+    let start = Instant::now();
+    loop {
+        let now = health_status(channel, service).await;
+        if now == wanted {
+            return;
+        }
+        assert!(start.elapsed() < WAIT, "{service} stayed {now:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_health_service_reports_liveness_and_readiness() {
+    use router_epp::proto::health::health_check_response::ServingStatus;
+
+    let one = Engine::start(1).await;
+    let picker = start("epp_grpc_health", &rr_yaml(&[&one], "")).await;
+    let channel = router_epp::proto::Channel::from_shared(format!("http://{}", picker.grpc))
+        .expect("a URI")
+        .connect()
+        .await
+        .expect("connect to the picker's gRPC port");
+    assert_eq!(
+        health_status(&channel, "liveness").await,
+        ServingStatus::Serving
+    );
+    until_health(&channel, "readiness", ServingStatus::Serving).await;
+    until_health(
+        &channel,
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+        ServingStatus::Serving,
+    )
+    .await;
+    one.state.controls.healthy.store(false, Ordering::SeqCst);
+    until_health(&channel, "readiness", ServingStatus::NotServing).await;
+    assert_eq!(
+        health_status(&channel, "liveness").await,
+        ServingStatus::Serving
+    );
+    // The ext_proc service shares the port.
+    one.state.controls.healthy.store(true, Ordering::SeqCst);
+    until_health(&channel, "readiness", ServingStatus::Serving).await;
+    let (mut stream, _) = pick_full_duplex(&picker, &[], None, &completion("still picking")).await;
+    respond_ok(&mut stream).await;
+    picker.released().await;
+}

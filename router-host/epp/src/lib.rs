@@ -8,10 +8,12 @@
 //! ext_proc protocol onto it: `picker.rs` (one stream: the request phase in each body mode,
 //! the pick or an immediate refusal, the response phase that drives the booking's
 //! `Flight`), `proto.rs` (the Envoy messages it reads and writes), `status.rs` (the HTTP port
-//! for `/metrics`, `/health`, `/ready`), this file ([`Epp`]: start, serve, shut down). It knows
+//! for `/metrics`, `/health`, `/ready`), `grpc_health.rs` (the gRPC health service on the
+//! ext_proc port), this file ([`Epp`]: start, serve, shut down). It knows
 //! nothing of proxying HTTP (Envoy's) and is the only crate that names tonic and Envoy's
 //! protos.
 
+pub mod grpc_health;
 pub mod picker;
 pub mod proto;
 pub mod status;
@@ -96,8 +98,11 @@ impl Epp {
             .try_into()
             .unwrap_or(usize::MAX)
             .saturating_add(MESSAGE_OVERHEAD);
-        let service = ExternalProcessorServer::new(picker::Picker { app: app.clone() })
+        let ext_proc = ExternalProcessorServer::new(picker::Picker { app: app.clone() })
             .max_decoding_message_size(limit);
+        let (reporter, health) = tonic_health::server::health_reporter();
+        let health_task = tokio::spawn(grpc_health::report(app.clone(), reporter));
+        let service = grpc_health::TwoServices { health, ext_proc };
         let stopping = app.stopping.clone();
         let server = tonic::transport::Server::builder().serve_with_incoming_shutdown(
             service,
@@ -126,6 +131,7 @@ impl Epp {
         };
         app.stopping.cancel();
         status.abort();
+        health_task.abort();
         background.stop();
         tracing::info!("stopped");
         result

@@ -9,8 +9,12 @@ pub use envoy_types::pb::envoy::config::core::v3::{
 pub use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 pub use envoy_types::pb::envoy::service::ext_proc::v3 as ext_proc;
 pub use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+/// A gRPC connection for such a client.
+pub use tonic::transport::Channel;
 /// The answers of one stream as a client (a test acting as Envoy) reads them.
 pub use tonic::Streaming;
+/// The gRPC health service's messages and client (`grpc.health.v1`).
+pub use tonic_health::pb as health;
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use ext_proc::{
