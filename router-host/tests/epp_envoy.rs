@@ -203,10 +203,16 @@ async fn listener_port(http: &reqwest::Client, admin_path: &Path) -> Option<u16>
 struct Picker {
     app: Arc<App>,
     grpc_port: u16,
+    task: tokio::task::JoinHandle<Result<(), router_epp::EppError>>,
 }
 
 async fn start_picker(dir: &Path, yaml: &str) -> Picker {
-    let yaml = format!("{yaml}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n");
+    start_picker_on(dir, yaml, 0).await
+}
+
+/// A picker whose gRPC port is `port` (0: a free one).
+async fn start_picker_on(dir: &Path, yaml: &str, port: u16) -> Picker {
+    let yaml = format!("{yaml}epp:\n  listen: 127.0.0.1:{port}\n  metrics_listen: 127.0.0.1:0\n");
     let config = common::write(dir, "router.yaml", &yaml);
     let epp = router_epp::Epp::bind(ServeOptions {
         config,
@@ -217,11 +223,25 @@ async fn start_picker(dir: &Path, yaml: &str) -> Picker {
     .unwrap_or_else(|err| panic!("the picker did not start: {err}\n{yaml}"));
     let grpc_port = epp.addresses().expect("addresses").grpc.port();
     let app = epp.app.clone();
-    tokio::spawn(epp.run());
-    Picker { app, grpc_port }
+    let task = tokio::spawn(epp.run());
+    Picker {
+        app,
+        grpc_port,
+        task,
+    }
 }
 
 impl Picker {
+    /// Shut down (as SIGTERM does) and wait for the servers to stop.
+    async fn stop(self) {
+        self.app.stopping.cancel();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("the picker stops")
+            .expect("the picker's task")
+            .expect("the picker ran without error");
+    }
+
     fn metric(&self, sample: &str) -> f64 {
         metric_value(&self.app.metrics.encode(), sample)
     }
@@ -521,6 +541,58 @@ async fn a_repeated_long_prefix_returns_through_envoy_to_the_engine_that_cached_
             "the engine found {cached} prompt tokens cached"
         );
     }
+    picker.released().await;
+    drop(envoy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restart() {
+    let binary = match tokio::task::spawn_blocking(envoy_binary)
+        .await
+        .expect("join")
+    {
+        Ok(binary) => binary,
+        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
+            panic!("Envoy is required here: {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: Envoy is not available here: {reason}");
+            return;
+        }
+    };
+    let one = Engine::start(1).await;
+    let dir = common::temp_dir("epp_envoy_restart");
+    let yaml = format!("block_size: 4\n{}", workers_yaml(&[&one]));
+    let picker = start_picker(&dir, &yaml).await;
+    let port = picker.grpc_port;
+    let envoy = start_envoy(&binary, &dir, port).await;
+    let http = reqwest::Client::new();
+    let send = || {
+        http.post(format!("http://{}/v1/completions", envoy.listener))
+            .header("content-type", "application/json")
+            .body(r#"{"model": "tiny", "prompt": "hello there", "max_tokens": 4}"#)
+            .send()
+    };
+    assert_eq!(send().await.expect("Envoy answers").status(), 200);
+    picker.stop().await;
+
+    // failure_mode_allow: false: without a picker, Envoy answers 500 itself.
+    let down = send().await.expect("Envoy answers");
+    assert_eq!(down.status(), 500);
+    assert_eq!(one.state.seen.completions.load(Ordering::SeqCst), 1);
+
+    // A picker on the same port again: Envoy's next streams reach it.
+    let picker = start_picker_on(&dir, &yaml, port).await;
+    let started = Instant::now();
+    loop {
+        let status = send().await.expect("Envoy answers").status();
+        if status == 200 {
+            break;
+        }
+        assert!(started.elapsed() < WAIT, "still {status} after the restart");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(one.state.seen.completions.load(Ordering::SeqCst), 2);
     picker.released().await;
     drop(envoy);
 }
