@@ -774,3 +774,35 @@ async fn the_grpc_health_service_reports_liveness_and_readiness() {
     respond_ok(&mut stream).await;
     picker.released().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_paths_and_out_of_order_streams_are_refused_with_their_reason() {
+    let one = Engine::start(1).await;
+    let picker = start("epp_protocol", &rr_yaml(&[&one], "")).await;
+    let mut stream = open(&picker).await;
+    stream
+        .send(request_headers(
+            BodySendMode::FullDuplexStreamed,
+            "/v1/embeddings",
+            &[],
+        ))
+        .await;
+    let (status, reason, _, error) = immediate(&stream.answer().await);
+    assert_eq!((status, reason.as_str()), (404, "not_found"), "{error}");
+    assert!(error["error"]["message"]
+        .as_str()
+        .expect("a message")
+        .contains("/v1/embeddings"));
+
+    let mut stream = open(&picker).await;
+    stream
+        .send(body(true, &completion("no headers"), true))
+        .await;
+    let (status, reason, _, error) = immediate(&stream.answer().await);
+    assert_eq!(
+        (status, reason.as_str()),
+        (400, "ext_proc_protocol"),
+        "{error}"
+    );
+    assert_eq!(picker.in_flight(), (0, 0));
+}

@@ -21,6 +21,7 @@ pub mod status;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
@@ -30,6 +31,10 @@ use router_runtime::{App, ServeError, ServeOptions};
 
 /// Headroom over `serve.max_body_bytes` for one gRPC message's framing and headers.
 const MESSAGE_OVERHEAD: usize = 1024 * 1024;
+/// HTTP/2 pings on an idle connection, and how long one may go unanswered: a gateway that
+/// vanished without closing its connection must not hold its requests' bookings for ever.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the picker cannot start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -104,11 +109,14 @@ impl Epp {
         let health_task = tokio::spawn(grpc_health::report(app.clone(), reporter));
         let service = grpc_health::TwoServices { health, ext_proc };
         let stopping = app.stopping.clone();
-        let server = tonic::transport::Server::builder().serve_with_incoming_shutdown(
-            service,
-            TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            async move { stopping.cancelled().await },
-        );
+        let server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .serve_with_incoming_shutdown(
+                service,
+                TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                async move { stopping.cancelled().await },
+            );
         let deadline = async {
             app.stopping.cancelled().await;
             let limit = app.current.load().serve.timeouts.shutdown;

@@ -223,7 +223,10 @@ impl Exchange {
                 }
                 Some(processing_request::Request::RequestBody(body)) => {
                     if reading.endpoint.is_none() {
-                        return Ok((reading, Err(out_of_order("a request body"))));
+                        return Ok((
+                            reading,
+                            Err(out_of_order("a request body before the request headers")),
+                        ));
                     }
                     reading.seen = reading.seen.saturating_add(body.body.len() as u64);
                     if reading.seen > max {
@@ -250,12 +253,22 @@ impl Exchange {
                 }
                 Some(processing_request::Request::RequestTrailers(_)) => {
                     if reading.endpoint.is_none() {
-                        return Ok((reading, Err(out_of_order("request trailers"))));
+                        return Ok((
+                            reading,
+                            Err(out_of_order("request trailers before the request headers")),
+                        ));
                     }
                     reading.trailers = true;
                     return Ok((reading, Ok(())));
                 }
-                Some(_) => return Ok((reading, Err(out_of_order("a response message")))),
+                Some(_) => {
+                    return Ok((
+                        reading,
+                        Err(out_of_order(
+                            "a response message before the request was answered",
+                        )),
+                    ))
+                }
                 None => {}
             }
         }
@@ -554,7 +567,7 @@ fn response_status(headers: &HttpHeaders) -> Option<u16> {
 fn out_of_order(what: &str) -> ApiError {
     ApiError::bad_request(
         "ext_proc_protocol",
-        format!("ext_proc stream sent {what} before the request headers"),
+        format!("the ext_proc stream sent {what}"),
     )
 }
 
