@@ -93,6 +93,14 @@ enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Run the router as a Gateway API Inference Extension endpoint picker: an Envoy ext_proc
+    /// gRPC server on `epp.listen` that picks the engine for each request, with /metrics,
+    /// /health and /ready on `epp.metrics_listen` (docs/gateway.md). SIGHUP reloads the config;
+    /// SIGTERM or SIGINT drains and exits 0.
+    Epp {
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
     /// Run a simulated vLLM engine (the replay's engine model in real time): the OpenAI subset,
     /// `/tokenize`, `/metrics` with vLLM's names, and KV-cache events over ZMQ
     /// (docs/engines.md). SIGTERM or SIGINT exits 0.
@@ -102,7 +110,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The proxy logs one line per request at info; the one-shot tools only warnings.
-    let quiet = if matches!(cli.command, Command::Serve { .. }) {
+    let quiet = if matches!(cli.command, Command::Serve { .. } | Command::Epp { .. }) {
         "info"
     } else if matches!(cli.command, Command::MockEngine(_)) {
         "info,zeromq=warn"
@@ -197,6 +205,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Select { config, scenario } => select(&config, &scenario),
         Command::Replay(args) => replay_cli::run(&args),
         Command::Serve { config, listen } => serve(&config, listen),
+        Command::Epp { config } => epp(&config),
         Command::MockEngine(args) => mock_engine::run(&args),
     }
 }
@@ -241,6 +250,53 @@ fn serve(args: &ConfigArgs, listen: Option<std::net::SocketAddr>) -> anyhow::Res
             handle.shutdown();
         });
         server.run().await?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `epp`: load everything, listen (gRPC and the metrics port), and pick until SIGTERM/SIGINT;
+/// SIGHUP reloads.
+fn epp(args: &ConfigArgs) -> anyhow::Result<ExitCode> {
+    use tokio::signal::unix::{signal, SignalKind};
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("epp")
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let options = router_runtime::ServeOptions {
+            config: args.config.clone(),
+            plugin_dirs: args.plugin_dirs.clone(),
+            listen: None,
+        };
+        let epp = router_epp::Epp::bind(options).await?;
+        let addresses = epp.addresses().context("cannot read the bound addresses")?;
+        let app = epp.app.clone();
+        let mut hangup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        eprintln!(
+            "router-host epp: ext_proc gRPC on {}, metrics on http://{} (config {})",
+            addresses.grpc,
+            addresses.metrics,
+            args.config.display()
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = hangup.recv() => {
+                        // Logged (and counted) by the reload itself, success or not.
+                        let _ = app.reload().await;
+                    }
+                    _ = terminate.recv() => break,
+                    _ = interrupt.recv() => break,
+                }
+            }
+            app.stopping.cancel();
+        });
+        epp.run().await?;
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)

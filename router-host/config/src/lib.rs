@@ -38,6 +38,7 @@ use serde::Deserialize;
 mod macros;
 
 mod admission;
+mod epp;
 mod error;
 pub mod input;
 mod instances;
@@ -55,6 +56,7 @@ mod tests;
 mod workers;
 
 pub use admission::PolicyClassConfig;
+pub use epp::EppConfig;
 pub use error::{ConfigError, ConfigErrorKind, ValueProblem};
 pub use instances::{InstanceConfig, OnError, WorkerSelectionConfig};
 pub use limits::de_dp_size;
@@ -80,6 +82,7 @@ pub use router_core::select::PrefillBooking;
 pub use selector::TieBreak;
 
 use admission::RawPolicyClass;
+use epp::RawEpp;
 use error::{line_column, yaml_error};
 use instances::RawWorkerSelection;
 use limits::{nesting_too_deep, read_capped, TooDeep};
@@ -183,6 +186,8 @@ pub struct RouterConfig {
     pub workers: Vec<WorkerConfig>,
     /// `serve:` settings; `None` when the file has no `serve:` (then `serve` uses the defaults).
     pub serve: Option<ServeConfig>,
+    /// `epp:` settings; `None` when the file has no `epp:` (then `epp` uses the defaults).
+    pub epp: Option<EppConfig>,
 }
 
 impl Default for RouterConfig {
@@ -203,6 +208,7 @@ impl Default for RouterConfig {
             engine: None,
             workers: Vec::new(),
             serve: None,
+            epp: None,
         }
     }
 }
@@ -356,6 +362,8 @@ struct RawConfig {
     workers: Option<Vec<RawWorker>>,
     #[serde(default)]
     serve: Option<RawServe>,
+    #[serde(default)]
+    epp: Option<RawEpp>,
 }
 
 #[derive(Deserialize)]
@@ -476,6 +484,7 @@ impl Builder<'_> {
             engine,
             workers,
             serve,
+            epp: raw.epp.map(RawEpp::build),
         })
     }
 }

@@ -315,7 +315,7 @@ fn check_listen(v: &str) -> Result<String, String> {
     })
 }
 
-fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
+pub(super) fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
     let text = d.deserialize_any(CheckedStr {
         expecting: "a listen address IP:PORT, such as `127.0.0.1:8000`",
         check: check_listen,

@@ -713,3 +713,24 @@ fn plugin_images_max_has_a_default_and_a_range() {
         );
     }
 }
+
+#[test]
+fn epp_section_defaults_values_and_errors() {
+    assert_eq!(parse("block_size: 4\n").epp, None);
+    assert_eq!(parse("epp: {}\n").epp, Some(EppConfig::default()));
+    let epp = parse("epp:\n  listen: 0.0.0.0:9102\n  metrics_listen: '[::1]:9190'\n")
+        .epp
+        .expect("an epp section");
+    assert_eq!(epp.listen.to_string(), "0.0.0.0:9102");
+    assert_eq!(epp.metrics_listen.to_string(), "[::1]:9190");
+    let defaults = parse("epp:\n  listen: 127.0.0.1:7000\n").epp.expect("epp");
+    assert_eq!(defaults.metrics_listen.to_string(), "127.0.0.1:9090");
+
+    let err = parse_err("epp:\n  listen: localhost:9002\n");
+    assert!(
+        err.contains("epp.listen") && err.contains("invalid listen address `localhost:9002`"),
+        "{err}"
+    );
+    let err = parse_err("epp:\n  metrics: 127.0.0.1:1\n");
+    assert!(err.contains("epp") && err.contains("metrics"), "{err}");
+}

@@ -19,97 +19,11 @@ pub async fn alive() -> Response {
         .into_response()
 }
 
-/// What `/ready` says about the policy instances of one configuration.
-struct PolicyStates {
-    /// One object per instance: name, type, origin, the roles it serves, its state and why.
-    instances: Vec<serde_json::Value>,
-    /// Names of the instances out of service (poisoned, quarantined or hung).
-    out_of_service: Vec<String>,
-    /// Roles whose instance is out of service with nothing to fall back to (`on_error: fail`):
-    /// every request of the role fails, so the router is not ready.
-    unservable_roles: Vec<&'static str>,
-}
-
-fn policy_states(router: &router_policies::policy_set::PolicySet) -> PolicyStates {
-    use router_config::OnError;
-    use router_core::model::RequestRole;
-    use router_policies::instance::InstanceState;
-    let mut states = PolicyStates {
-        instances: Vec::new(),
-        out_of_service: Vec::new(),
-        unservable_roles: Vec::new(),
-    };
-    for (id, instance) in router.instances().iter().enumerate() {
-        let roles: Vec<&'static str> = RequestRole::ALL
-            .into_iter()
-            .filter(|role| router.instance_for(*role) == id)
-            .map(RequestRole::as_str)
-            .collect();
-        let state = instance.state();
-        // The built-in default (index 0) is the fallback: it has none of its own.
-        let falls_back = instance.on_error == OnError::Fallback && id != 0;
-        let serving = match (state, falls_back) {
-            (InstanceState::InService, _) => "self",
-            (_, true) => "fallback",
-            (_, false) => "none",
-        };
-        if state != InstanceState::InService {
-            states.out_of_service.push(instance.name.clone());
-            if !falls_back {
-                states.unservable_roles.extend(roles.iter().copied());
-            }
-        }
-        // The library the instance runs (after a reload of a replaced file: the new one).
-        let plugin = router
-            .catalog()
-            .libraries()
-            .iter()
-            .find(|l| l.path.as_os_str() == instance.origin.as_str())
-            .map(|l| serde_json::json!({"name": l.plugin_name, "version": l.plugin_version}));
-        states.instances.push(serde_json::json!({
-            "instance": instance.name,
-            "policy": instance.type_name,
-            "origin": instance.origin,
-            "plugin": plugin,
-            "roles": roles,
-            "state": state.as_str(),
-            "reason": instance.state_reason(),
-            "serving": serving,
-        }));
-    }
-    states
-}
-
-/// `GET /ready`: a configuration is loaded and at least one engine is healthy.
+/// `GET /ready`: a configuration is loaded and at least one engine is healthy
+/// ([`router_runtime::ready::readiness`]).
 pub async fn ready(State(app): State<Arc<App>>) -> Response {
-    let loaded = app.current.load();
-    let engines: Vec<serde_json::Value> = app
-        .health
-        .snapshot()
-        .into_iter()
-        .map(|(id, url, healthy)| {
-            serde_json::json!({
-                "worker": id,
-                "url": url,
-                "healthy": healthy,
-                "error": app.health.last_error(id),
-            })
-        })
-        .collect();
-    let policies = policy_states(loaded.host.policy_set());
-    let ready = app.health.any_healthy()
-        && !app.stopping.is_cancelled()
-        && policies.unservable_roles.is_empty();
-    let body = serde_json::json!({
-        "ready": ready,
-        "degraded": !policies.out_of_service.is_empty(),
-        "config_generation": loaded.number,
-        "engines": engines,
-        "policies": policies.instances,
-        "out_of_service": policies.out_of_service,
-        "unservable_roles": policies.unservable_roles,
-    });
-    let status = if ready {
+    let report = router_runtime::ready::readiness(&app);
+    let status = if report.ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -117,7 +31,7 @@ pub async fn ready(State(app): State<Arc<App>>) -> Response {
     (
         status,
         [("content-type", "application/json")],
-        body.to_string(),
+        report.body.to_string(),
     )
         .into_response()
 }

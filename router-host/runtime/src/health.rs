@@ -7,7 +7,7 @@
 //! metrics and `vllm:cache_config_info`'s `block_size` checked against the worker's: an engine
 //! that caches blocks of another size is made unavailable, with an error naming the worker
 //! (docs/engines.md).
-//! The proxy's own `/health` and `/ready` answers are in `status.rs`.
+//! The `/ready` report is `ready.rs`.
 
 use std::collections::HashMap;
 use std::sync::RwLock;

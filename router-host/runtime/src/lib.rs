@@ -15,9 +15,10 @@
 //! - [`state`] (loaded configurations), [`tokenize`] with [`segments`] and [`words`],
 //!   [`upstream`] (the client that sends completions to engines), [`coalesce`],
 //!   [`engine_calls`] (the router's own bounded calls to engines), [`health`], [`metrics`] and
-//!   [`scrape`], [`kv_events`], [`session_store`] (bindings shared through Redis), [`decider`]
-//!   (which calls run on the async worker and which under `block_in_place`), [`failure`]
-//!   (start-up and reload errors, cause chains), [`stop`].
+//!   [`scrape`], [`ready`] (what `/ready` reports), [`kv_events`], [`session_store`]
+//!   (bindings shared through Redis), [`decider`] (which calls run on the async worker and
+//!   which under `block_in_place`), [`failure`] (start-up and reload errors, cause chains),
+//!   [`stop`].
 
 pub mod app;
 pub mod background;
@@ -32,6 +33,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod pipeline;
 pub mod prompt;
+pub mod ready;
 mod reload;
 pub mod request;
 pub mod scrape;
