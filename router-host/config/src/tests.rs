@@ -734,3 +734,15 @@ fn epp_section_defaults_values_and_errors() {
     let err = parse_err("epp:\n  metrics: 127.0.0.1:1\n");
     assert!(err.contains("epp") && err.contains("metrics"), "{err}");
 }
+
+#[test]
+fn a_worker_drains_only_when_it_says_so() {
+    let config = parse(
+        "workers:\n  - {id: 1, url: 'http://127.0.0.1:8101'}\n  \
+         - {id: 2, url: 'http://127.0.0.1:8102', draining: true}\n",
+    );
+    let draining: Vec<(u64, bool)> = config.workers.iter().map(|w| (w.id, w.draining)).collect();
+    assert_eq!(draining, [(1, false), (2, true)]);
+    let err = parse_err("workers:\n  - {id: 1, url: 'http://127.0.0.1:8101', draining: yes}\n");
+    assert!(err.contains("workers[0].draining"), "{err}");
+}

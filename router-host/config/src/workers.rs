@@ -29,6 +29,9 @@ pub struct WorkerConfig {
     pub total_kv_blocks: Option<u64>,
     /// Where the engine publishes its KV-cache events (vLLM `--kv-events-config`), if it does.
     pub kv_events: Option<KvEventsConfig>,
+    /// Draining: the worker takes no new requests (not even pinned or session-bound ones);
+    /// requests in flight on it finish. Set and cleared by editing the file and reloading.
+    pub draining: bool,
     /// The engine's KV block size in tokens (vLLM `--block-size`); events of another size are
     /// refused. Defaults to, and must equal, the top-level `block_size`.
     pub block_size: u32,
@@ -170,6 +173,8 @@ pub(super) struct RawWorker {
     kv_events: Option<RawKvEvents>,
     #[serde(default, deserialize_with = "super::numbers::de_block_size")]
     block_size: Option<u32>,
+    #[serde(default)]
+    draining: bool,
 }
 
 fn de_worker_id<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -327,6 +332,7 @@ impl Builder<'_> {
                 total_kv_blocks: worker.total_kv_blocks,
                 kv_events,
                 block_size,
+                draining: worker.draining,
             });
         }
         Ok(workers)

@@ -1,5 +1,5 @@
 //! What `/ready` reports, for every front end: whether the router can route now (a
-//! configuration loaded, an engine healthy, not stopping, every role with a policy instance
+//! configuration loaded, an engine healthy and not draining, not stopping, every role with a policy instance
 //! that can serve it), and the engines and policy instances behind that answer. Each front
 //! end answers it in its own framing (`200` when ready, `503` when not).
 
@@ -75,23 +75,33 @@ fn policy_states(router: &router_policies::policy_set::PolicySet) -> PolicyState
 /// The readiness of `app` now.
 pub fn readiness(app: &App) -> Readiness {
     let loaded = app.current.load();
+    let draining = |id: u64| {
+        loaded
+            .config
+            .workers
+            .iter()
+            .any(|w| w.id == id && w.draining)
+    };
+    let mut serving = false;
     let engines: Vec<serde_json::Value> = app
         .health
         .snapshot()
         .into_iter()
         .map(|(id, url, healthy)| {
+            let draining = draining(id);
+            serving |= healthy && !draining;
             serde_json::json!({
                 "worker": id,
                 "url": url,
                 "healthy": healthy,
+                "draining": draining,
                 "error": app.health.last_error(id),
             })
         })
         .collect();
     let policies = policy_states(loaded.host.policy_set());
-    let ready = app.health.any_healthy()
-        && !app.stopping.is_cancelled()
-        && policies.unservable_roles.is_empty();
+    // An engine that is healthy and not draining: one that can take a new request.
+    let ready = serving && !app.stopping.is_cancelled() && policies.unservable_roles.is_empty();
     let body = serde_json::json!({
         "ready": ready,
         "degraded": !policies.out_of_service.is_empty(),

@@ -153,6 +153,7 @@ impl LoadedConfig {
             let mut worker = Worker::new(w.id).with_ranks(0, w.dp_size);
             worker.max_num_batched_tokens = w.max_num_batched_tokens;
             worker.total_kv_blocks = w.total_kv_blocks;
+            worker.draining = w.draining;
             workers.push(worker);
             upstreams.push(upstream);
         }
