@@ -633,6 +633,8 @@ def main() -> int:
         if spec.name == "router-host" and spec.policy == "two-tier":
             specs.append(peers.TWO_TIER_REMOTE_TOKENIZER)
     if args.routers:
+        # The gateway rows (run.sh --gateway) are chosen by name only.
+        specs = specs + peers.GATEWAY_ROUTERS
         known = [s.label for s in specs]
         specs = peers.select_routers(specs, args.routers)
         if not specs:
@@ -758,7 +760,7 @@ def main() -> int:
                     row["stopped"] = stopped
                     if not router.alive():
                         raise BenchError(f"{spec.label} died during the run: {router.child.log_tail()}")
-                    if spec.name == "router-host":
+                    if spec.name in ("router-host", "envoy-epp"):
                         check_overlap(spec, router, engines, row, probes)
                     if w == workloads[0]:
                         doc["commands"].append(row["command"])

