@@ -19,7 +19,6 @@ pub mod proto;
 pub mod status;
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -117,25 +116,9 @@ impl Epp {
                 TcpIncoming::from(grpc).with_nodelay(Some(true)),
                 async move { stopping.cancelled().await },
             );
-        let deadline = async {
-            app.stopping.cancelled().await;
-            let limit = app.current.load().serve.timeouts.shutdown;
-            tracing::info!(
-                in_flight = app.flights.load(Ordering::SeqCst),
-                deadline_ms = limit.as_millis() as u64,
-                "shutting down: no new streams; waiting for requests in flight"
-            );
-            tokio::time::sleep(limit).await;
-        };
         let result = tokio::select! {
             served = server => served.map_err(EppError::from),
-            () = deadline => {
-                tracing::warn!(
-                    in_flight = app.flights.load(Ordering::SeqCst),
-                    "shutdown deadline passed; stopping with requests still in flight"
-                );
-                Ok(())
-            }
+            () = router_runtime::background::shutdown_deadline(&app) => Ok(()),
         };
         app.stopping.cancel();
         status.abort();

@@ -175,25 +175,9 @@ impl Server {
             routes(app.clone()),
             self.max_connections,
         );
-        let deadline = async {
-            app.stopping.cancelled().await;
-            let limit = app.current.load().serve.timeouts.shutdown;
-            tracing::info!(
-                in_flight = app.flights.load(Ordering::SeqCst),
-                deadline_ms = limit.as_millis() as u64,
-                "shutting down: no new connections; waiting for requests in flight"
-            );
-            tokio::time::sleep(limit).await;
-        };
         let result = tokio::select! {
             () = server => Ok(()),
-            () = deadline => {
-                tracing::warn!(
-                    in_flight = app.flights.load(Ordering::SeqCst),
-                    "shutdown deadline passed; stopping with requests still in flight"
-                );
-                Ok(())
-            }
+            () = router_runtime::background::shutdown_deadline(&app) => Ok(()),
         };
         app.stopping.cancel();
         background.stop();

@@ -2,11 +2,31 @@
 //! queues' timer and the KV-event subscribers, started by [`start`] and stopped by
 //! [`Background::stop`] (or when the app stops).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::app::App;
 use crate::{health, lifecycle};
+
+/// Resolves `serve.timeouts.shutdown_ms` after the stop signal ([`App::stopping`]): how long a
+/// front end lets the requests in flight finish once it stopped taking new ones. It completes
+/// only when the deadline passes with requests still running (both logged); a front end races
+/// it against its own server finishing.
+pub async fn shutdown_deadline(app: &App) {
+    app.stopping.cancelled().await;
+    let limit = app.current.load().serve.timeouts.shutdown;
+    tracing::info!(
+        in_flight = app.flights.load(Ordering::SeqCst),
+        deadline_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+        "shutting down: no new requests; waiting for requests in flight"
+    );
+    tokio::time::sleep(limit).await;
+    tracing::warn!(
+        in_flight = app.flights.load(Ordering::SeqCst),
+        "shutdown deadline passed; stopping with requests still in flight"
+    );
+}
 
 /// Start the background work; it runs until [`Background::stop`] or [`App::stopping`].
 pub fn start(app: &Arc<App>) -> Background {
