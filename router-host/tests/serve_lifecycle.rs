@@ -372,3 +372,44 @@ async fn after_any_mix_of_outcomes_nothing_stays_in_flight() {
     }
     router.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_at_its_deadline_with_a_stream_still_running() {
+    let engine = Engine::start(1).await;
+    // A stream of about two minutes: far longer than TestRouter::stop waits (30 s).
+    engine.state.controls.chunks.store(600, Ordering::SeqCst);
+    engine
+        .state
+        .controls
+        .chunk_delay_ms
+        .store(200, Ordering::SeqCst);
+    let yaml = format!(
+        "block_size: 4\nserve:\n  timeouts:\n    shutdown_ms: 300\n{}",
+        workers_yaml(&[&engine])
+    );
+    let router = TestRouter::start("serve_shutdown_deadline", &yaml).await;
+    // No client timeout: the stream must be cut by the router's deadline, not by the client.
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let url = router.url("/v1/completions");
+    let body = json!({"model": "tiny", "prompt": "a long story", "stream": true});
+    let stream = tokio::spawn(async move {
+        let response = post(&http, &url, &body).await;
+        let mut chunks = response.bytes_stream();
+        while let Some(Ok(_)) = chunks.next().await {}
+    });
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            engine.state.seen.active.load(Ordering::SeqCst) == 1
+        })
+        .await,
+        "the stream never started"
+    );
+    assert_eq!(router.in_flight().0, 1);
+    // `run` returns at the 300 ms deadline although the stream is still running (stop() fails
+    // the test if it takes more than 30 s).
+    router.stop().await;
+    stream.abort();
+}
