@@ -406,8 +406,9 @@ def _start_gateway(spec: RouterSpec, engines: list[Engine], port: int, log_dir: 
     admin_port = free_port()
     envoy_yaml.write_text(envoy_config(port, admin_port, engines, epp_port))
     log(f"starting envoy on 127.0.0.1:{port}" + (f" in front of the picker on {epp_port}" if epp else ""))
-    proxy = spawn(name + "-envoy", [str(envoy), "-c", str(envoy_yaml), "--concurrency", "1",
-                                    "--log-level", "warn", "--base-id", str(port)], log_dir, env=env)
+    # Envoy's default worker threads (one per core), as an operator runs it.
+    proxy = spawn(name + "-envoy", [str(envoy), "-c", str(envoy_yaml), "--log-level", "warn",
+                                    "--base-id", str(port)], log_dir, env=env)
     if epp is None:
         return Router(spec, proxy, port, f"http://127.0.0.1:{admin_port}/stats/prometheus", None)
     router = Router(spec, epp, port, metrics_url, config, tokenizer)
