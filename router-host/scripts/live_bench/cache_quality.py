@@ -736,8 +736,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results",
                         help="writes OUT/cache_quality.json (default: results/ beside this script)")
     parser.add_argument("--quick", action="store_true", help=f"a smoke-sized workload: {QUICK}")
-    parser.add_argument("--routers", help="comma-separated labels (or parts of labels) of peers.ALL_ROUTERS, "
+    parser.add_argument("--routers", help="comma-separated labels (or parts of labels) of peers.ALL_ROUTERS "
+                        "and peers.EXTRA_ROUTERS (Envoy + router-host epp among them), "
                         "run in that order; default all, in ALL_ROUTERS order")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the routers this many rounds, every other round in reverse order; "
+                        "each row says its round")
     parser.add_argument("--sessions", type=int)
     parser.add_argument("--turns", type=int)
     parser.add_argument("--concurrency", type=int)
@@ -777,14 +781,18 @@ def main() -> int:
         raise SystemExit(f"cache_quality: {e}")
     # Every combination, and router-host two-tier once more with remote tokenization: what its
     # extra round trip to the engines costs in TTFT on real engines.
-    known = list(peers.ALL_ROUTERS) + [peers.TWO_TIER_REMOTE_TOKENIZER]
-    specs = list(known)
+    specs = list(peers.ALL_ROUTERS) + [peers.TWO_TIER_REMOTE_TOKENIZER]
     if args.routers:
         # In the order given (to see whether running first or last matters).
+        known = list(peers.ALL_ROUTERS) + list(peers.EXTRA_ROUTERS)
         specs = peers.select_routers(known, args.routers)
         if not specs:
             raise SystemExit(f"cache_quality: --routers {args.routers!r} matches none of "
                              f"{[s.label for s in known]}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, not {args.repeat}")
+    # Every other round reversed, so no router always runs first or last after the engines start.
+    rounds = [(k + 1, spec) for k in range(args.repeat) for spec in (specs if k % 2 == 0 else specs[::-1])]
     _, _, model_dir = rig_paths()
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir or target_dir / "live-bench" / "logs" / "cache-quality"
@@ -840,19 +848,20 @@ def main() -> int:
             if bad:
                 raise RigFailure(f"engine {w}: {len(bad)} warm-up requests failed, e.g. {bad[0]}")
         log("engines warmed up with the workload")
-        for i, spec in enumerate(specs):
+        for i, (round_no, spec) in enumerate(rounds):
             left = args.budget - (time.monotonic() - t_start)
             if left < 60:
                 row = {"router": spec.label, "router_name": spec.name, "policy": spec.policy,
-                       "workload": "multi-turn-sessions",
+                       "workload": "multi-turn-sessions", "round": round_no,
                        "error": f"not run: the part's time budget ({args.budget:.0f} s, --budget) was used up"}
                 log(f"{spec.label}: {row['error']}")
                 doc["rows"].append(row)
                 continue
             engines.check_alive()
-            log(f"[{i + 1}/{len(specs)}] {spec.label}")
+            log(f"[{i + 1}/{len(rounds)}] {spec.label}" + (f", round {round_no}" if args.repeat > 1 else ""))
             run_wl = replace(wl, run_timeout_s=min(wl.run_timeout_s, left - 30))
             row = measure_router(spec, peers, engines, bins, run_wl, words, args.base_port + 40 + 2 * i, log_dir)
+            row["round"] = round_no
             doc["rows"].append(row)
             write(args.out, doc, engines, t_start)  # partial results survive a later failure
         # Requests a router answered wrong are its results (counted, listed); a router that could

@@ -13,7 +13,9 @@
 #   --skip-cache     skip part 2 (two real vLLM CPU engines)
 #   --gateway        instead of both parts: Envoy with a static route, Envoy + router-host epp
 #                    and router-host serve in front of the same mock engines (part 1's
-#                    workloads); writes OUT/gateway/gateway.md (docs/gateway.md, "Overhead")
+#                    workloads), then Envoy + epp and serve on two real vLLM engines (part 2's
+#                    workload, 3 rounds: the hit rate); writes OUT/gateway/gateway.md
+#                    (docs/gateway.md). With it, --skip-overhead and --skip-cache skip either half
 #
 # Environment:
 #   ROUTER_BENCH_CACHE   install directory (default ~/.cache/router-host-live-bench): a venv with
@@ -60,7 +62,7 @@ while [ $# -gt 0 ]; do
     --skip-overhead) SKIP_OVERHEAD=1 ;;
     --skip-cache) SKIP_CACHE=1 ;;
     --gateway) GATEWAY=1 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument \`$1\` (see --help)" ;;
   esac
   shift
@@ -200,11 +202,22 @@ if [ "$GATEWAY" = 1 ]; then
   GATEWAY_ROUTERS="envoy static;envoy + router-host epp two-tier;router-host two-tier"
   GW_ARGS=(--bench-cache "$CACHE" --target-dir "$TARGET" "${QUICK[@]}" --routers "$GATEWAY_ROUTERS")
   SHORT_RATES=250,500,1000,2000
-  [ "${#QUICK[@]}" -gt 0 ] && SHORT_RATES=250,1000
-  run_part "gateway, short streams" "$VENV/bin/python" "$HERE/overhead.py" "${GW_ARGS[@]}" \
-    --workloads short-stream --rates "$SHORT_RATES" --out "$OUT/gateway/short-stream" --log-dir "$LOGS/gateway"
-  run_part "gateway, 4k prompts" "$VENV/bin/python" "$HERE/overhead.py" "${GW_ARGS[@]}" \
-    --workloads prompt-4k --out "$OUT/gateway/prompt-4k" --log-dir "$LOGS/gateway"
+  HIT_RATE_ROUNDS=3
+  [ "${#QUICK[@]}" -gt 0 ] && SHORT_RATES=250,1000 && HIT_RATE_ROUNDS=1
+  if [ "$SKIP_OVERHEAD" = 0 ]; then
+    run_part "gateway, short streams" "$VENV/bin/python" "$HERE/overhead.py" "${GW_ARGS[@]}" \
+      --workloads short-stream --rates "$SHORT_RATES" --out "$OUT/gateway/short-stream" --log-dir "$LOGS/gateway"
+    run_part "gateway, 4k prompts" "$VENV/bin/python" "$HERE/overhead.py" "${GW_ARGS[@]}" \
+      --workloads prompt-4k --out "$OUT/gateway/prompt-4k" --log-dir "$LOGS/gateway"
+  fi
+  if [ "$SKIP_CACHE" = 0 ]; then
+    # The same multi-turn workload through Envoy + the picker and through serve on two real
+    # vLLM engines: the engines' prefix-cache hit rate, three rounds each, interleaved.
+    install_rig
+    run_part "gateway, hit rate" "$PYTHON" "$HERE/cache_quality.py" --bench-cache "$CACHE" --target-dir "$TARGET" \
+      "${QUICK[@]}" --routers "router-host two-tier;envoy + router-host epp two-tier" --repeat "$HIT_RATE_ROUNDS" \
+      --budget 3600 --out "$OUT/gateway/hit-rate" --log-dir "$LOGS/gateway-hit-rate"
+  fi
   run_part "gateway report" "$VENV/bin/python" "$HERE/gateway_report.py" --out "$OUT/gateway"
   log "all done in $((SECONDS - T_ALL)) s; report: $OUT/gateway/gateway.md"
   if [ "${#FAILED[@]}" -gt 0 ]; then die "failed: ${FAILED[*]}"; fi
