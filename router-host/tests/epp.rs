@@ -8,10 +8,10 @@
 mod common;
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::engine::{metric_value, workers_yaml, Engine};
+use common::engine::{workers_yaml, Engine};
+use common::epp::Picker;
 use router_epp::proto::ext_proc::external_processor_client::ExternalProcessorClient;
 use router_epp::proto::ext_proc::{
     body_mutation, processing_request, processing_response, HttpBody, HttpHeaders,
@@ -20,64 +20,12 @@ use router_epp::proto::ext_proc::{
 use router_epp::proto::{
     BodySendMode, EnvoyHeaderMap, EnvoyHeaderValue, Kind, ListValue, Metadata, Struct, Value,
 };
-use router_runtime::{App, ServeOptions};
 use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-struct Picker {
-    app: Arc<App>,
-    grpc: std::net::SocketAddr,
-    metrics: std::net::SocketAddr,
-    _dir: common::TempDir,
-}
-
 async fn start(test: &str, yaml: &str) -> Picker {
-    let dir = common::temp_dir(test);
-    let yaml = format!("{yaml}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n");
-    let config = common::write(&dir, "router.yaml", &yaml);
-    let epp = router_epp::Epp::bind(ServeOptions {
-        config,
-        plugin_dirs: Vec::new(),
-        listen: None,
-    })
-    .await
-    .unwrap_or_else(|err| panic!("the picker did not start: {err}\n{yaml}"));
-    let addresses = epp.addresses().expect("addresses");
-    let app = epp.app.clone();
-    tokio::spawn(epp.run());
-    Picker {
-        app,
-        grpc: addresses.grpc,
-        metrics: addresses.metrics,
-        _dir: dir,
-    }
-}
-
-impl Picker {
-    fn metric(&self, sample: &str) -> f64 {
-        metric_value(&self.app.metrics.encode(), sample)
-    }
-
-    /// Requests booked and not finished, in the front ends' count and the core's.
-    fn in_flight(&self) -> (usize, usize) {
-        (
-            self.app.flights.load(Ordering::SeqCst),
-            self.app.current.load().host.core().in_flight(),
-        )
-    }
-
-    async fn released(&self) {
-        let start = Instant::now();
-        while self.in_flight() != (0, 0) {
-            assert!(
-                start.elapsed() < WAIT,
-                "bookings held: {:?}",
-                self.in_flight()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    Picker::start(test, yaml).await
 }
 
 /// One ext_proc stream, as Envoy's filter holds it.
