@@ -754,3 +754,154 @@ async fn other_paths_and_out_of_order_streams_are_refused_with_their_reason() {
     );
     assert_eq!(picker.in_flight(), (0, 0));
 }
+
+/// `message` with the data plane's report of the endpoint that served (`envoy.lb:
+/// {x-gateway-destination-endpoint-served}` in `metadata_context`).
+fn with_served(mut message: ProcessingRequest, served: &str) -> ProcessingRequest {
+    let mut metadata = Metadata::default();
+    metadata.filter_metadata.insert(
+        "envoy.lb".to_owned(),
+        Struct {
+            fields: [(
+                "x-gateway-destination-endpoint-served".to_owned(),
+                Value {
+                    kind: Some(Kind::StringValue(served.to_owned())),
+                },
+            )]
+            .into(),
+        },
+    );
+    message.metadata_context = Some(metadata);
+    message
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallbacks_follow_the_pick_in_the_header_and_the_metadata_inside_the_subset() {
+    let (one, two, three) = (
+        Engine::start(1).await,
+        Engine::start(2).await,
+        Engine::start(3).await,
+    );
+    let picker = Picker::start_with(
+        "epp_fallbacks",
+        &rr_yaml(&[&one, &two, &three], ""),
+        "  fallbacks: 2\n",
+    )
+    .await;
+    let mut all: Vec<String> = [&one, &two, &three].map(endpoint_of).into();
+    all.sort();
+    // Without a hint: the pick, then the two others (pick_full_duplex checks the header and
+    // the metadata carry the same list).
+    let (stream, destination) =
+        pick_full_duplex(&picker, &[], None, &completion("fallbacks")).await;
+    let listed: Vec<&str> = destination.split(',').collect();
+    assert_eq!(listed.len(), 3, "{destination}");
+    let mut sorted: Vec<String> = listed.iter().map(|s| (*s).to_owned()).collect();
+    sorted.sort();
+    assert_eq!(sorted, all, "every engine once: {destination}");
+
+    // The first request still booked on its engine: the next pick lists it last, after the
+    // idle one (the least loaded first).
+    let (second, next) = pick_full_duplex(&picker, &[], None, &completion("busy")).await;
+    let next: Vec<&str> = next.split(',').collect();
+    assert_eq!(next.len(), 3);
+    assert_ne!(next[0], listed[0], "round-robin picked another engine");
+    assert_eq!(
+        next[2], listed[0],
+        "the busy engine is the last fallback: {next:?}"
+    );
+    drop(stream);
+    drop(second);
+    picker.released().await;
+
+    // With a hint of two: the pick and the one other of the subset, never the third.
+    let subset = [all[0].clone(), all[2].clone()];
+    let (stream, destination) =
+        pick_full_duplex(&picker, &[], Some(&subset), &completion("subset")).await;
+    let listed: Vec<&str> = destination.split(',').collect();
+    assert_eq!(listed.len(), 2, "{destination}");
+    assert_ne!(listed[0], listed[1]);
+    assert!(
+        listed.iter().all(|e| subset.iter().any(|s| s == e)),
+        "{destination}"
+    );
+    drop(stream);
+    picker.released().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_served_by_another_engine_moves_the_booking_there() {
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let picker = start("epp_served_moves", &rr_yaml(&[&one, &two], "")).await;
+    let (mut stream, destination) =
+        pick_full_duplex(&picker, &[], None, &completion("served")).await;
+    let (picked, other) = if destination == endpoint_of(&one) {
+        (1, 2)
+    } else {
+        (2, 1)
+    };
+    let other_endpoint = endpoint_of(if other == 1 { &one } else { &two });
+    assert_eq!((picker.booked_on(picked), picker.booked_on(other)), (1, 0));
+
+    stream
+        .send(with_served(response_headers("200", false), &other_endpoint))
+        .await;
+    let answer = stream.answer().await;
+    assert_eq!(
+        set_header(&answer, "x-router-worker").as_deref(),
+        Some(other.to_string().as_str()),
+        "the decision headers name the row that served: {answer:?}"
+    );
+    assert_eq!((picker.booked_on(picked), picker.booked_on(other)), (0, 1));
+    assert_eq!(
+        picker.metric("router_epp_served_elsewhere_total{outcome=\"moved\"}"),
+        1.0
+    );
+    assert_eq!(picker.in_flight(), (1, 1), "one booking, not two");
+    stream.send(body(false, b"data: [DONE]\n\n", true)).await;
+    stream.answer().await;
+    picker.released().await;
+    assert_eq!(
+        picker.metric("router_requests_total{endpoint=\"completions\",outcome=\"completed\"}"),
+        1.0,
+        "the request is counted once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_endpoint_that_is_the_pick_or_no_worker_keeps_the_booking() {
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let picker = start("epp_served_keeps", &rr_yaml(&[&one, &two], "")).await;
+    for served in [None, Some("10.255.0.1:1"), Some("")] {
+        let (mut stream, destination) =
+            pick_full_duplex(&picker, &[], None, &completion("keeps")).await;
+        let picked = if destination == endpoint_of(&one) {
+            1
+        } else {
+            2
+        };
+        let served = served.unwrap_or(&destination);
+        stream
+            .send(with_served(response_headers("200", false), served))
+            .await;
+        stream.answer().await;
+        assert_eq!(
+            picker.booked_on(picked),
+            1,
+            "served {served:?}: the booking stays"
+        );
+        assert_eq!(picker.in_flight(), (1, 1));
+        stream.send(body(false, b"data: [DONE]\n\n", true)).await;
+        stream.answer().await;
+        picker.released().await;
+    }
+    assert_eq!(
+        picker.metric("router_epp_served_elsewhere_total{outcome=\"unknown_endpoint\"}"),
+        2.0,
+        "an unknown ip:port and an empty value are counted"
+    );
+    assert_eq!(
+        picker.metric("router_epp_served_elsewhere_total{outcome=\"moved\"}"),
+        0.0
+    );
+}

@@ -84,8 +84,7 @@ impl<S> GrpcService for S where
 {
 }
 
-impl<H: GrpcService, E: GrpcService> Service<hyper::http::Request<Body>> for TwoServices<H, E>
-{
+impl<H: GrpcService, E: GrpcService> Service<hyper::http::Request<Body>> for TwoServices<H, E> {
     type Response = hyper::http::Response<Body>;
     type Error = Infallible;
     type Future = BoxFuture<Self::Response, Self::Error>;

@@ -33,11 +33,24 @@ impl Picker {
         picker
     }
 
+    /// As [`Picker::start`], with more `epp:` keys (`"  fallbacks: 2\n"`).
+    pub async fn start_with(test: &str, yaml: &str, epp_keys: &str) -> Picker {
+        let dir = super::temp_dir(test);
+        let mut picker = Picker::start_in_with(dir.path(), yaml, 0, epp_keys).await;
+        picker._dir = Some(dir);
+        picker
+    }
+
     /// Write `yaml` (plus an `epp:` with the gRPC port `port`, 0: a free one) to `dir` and
     /// start the picker there.
     pub async fn start_in(dir: &Path, yaml: &str, port: u16) -> Picker {
-        let yaml =
-            format!("{yaml}epp:\n  listen: 127.0.0.1:{port}\n  metrics_listen: 127.0.0.1:0\n");
+        Picker::start_in_with(dir, yaml, port, "").await
+    }
+
+    async fn start_in_with(dir: &Path, yaml: &str, port: u16, epp_keys: &str) -> Picker {
+        let yaml = format!(
+            "{yaml}epp:\n  listen: 127.0.0.1:{port}\n  metrics_listen: 127.0.0.1:0\n{epp_keys}"
+        );
         let config = super::write(dir, "router.yaml", &yaml);
         let epp = router_epp::Epp::bind(ServeOptions {
             config: config.clone(),
@@ -80,6 +93,16 @@ impl Picker {
             self.app.flights.load(Ordering::SeqCst),
             self.app.current.load().host.core().in_flight(),
         )
+    }
+
+    /// Requests booked on worker `id`'s rank 0 in the serving configuration's core.
+    pub fn booked_on(&self, id: u64) -> u64 {
+        let loaded = self.app.current.load();
+        let row = router_host::model::RowId {
+            worker_id: id,
+            dp_rank: 0,
+        };
+        loaded.host.load().get(row).active_requests
     }
 
     /// Wait (bounded) until every booking is released.
