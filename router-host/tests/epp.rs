@@ -905,3 +905,66 @@ async fn a_served_endpoint_that_is_the_pick_or_no_worker_keeps_the_booking() {
         0.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_by_host_name_is_refused_by_epp_at_start_and_reload_and_taken_by_serve() {
+    let one = Engine::start(1).await;
+    let port = one
+        .url()
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_owned();
+    let by_name = format!(
+        "block_size: 4\nworkers:\n  - id: 1\n    url: http://{}\n  - id: 7\n    url: http://localhost:{port}\n",
+        endpoint_of(&one)
+    );
+
+    // epp: refused at start, naming the worker, its entry and why.
+    let dir = common::temp_dir("epp_host_name");
+    let yaml = format!("{by_name}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n");
+    let config = common::write(&dir, "router.yaml", &yaml);
+    let err = router_epp::Epp::bind(router_runtime::ServeOptions {
+        config,
+        plugin_dirs: Vec::new(),
+        listen: None,
+    })
+    .await
+    .err()
+    .expect("a worker by host name is refused")
+    .to_string();
+    for part in [
+        "router.yaml",
+        "workers[1].url (line 5)",
+        "worker 7",
+        "`localhost`",
+        "not an IP address",
+        "ORIGINAL_DST",
+    ] {
+        assert!(err.contains(part), "{part:?} not in: {err}");
+    }
+
+    // epp: a reload that brings one in is refused the same way, and the set stays.
+    let picker = start("epp_host_name_reload", &rr_yaml(&[&one], "")).await;
+    std::fs::write(
+        &picker.config,
+        format!("{by_name}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n"),
+    )
+    .unwrap();
+    let err = picker.app.reload().await.expect_err("refused").to_string();
+    assert!(
+        err.contains("worker 7") && err.contains("not an IP address"),
+        "{err}"
+    );
+    assert_eq!(
+        picker.metric("router_config_reloads_total{outcome=\"error\"}"),
+        1.0
+    );
+    assert_eq!(picker.app.current.load().config.workers.len(), 1);
+
+    // serve: host names are fine.
+    let router = common::engine::TestRouter::start("serve_host_name", &by_name).await;
+    assert_eq!(router.handle.loaded().config.workers.len(), 2);
+    router.stop().await;
+}
