@@ -502,3 +502,63 @@ async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restar
     picker.released().await;
     drop(envoy);
 }
+
+/// Why `epp.fallbacks` stays 0 behind Envoy: its `ORIGINAL_DST` cluster reads the destination
+/// header as one address, so a list (`ip:port,ip:port`) routes nowhere (`503`, counted by
+/// Envoy as `original_dst_host_invalid`); the booking is released all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_original_dst_cannot_take_a_list_of_endpoints() {
+    let binary = match tokio::task::spawn_blocking(envoy_binary)
+        .await
+        .expect("join")
+    {
+        Ok(binary) => binary,
+        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
+            panic!("Envoy is required here: {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: Envoy is not available here: {reason}");
+            return;
+        }
+    };
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let dir = common::temp_dir("epp_envoy_fallbacks");
+    let yaml = format!(
+        "block_size: 4\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      \
+         type: round-robin\n{}",
+        workers_yaml(&[&one, &two])
+    );
+    let picker = Picker::start_in_with(&dir, &yaml, 0, "  fallbacks: 1\n").await;
+    let envoy = start_envoy(&binary, &dir, picker.grpc.port()).await;
+    let body = serde_json::json!({"model": "tiny", "prompt": "a list", "max_tokens": 4});
+    let response = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", envoy.listener))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("Envoy answers");
+    assert_eq!(response.status(), 503, "{:?}", response.text().await);
+    let _ = response.bytes().await;
+    let seen = |e: &Engine| e.state.seen.completions.load(Ordering::SeqCst);
+    assert_eq!((seen(&one), seen(&two)), (0, 0), "no engine got it");
+    let admin = std::fs::read_to_string(dir.join("admin-address")).expect("admin address");
+    let stats = reqwest::Client::new()
+        .get(format!(
+            "http://{}/stats?filter=original_dst_host_invalid",
+            admin.trim()
+        ))
+        .send()
+        .await
+        .expect("admin answers")
+        .text()
+        .await
+        .expect("stats");
+    assert!(
+        stats.contains("cluster.engines.original_dst_host_invalid: 1"),
+        "{stats}"
+    );
+    picker.released().await;
+    assert_eq!(picker.metric("router_epp_served_elsewhere_total"), 0.0);
+    drop(envoy);
+}

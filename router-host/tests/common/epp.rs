@@ -47,7 +47,8 @@ impl Picker {
         Picker::start_in_with(dir, yaml, port, "").await
     }
 
-    async fn start_in_with(dir: &Path, yaml: &str, port: u16, epp_keys: &str) -> Picker {
+    /// As [`Picker::start_in`], with more `epp:` keys.
+    pub async fn start_in_with(dir: &Path, yaml: &str, port: u16, epp_keys: &str) -> Picker {
         let yaml = format!(
             "{yaml}epp:\n  listen: 127.0.0.1:{port}\n  metrics_listen: 127.0.0.1:0\n{epp_keys}"
         );
