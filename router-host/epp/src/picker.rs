@@ -523,26 +523,22 @@ impl Exchange {
             return Vec::new();
         }
         let load = loaded.host.load();
+        let allowed: Option<std::collections::HashSet<u64>> =
+            allowed.map(|ids| ids.iter().copied().collect());
         let mut candidates: Vec<((u64, u64), usize, String)> = loaded
-            .upstreams
+            .config
+            .workers
             .iter()
             .enumerate()
-            .filter(|(_, u)| u.id != picked)
-            .filter(|(_, u)| allowed.is_none_or(|ids| ids.contains(&u.id)))
-            .filter(|(_, u)| self.app.health.is_healthy(u.id))
-            .filter(|(_, u)| {
-                !loaded
-                    .config
-                    .workers
-                    .iter()
-                    .any(|w| w.id == u.id && w.draining)
-            })
-            .filter_map(|(order, u)| {
-                let endpoint = host_port(&u.base)?;
-                let busy = (0..u.dp_size)
+            .filter(|(_, w)| w.id != picked && !w.draining)
+            .filter(|(_, w)| allowed.as_ref().is_none_or(|ids| ids.contains(&w.id)))
+            .filter(|(_, w)| self.app.health.is_healthy(w.id))
+            .filter_map(|(order, w)| {
+                let endpoint = host_port(&loaded.upstream(w.id)?.base)?;
+                let busy = (0..w.dp_size)
                     .map(|rank| {
                         load.get(RowId {
-                            worker_id: u.id,
+                            worker_id: w.id,
                             dp_rank: rank,
                         })
                     })
