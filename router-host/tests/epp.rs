@@ -8,10 +8,10 @@
 mod common;
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::engine::{metric_value, workers_yaml, Engine};
+use common::engine::{workers_yaml, Engine};
+use common::epp::Picker;
 use router_epp::proto::ext_proc::external_processor_client::ExternalProcessorClient;
 use router_epp::proto::ext_proc::{
     body_mutation, processing_request, processing_response, HttpBody, HttpHeaders,
@@ -20,64 +20,12 @@ use router_epp::proto::ext_proc::{
 use router_epp::proto::{
     BodySendMode, EnvoyHeaderMap, EnvoyHeaderValue, Kind, ListValue, Metadata, Struct, Value,
 };
-use router_runtime::{App, ServeOptions};
 use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-struct Picker {
-    app: Arc<App>,
-    grpc: std::net::SocketAddr,
-    metrics: std::net::SocketAddr,
-    _dir: common::TempDir,
-}
-
 async fn start(test: &str, yaml: &str) -> Picker {
-    let dir = common::temp_dir(test);
-    let yaml = format!("{yaml}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n");
-    let config = common::write(&dir, "router.yaml", &yaml);
-    let epp = router_epp::Epp::bind(ServeOptions {
-        config,
-        plugin_dirs: Vec::new(),
-        listen: None,
-    })
-    .await
-    .unwrap_or_else(|err| panic!("the picker did not start: {err}\n{yaml}"));
-    let addresses = epp.addresses().expect("addresses");
-    let app = epp.app.clone();
-    tokio::spawn(epp.run());
-    Picker {
-        app,
-        grpc: addresses.grpc,
-        metrics: addresses.metrics,
-        _dir: dir,
-    }
-}
-
-impl Picker {
-    fn metric(&self, sample: &str) -> f64 {
-        metric_value(&self.app.metrics.encode(), sample)
-    }
-
-    /// Requests booked and not finished, in the front ends' count and the core's.
-    fn in_flight(&self) -> (usize, usize) {
-        (
-            self.app.flights.load(Ordering::SeqCst),
-            self.app.current.load().host.core().in_flight(),
-        )
-    }
-
-    async fn released(&self) {
-        let start = Instant::now();
-        while self.in_flight() != (0, 0) {
-            assert!(
-                start.elapsed() < WAIT,
-                "bookings held: {:?}",
-                self.in_flight()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    Picker::start(test, yaml).await
 }
 
 /// One ext_proc stream, as Envoy's filter holds it.
@@ -805,4 +753,218 @@ async fn other_paths_and_out_of_order_streams_are_refused_with_their_reason() {
         "{error}"
     );
     assert_eq!(picker.in_flight(), (0, 0));
+}
+
+/// `message` with the data plane's report of the endpoint that served (`envoy.lb:
+/// {x-gateway-destination-endpoint-served}` in `metadata_context`).
+fn with_served(mut message: ProcessingRequest, served: &str) -> ProcessingRequest {
+    let mut metadata = Metadata::default();
+    metadata.filter_metadata.insert(
+        "envoy.lb".to_owned(),
+        Struct {
+            fields: [(
+                "x-gateway-destination-endpoint-served".to_owned(),
+                Value {
+                    kind: Some(Kind::StringValue(served.to_owned())),
+                },
+            )]
+            .into(),
+        },
+    );
+    message.metadata_context = Some(metadata);
+    message
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallbacks_follow_the_pick_in_the_header_and_the_metadata_inside_the_subset() {
+    let (one, two, three) = (
+        Engine::start(1).await,
+        Engine::start(2).await,
+        Engine::start(3).await,
+    );
+    let picker = Picker::start_with(
+        "epp_fallbacks",
+        &rr_yaml(&[&one, &two, &three], ""),
+        "  fallbacks: 2\n",
+    )
+    .await;
+    let mut all: Vec<String> = [&one, &two, &three].map(endpoint_of).into();
+    all.sort();
+    // Without a hint: the pick, then the two others (pick_full_duplex checks the header and
+    // the metadata carry the same list).
+    let (stream, destination) =
+        pick_full_duplex(&picker, &[], None, &completion("fallbacks")).await;
+    let listed: Vec<&str> = destination.split(',').collect();
+    assert_eq!(listed.len(), 3, "{destination}");
+    let mut sorted: Vec<String> = listed.iter().map(|s| (*s).to_owned()).collect();
+    sorted.sort();
+    assert_eq!(sorted, all, "every engine once: {destination}");
+
+    // The first request still booked on its engine: the next pick lists it last, after the
+    // idle one (the least loaded first).
+    let (second, next) = pick_full_duplex(&picker, &[], None, &completion("busy")).await;
+    let next: Vec<&str> = next.split(',').collect();
+    assert_eq!(next.len(), 3);
+    assert_ne!(next[0], listed[0], "round-robin picked another engine");
+    assert_eq!(
+        next[2], listed[0],
+        "the busy engine is the last fallback: {next:?}"
+    );
+    drop(stream);
+    drop(second);
+    picker.released().await;
+
+    // With a hint of two: the pick and the one other of the subset, never the third.
+    let subset = [all[0].clone(), all[2].clone()];
+    let (stream, destination) =
+        pick_full_duplex(&picker, &[], Some(&subset), &completion("subset")).await;
+    let listed: Vec<&str> = destination.split(',').collect();
+    assert_eq!(listed.len(), 2, "{destination}");
+    assert_ne!(listed[0], listed[1]);
+    assert!(
+        listed.iter().all(|e| subset.iter().any(|s| s == e)),
+        "{destination}"
+    );
+    drop(stream);
+    picker.released().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_served_by_another_engine_moves_the_booking_there() {
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let picker = start("epp_served_moves", &rr_yaml(&[&one, &two], "")).await;
+    let (mut stream, destination) =
+        pick_full_duplex(&picker, &[], None, &completion("served")).await;
+    let (picked, other) = if destination == endpoint_of(&one) {
+        (1, 2)
+    } else {
+        (2, 1)
+    };
+    let other_endpoint = endpoint_of(if other == 1 { &one } else { &two });
+    assert_eq!((picker.booked_on(picked), picker.booked_on(other)), (1, 0));
+
+    stream
+        .send(with_served(response_headers("200", false), &other_endpoint))
+        .await;
+    let answer = stream.answer().await;
+    assert_eq!(
+        set_header(&answer, "x-router-worker").as_deref(),
+        Some(other.to_string().as_str()),
+        "the decision headers name the row that served: {answer:?}"
+    );
+    assert_eq!((picker.booked_on(picked), picker.booked_on(other)), (0, 1));
+    assert_eq!(
+        picker.metric("router_epp_served_elsewhere_total{outcome=\"moved\"}"),
+        1.0
+    );
+    assert_eq!(picker.in_flight(), (1, 1), "one booking, not two");
+    stream.send(body(false, b"data: [DONE]\n\n", true)).await;
+    stream.answer().await;
+    picker.released().await;
+    assert_eq!(
+        picker.metric("router_requests_total{endpoint=\"completions\",outcome=\"completed\"}"),
+        1.0,
+        "the request is counted once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_endpoint_that_is_the_pick_or_no_worker_keeps_the_booking() {
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let picker = start("epp_served_keeps", &rr_yaml(&[&one, &two], "")).await;
+    for served in [None, Some("10.255.0.1:1"), Some("")] {
+        let (mut stream, destination) =
+            pick_full_duplex(&picker, &[], None, &completion("keeps")).await;
+        let picked = if destination == endpoint_of(&one) {
+            1
+        } else {
+            2
+        };
+        let served = served.unwrap_or(&destination);
+        stream
+            .send(with_served(response_headers("200", false), served))
+            .await;
+        stream.answer().await;
+        assert_eq!(
+            picker.booked_on(picked),
+            1,
+            "served {served:?}: the booking stays"
+        );
+        assert_eq!(picker.in_flight(), (1, 1));
+        stream.send(body(false, b"data: [DONE]\n\n", true)).await;
+        stream.answer().await;
+        picker.released().await;
+    }
+    assert_eq!(
+        picker.metric("router_epp_served_elsewhere_total{outcome=\"unknown_endpoint\"}"),
+        2.0,
+        "an unknown ip:port and an empty value are counted"
+    );
+    assert_eq!(
+        picker.metric("router_epp_served_elsewhere_total{outcome=\"moved\"}"),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_by_host_name_is_refused_by_epp_at_start_and_reload_and_taken_by_serve() {
+    let one = Engine::start(1).await;
+    let port = one
+        .url()
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_owned();
+    let by_name = format!(
+        "block_size: 4\nworkers:\n  - id: 1\n    url: http://{}\n  - id: 7\n    url: http://localhost:{port}\n",
+        endpoint_of(&one)
+    );
+
+    // epp: refused at start, naming the worker, its entry and why.
+    let dir = common::temp_dir("epp_host_name");
+    let yaml = format!("{by_name}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n");
+    let config = common::write(&dir, "router.yaml", &yaml);
+    let err = router_epp::Epp::bind(router_runtime::ServeOptions {
+        config,
+        plugin_dirs: Vec::new(),
+        listen: None,
+    })
+    .await
+    .err()
+    .expect("a worker by host name is refused")
+    .to_string();
+    for part in [
+        "router.yaml",
+        "workers[1].url (line 5)",
+        "worker 7",
+        "`localhost`",
+        "not an IP address",
+        "ORIGINAL_DST",
+    ] {
+        assert!(err.contains(part), "{part:?} not in: {err}");
+    }
+
+    // epp: a reload that brings one in is refused the same way, and the set stays.
+    let picker = start("epp_host_name_reload", &rr_yaml(&[&one], "")).await;
+    std::fs::write(
+        &picker.config,
+        format!("{by_name}epp:\n  listen: 127.0.0.1:0\n  metrics_listen: 127.0.0.1:0\n"),
+    )
+    .unwrap();
+    let err = picker.app.reload().await.expect_err("refused").to_string();
+    assert!(
+        err.contains("worker 7") && err.contains("not an IP address"),
+        "{err}"
+    );
+    assert_eq!(
+        picker.metric("router_config_reloads_total{outcome=\"error\"}"),
+        1.0
+    );
+    assert_eq!(picker.app.current.load().config.workers.len(), 1);
+
+    // serve: host names are fine.
+    let router = common::engine::TestRouter::start("serve_host_name", &by_name).await;
+    assert_eq!(router.handle.loaded().config.workers.len(), 2);
+    router.stop().await;
 }

@@ -10,12 +10,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::engine::{metric_value, workers_yaml, Engine};
+use common::engine::{workers_yaml, Engine};
+use common::epp::Picker;
 use futures_util::StreamExt;
-use router_runtime::{App, ServeOptions};
 
 const WAIT: Duration = Duration::from_secs(60);
 const ENVOY_VERSION: &str = "1.40.0";
@@ -169,70 +168,8 @@ async fn listener_port(http: &reqwest::Client, admin_path: &Path) -> Option<u16>
     u16::try_from(port).ok().filter(|p| *p != 0)
 }
 
-struct Picker {
-    app: Arc<App>,
-    grpc_port: u16,
-    task: tokio::task::JoinHandle<Result<(), router_epp::EppError>>,
-}
-
 async fn start_picker(dir: &Path, yaml: &str) -> Picker {
-    start_picker_on(dir, yaml, 0).await
-}
-
-/// A picker whose gRPC port is `port` (0: a free one).
-async fn start_picker_on(dir: &Path, yaml: &str, port: u16) -> Picker {
-    let yaml = format!("{yaml}epp:\n  listen: 127.0.0.1:{port}\n  metrics_listen: 127.0.0.1:0\n");
-    let config = common::write(dir, "router.yaml", &yaml);
-    let epp = router_epp::Epp::bind(ServeOptions {
-        config,
-        plugin_dirs: Vec::new(),
-        listen: None,
-    })
-    .await
-    .unwrap_or_else(|err| panic!("the picker did not start: {err}\n{yaml}"));
-    let grpc_port = epp.addresses().expect("addresses").grpc.port();
-    let app = epp.app.clone();
-    let task = tokio::spawn(epp.run());
-    Picker {
-        app,
-        grpc_port,
-        task,
-    }
-}
-
-impl Picker {
-    /// Shut down (as SIGTERM does) and wait for the servers to stop.
-    async fn stop(self) {
-        self.app.stopping.cancel();
-        tokio::time::timeout(WAIT, self.task)
-            .await
-            .expect("the picker stops")
-            .expect("the picker's task")
-            .expect("the picker ran without error");
-    }
-
-    fn metric(&self, sample: &str) -> f64 {
-        metric_value(&self.app.metrics.encode(), sample)
-    }
-
-    fn in_flight(&self) -> (usize, usize) {
-        (
-            self.app.flights.load(Ordering::SeqCst),
-            self.app.current.load().host.core().in_flight(),
-        )
-    }
-
-    async fn released(&self) {
-        let start = Instant::now();
-        while self.in_flight() != (0, 0) {
-            assert!(
-                start.elapsed() < WAIT,
-                "bookings held: {:?}",
-                self.in_flight()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    Picker::start_in(dir, yaml, 0).await
 }
 
 fn header(response: &reqwest::Response, name: &str) -> String {
@@ -270,7 +207,7 @@ async fn requests_through_envoy_land_on_the_picked_engine_and_release_their_book
         workers_yaml(&engines)
     );
     let picker = start_picker(&dir, &yaml).await;
-    let envoy = start_envoy(&binary, &dir, picker.grpc_port).await;
+    let envoy = start_envoy(&binary, &dir, picker.grpc.port()).await;
     let url = |path: &str| format!("http://{}{path}", envoy.listener);
     let http = reqwest::Client::new();
 
@@ -466,7 +403,7 @@ async fn a_repeated_long_prefix_returns_through_envoy_to_the_engine_that_cached_
     }
     let dir = common::temp_dir("epp_envoy_prefix");
     let picker = start_picker(&dir, &yaml).await;
-    let envoy = start_envoy(&binary, &dir, picker.grpc_port).await;
+    let envoy = start_envoy(&binary, &dir, picker.grpc.port()).await;
     let http = reqwest::Client::new();
     let complete = |prompt: String| {
         let http = http.clone();
@@ -533,7 +470,7 @@ async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restar
     let dir = common::temp_dir("epp_envoy_restart");
     let yaml = format!("block_size: 4\n{}", workers_yaml(&[&one]));
     let picker = start_picker(&dir, &yaml).await;
-    let port = picker.grpc_port;
+    let port = picker.grpc.port();
     let envoy = start_envoy(&binary, &dir, port).await;
     let http = reqwest::Client::new();
     let send = || {
@@ -551,7 +488,7 @@ async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restar
     assert_eq!(one.state.seen.completions.load(Ordering::SeqCst), 1);
 
     // A picker on the same port again: Envoy's next streams reach it.
-    let picker = start_picker_on(&dir, &yaml, port).await;
+    let picker = Picker::start_in(&dir, &yaml, port).await;
     let started = Instant::now();
     loop {
         let status = send().await.expect("Envoy answers").status();
@@ -563,5 +500,65 @@ async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restar
     }
     assert_eq!(one.state.seen.completions.load(Ordering::SeqCst), 2);
     picker.released().await;
+    drop(envoy);
+}
+
+/// Why `epp.fallbacks` stays 0 behind Envoy: its `ORIGINAL_DST` cluster reads the destination
+/// header as one address, so a list (`ip:port,ip:port`) routes nowhere (`503`, counted by
+/// Envoy as `original_dst_host_invalid`); the booking is released all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_original_dst_cannot_take_a_list_of_endpoints() {
+    let binary = match tokio::task::spawn_blocking(envoy_binary)
+        .await
+        .expect("join")
+    {
+        Ok(binary) => binary,
+        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
+            panic!("Envoy is required here: {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: Envoy is not available here: {reason}");
+            return;
+        }
+    };
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let dir = common::temp_dir("epp_envoy_fallbacks");
+    let yaml = format!(
+        "block_size: 4\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      \
+         type: round-robin\n{}",
+        workers_yaml(&[&one, &two])
+    );
+    let picker = Picker::start_in_with(&dir, &yaml, 0, "  fallbacks: 1\n").await;
+    let envoy = start_envoy(&binary, &dir, picker.grpc.port()).await;
+    let body = serde_json::json!({"model": "tiny", "prompt": "a list", "max_tokens": 4});
+    let response = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", envoy.listener))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("Envoy answers");
+    assert_eq!(response.status(), 503, "{:?}", response.text().await);
+    let _ = response.bytes().await;
+    let seen = |e: &Engine| e.state.seen.completions.load(Ordering::SeqCst);
+    assert_eq!((seen(&one), seen(&two)), (0, 0), "no engine got it");
+    let admin = std::fs::read_to_string(dir.join("admin-address")).expect("admin address");
+    let stats = reqwest::Client::new()
+        .get(format!(
+            "http://{}/stats?filter=original_dst_host_invalid",
+            admin.trim()
+        ))
+        .send()
+        .await
+        .expect("admin answers")
+        .text()
+        .await
+        .expect("stats");
+    assert!(
+        stats.contains("cluster.engines.original_dst_host_invalid: 1"),
+        "{stats}"
+    );
+    picker.released().await;
+    assert_eq!(picker.metric("router_epp_served_elsewhere_total"), 0.0);
     drop(envoy);
 }

@@ -16,7 +16,14 @@ pub struct EppConfig {
     pub listen: SocketAddr,
     /// The HTTP address of `/metrics`, `/health` and `/ready`.
     pub metrics_listen: SocketAddr,
+    /// Fallback endpoints named after the picked one in the destination (`ip:port,ip:port`),
+    /// for a data plane that goes down the list; 0 (the default): the picked one alone, which
+    /// is all Envoy's `ORIGINAL_DST` cluster can read.
+    pub fallbacks: usize,
 }
+
+/// The most fallback endpoints `epp.fallbacks` may ask for.
+pub const MAX_FALLBACKS: u64 = 16;
 
 /// Defaults: `127.0.0.1:9002` (the ext_proc port of the GIE reference picker) and
 /// `127.0.0.1:9090`.
@@ -25,6 +32,7 @@ impl Default for EppConfig {
         EppConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 9002)),
             metrics_listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+            fallbacks: 0,
         }
     }
 }
@@ -36,6 +44,12 @@ pub(super) struct RawEpp {
     listen: Option<SocketAddr>,
     #[serde(default, deserialize_with = "de_listen")]
     metrics_listen: Option<SocketAddr>,
+    #[serde(default, deserialize_with = "de_fallbacks")]
+    fallbacks: Option<u64>,
+}
+
+fn de_fallbacks<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    super::numbers::de_uint(d, 0, MAX_FALLBACKS)
 }
 
 impl RawEpp {
@@ -44,6 +58,10 @@ impl RawEpp {
         EppConfig {
             listen: self.listen.unwrap_or(defaults.listen),
             metrics_listen: self.metrics_listen.unwrap_or(defaults.metrics_listen),
+            fallbacks: self
+                .fallbacks
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or(defaults.fallbacks),
         }
     }
 }

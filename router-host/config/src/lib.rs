@@ -75,7 +75,7 @@ pub use sessions::{
     check_redis_url, redact_url, OnStoreUnavailable, RedisStoreConfig, SessionAffinityConfig,
     SessionStoreConfig,
 };
-pub use workers::{KvEventsConfig, WorkerConfig};
+pub use workers::{FileVersion, KvEventsConfig, WorkerConfig, WorkersFile};
 // `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;
 pub use router_core::select::PrefillBooking;
@@ -184,6 +184,10 @@ pub struct RouterConfig {
     /// The engines `router-host serve` routes to, in file order (ids unique); empty when the
     /// file has no `workers:` (fine for `select` and `replay`, refused by `serve`).
     pub workers: Vec<WorkerConfig>,
+    /// The file `workers` were read from (`workers_file:`, resolved against the config file's
+    /// directory) and the version read; `None` when they are the config's own `workers:`.
+    /// Watched by `serve` and `epp`, which reload when it changes.
+    pub workers_file: Option<WorkersFile>,
     /// `serve:` settings; `None` when the file has no `serve:` (then `serve` uses the defaults).
     pub serve: Option<ServeConfig>,
     /// `epp:` settings; `None` when the file has no `epp:` (then `epp` uses the defaults).
@@ -207,6 +211,7 @@ impl Default for RouterConfig {
             policy_classes: Vec::new(),
             engine: None,
             workers: Vec::new(),
+            workers_file: None,
             serve: None,
             epp: None,
         }
@@ -360,6 +365,8 @@ struct RawConfig {
     engine: Option<serde_yaml::Value>,
     #[serde(default)]
     workers: Option<Vec<RawWorker>>,
+    #[serde(default, deserialize_with = "workers::de_workers_file")]
+    workers_file: Option<String>,
     #[serde(default)]
     serve: Option<RawServe>,
     #[serde(default)]
@@ -456,10 +463,37 @@ impl Builder<'_> {
         };
         let policy_classes = self.policy_classes(raw.policy_classes.unwrap_or_default())?;
         let engine = self.engine(raw.engine)?;
-        let workers = self.workers(
-            raw.workers.unwrap_or_default(),
-            raw.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
-        )?;
+        let block_size = raw.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
+        let (workers, workers_file) = match (raw.workers, raw.workers_file) {
+            (Some(_), Some(_)) => {
+                return Err(self.error(
+                    &[key("workers_file")],
+                    ConfigErrorKind::Yaml {
+                        message: "`workers` and `workers_file` are both set: list the workers \
+                                  in one place (the file `workers_file` names, or `workers:` \
+                                  here)"
+                            .to_owned(),
+                    },
+                ))
+            }
+            (None, Some(file)) => {
+                let file = match self.source.and_then(config_dir) {
+                    Some(dir) => dir.join(file),
+                    None => PathBuf::from(file),
+                };
+                // Before the read: a change during it is a new version, reloaded again.
+                let version = FileVersion::of(&file).ok();
+                let workers = workers::from_file(&file, block_size)?;
+                (
+                    workers,
+                    Some(WorkersFile {
+                        path: file,
+                        version,
+                    }),
+                )
+            }
+            (workers, None) => (self.workers(workers.unwrap_or_default(), block_size)?, None),
+        };
         let serve = self.serve(raw.serve);
         Ok(RouterConfig {
             source: self.source.map(Path::to_path_buf),
@@ -483,6 +517,7 @@ impl Builder<'_> {
             policy_classes,
             engine,
             workers,
+            workers_file,
             serve,
             epp: raw.epp.map(RawEpp::build),
         })

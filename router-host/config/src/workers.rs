@@ -1,7 +1,10 @@
 //! `workers:`: the engines `router-host serve` routes to (ignored by `select` and `replay`, which
-//! take their workers from the scenario or the simulator).
+//! take their workers from the scenario or the simulator), in the config or in the file
+//! `workers_file:` names (the same schema, parsed and checked by the same code).
 
 use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
@@ -10,7 +13,7 @@ use super::error::{excerpt, ConfigError, ConfigErrorKind};
 use super::limits::MAX_ROWS;
 use super::locate::{key, Seg};
 use super::numbers::de_uint;
-use super::Builder;
+use super::{Builder, LINE_LOOKUP_BUDGET};
 
 /// One entry of `workers:`: an engine process with an OpenAI-compatible HTTP server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -336,5 +339,183 @@ impl Builder<'_> {
             });
         }
         Ok(workers)
+    }
+}
+
+/// `workers_file:`: the file the workers were read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkersFile {
+    /// As resolved: relative paths against the config file's directory.
+    pub path: PathBuf,
+    /// Its version when read; `None` when its metadata could not be read.
+    pub version: Option<FileVersion>,
+}
+
+/// What tells one version of a file from another without reading it: its metadata, following
+/// symlinks (so a Kubernetes ConfigMap's swapped `..data` link is a new version).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileVersion {
+    modified: Option<SystemTime>,
+    len: u64,
+    dev: u64,
+    ino: u64,
+}
+
+impl FileVersion {
+    /// The version of the file at `path` now.
+    pub fn of(path: &Path) -> Result<FileVersion, std::io::ErrorKind> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).map_err(|err| err.kind())?;
+        Ok(FileVersion {
+            modified: meta.modified().ok(),
+            len: meta.len(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+}
+
+/// `workers_file:`: a path (relative: to the config file's directory).
+pub(super) fn de_workers_file<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let path = Option::<String>::deserialize(d)?;
+    match path {
+        Some(path) if path.trim().is_empty() => Err(de::Error::custom(
+            "`workers_file` is empty: name the file that lists the workers",
+        )),
+        Some(path) if path.contains('\0') => {
+            Err(de::Error::custom("`workers_file` contains a NUL character"))
+        }
+        path => Ok(path),
+    }
+}
+
+/// What a workers file holds: `workers:`, exactly as in the config.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a workers file: a mapping with one key, `workers`, a list of workers"
+)]
+struct RawWorkersFile {
+    #[serde(default)]
+    workers: Option<Vec<RawWorker>>,
+}
+
+/// Read, parse and check the workers file `file`; errors name it, the entry's key path
+/// (`workers[1].url`) and its line, as errors in the config do.
+pub(super) fn from_file(file: &Path, block_size: u32) -> Result<Vec<WorkerConfig>, ConfigError> {
+    let bytes = super::read_capped(file)?;
+    let text = std::str::from_utf8(&bytes).map_err(|err| {
+        let (line, column) = super::line_column(&bytes, err.valid_up_to());
+        ConfigError::new(Some(file), ConfigErrorKind::NotUtf8(err)).at(Some((line, column)))
+    })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    if let Some(too_deep) = super::nesting_too_deep(text) {
+        let (line, column) = match too_deep {
+            super::TooDeep::Flow { line, column } | super::TooDeep::Block { line, column } => {
+                (line, column)
+            }
+        };
+        let message = "recursion limit exceeded: a workers file nests too deep".to_owned();
+        return Err(
+            ConfigError::new(Some(file), ConfigErrorKind::Yaml { message })
+                .at(Some((line, column))),
+        );
+    }
+    let raw: Option<RawWorkersFile> =
+        serde_yaml::from_str(text).map_err(|err| super::yaml_error(&err, Some(file)))?;
+    let raw = raw.and_then(|raw| raw.workers).unwrap_or_default();
+    if raw.is_empty() {
+        let message = "the workers file lists no workers (`workers:` with at least one entry, \
+                       each with `id` and `url`)"
+            .to_owned();
+        return Err(
+            ConfigError::new(Some(file), ConfigErrorKind::Yaml { message })
+                .key("workers".to_owned()),
+        );
+    }
+    let mut builder = Builder {
+        text,
+        source: Some(file),
+        budget: LINE_LOOKUP_BUDGET,
+    };
+    builder.workers(raw, block_size)
+}
+
+#[cfg(test)]
+mod workers_file_tests {
+    use crate::RouterConfig;
+
+    fn dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("router-config-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[test]
+    fn a_relative_workers_file_is_read_beside_the_config() {
+        let dir = dir("workers-file-ok");
+        std::fs::write(
+            dir.join("workers.yaml"),
+            "workers:\n  - {id: 7, url: 'http://10.0.0.7:8000'}\n",
+        )
+        .unwrap();
+        let config = dir.join("router.yaml");
+        std::fs::write(&config, "workers_file: workers.yaml\n").unwrap();
+        let parsed = RouterConfig::from_file(&config).expect("valid");
+        assert_eq!(parsed.workers.len(), 1);
+        assert_eq!(parsed.workers[0].id, 7);
+        assert_eq!(parsed.workers[0].line, Some(2));
+        let file = parsed.workers_file.expect("the file is recorded");
+        assert_eq!(file.path, dir.join("workers.yaml"));
+        assert!(file.version.is_some());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_bad_entry_names_the_workers_file_the_entry_and_its_line() {
+        let dir = dir("workers-file-bad");
+        std::fs::write(
+            dir.join("w.yaml"),
+            "workers:\n  - {id: 1, url: 'http://10.0.0.1:8000'}\n  - {id: 2, url: 'ftp://x'}\n",
+        )
+        .unwrap();
+        let config = dir.join("router.yaml");
+        std::fs::write(&config, "workers_file: w.yaml\n").unwrap();
+        let err = RouterConfig::from_file(&config)
+            .expect_err("a bad url")
+            .to_string();
+        assert!(err.contains("w.yaml"), "{err}");
+        assert!(err.contains("line 3"), "{err}");
+        assert!(err.contains("workers[1].url"), "{err}");
+
+        std::fs::write(dir.join("w.yaml"), "workers: []\n").unwrap();
+        let err = RouterConfig::from_file(&config)
+            .expect_err("no workers")
+            .to_string();
+        assert!(
+            err.contains("w.yaml") && err.contains("lists no workers"),
+            "{err}"
+        );
+
+        std::fs::remove_file(dir.join("w.yaml")).unwrap();
+        let err = RouterConfig::from_file(&config)
+            .expect_err("no file")
+            .to_string();
+        assert!(err.contains("w.yaml"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn workers_and_workers_file_together_are_refused() {
+        let err = RouterConfig::from_yaml_str(
+            "workers:\n  - {id: 1, url: 'http://10.0.0.1:8000'}\nworkers_file: w.yaml\n",
+            None,
+        )
+        .expect_err("both")
+        .to_string();
+        assert!(
+            err.contains("workers_file") && err.contains("both set"),
+            "{err}"
+        );
     }
 }

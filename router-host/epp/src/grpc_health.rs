@@ -58,25 +58,33 @@ pub struct TwoServices<H, E> {
     pub ext_proc: E,
 }
 
-impl<H, E> Service<hyper::http::Request<Body>> for TwoServices<H, E>
-where
-    H: Service<
-            hyper::http::Request<Body>,
-            Response = hyper::http::Response<Body>,
-            Error = Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    H::Future: Send + 'static,
-    E: Service<
-            hyper::http::Request<Body>,
-            Response = hyper::http::Response<Body>,
-            Error = Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    E::Future: Send + 'static,
+/// What tonic generates for a service, and what [`TwoServices`] serves: a cloneable
+/// `Service` of HTTP requests that never fails and whose futures can move between threads.
+pub trait GrpcService:
+    Service<
+        hyper::http::Request<Body>,
+        Response = hyper::http::Response<Body>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
 {
+}
+
+impl<S> GrpcService for S where
+    S: Service<
+            hyper::http::Request<Body>,
+            Response = hyper::http::Response<Body>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
+impl<H: GrpcService, E: GrpcService> Service<hyper::http::Request<Body>> for TwoServices<H, E> {
     type Response = hyper::http::Response<Body>;
     type Error = Infallible;
     type Future = BoxFuture<Self::Response, Self::Error>;

@@ -18,7 +18,7 @@ pub mod picker;
 pub mod proto;
 pub mod status;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,6 +26,7 @@ use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
 use proto::ext_proc::external_processor_server::ExternalProcessorServer;
+use router_config::RouterConfig;
 use router_runtime::{App, ServeError, ServeOptions};
 
 /// Headroom over `serve.max_body_bytes` for one gRPC message's framing and headers.
@@ -50,6 +51,44 @@ pub enum EppError {
     Grpc(#[from] tonic::transport::Error),
 }
 
+/// The picker's rule on `workers`: every URL's host is an IP literal. The destination it names
+/// is `ip:port`, which a gateway connects to as it is (Envoy's `ORIGINAL_DST` cluster reads
+/// an address, it resolves no name); `serve` resolves names itself and accepts them.
+pub fn workers_by_ip(config: &RouterConfig) -> Result<(), String> {
+    for (index, worker) in config.workers.iter().enumerate() {
+        let host = picker::host_port(&worker.url).and_then(|hp| {
+            hp.rsplit_once(':').map(|(host, _)| {
+                host.trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned()
+            })
+        });
+        let Some(host) = host else {
+            continue;
+        };
+        if host.parse::<IpAddr>().is_ok() {
+            continue;
+        }
+        let file = match (&config.workers_file, &config.source) {
+            (Some(file), _) => file.path.display().to_string(),
+            (None, Some(source)) => source.display().to_string(),
+            (None, None) => "<string>".to_owned(),
+        };
+        let line = worker
+            .line
+            .map(|line| format!(" (line {line})"))
+            .unwrap_or_default();
+        return Err(format!(
+            "config {file}: workers[{index}].url{line}: worker {id}'s host `{host}` is not an IP \
+             address: `router-host epp` names the picked endpoint to the gateway as ip:port, \
+             and Envoy's ORIGINAL_DST cluster connects to that address without resolving a \
+             name; give the worker by IP (`serve` accepts host names)",
+            id = worker.id,
+        ));
+    }
+    Ok(())
+}
+
 /// A started, not yet serving picker: the runtime, and its two bound ports.
 pub struct Epp {
     pub app: Arc<App>,
@@ -69,6 +108,10 @@ impl Epp {
     /// and bind `epp.listen` and `epp.metrics_listen` (defaults when the file has no `epp:`).
     pub async fn bind(options: ServeOptions) -> Result<Epp, EppError> {
         let app = App::start(options).await?;
+        workers_by_ip(&app.current.load().config)
+            .map_err(|reason| EppError::Runtime(ServeError::FrontEnd { reason }))?;
+        // Reloads keep to it too: a host name added later is refused as at start.
+        let _ = app.front_end_rule.set(workers_by_ip);
         let epp = app.current.load().config.epp.clone().unwrap_or_default();
         let bind = |addr: SocketAddr, what: &'static str| async move {
             TcpListener::bind(addr)

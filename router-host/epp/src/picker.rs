@@ -13,6 +13,8 @@ use bytes::Bytes;
 use futures_util::Stream;
 use hyper::http::{HeaderMap, HeaderName, HeaderValue};
 use plugin_api::abi::CompletionCode;
+use plugin_api::RowId;
+use router_core::model::Request as CoreRequest;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -80,6 +82,25 @@ enum Gone {
 struct Picked {
     flight: Flight,
     loaded: Arc<LoadedConfig>,
+    rebook: Rebook,
+}
+
+/// What moving the booking to the endpoint that served needs.
+struct Rebook {
+    /// The picked endpoint (`ip:port`), first in the destination.
+    destination: String,
+    /// The request as the core routed it (blocks, lengths), pinned anew when moved.
+    request: CoreRequest,
+    endpoint: Endpoint,
+    received: Instant,
+}
+
+/// How the route ended: the booking, the destination to name (the picked endpoint, then
+/// the fallbacks) and what a move needs.
+struct Routed {
+    flight: Flight,
+    destination: String,
+    rebook: Rebook,
 }
 
 struct Exchange {
@@ -347,8 +368,12 @@ impl Exchange {
     ) -> Option<Picked> {
         let endpoint = reading.endpoint.unwrap_or(Endpoint::Completions);
         let routed = self.route(&reading, &loaded, endpoint, received).await;
-        let (flight, destination) = match routed {
-            Ok(picked) => picked,
+        let Routed {
+            flight,
+            destination,
+            rebook,
+        } = match routed {
+            Ok(routed) => routed,
             Err(err) => {
                 self.refuse(Some(endpoint), err).await;
                 return None;
@@ -396,7 +421,11 @@ impl Exchange {
                 return None;
             }
         }
-        Some(Picked { flight, loaded })
+        Some(Picked {
+            flight,
+            loaded,
+            rebook,
+        })
     }
 
     async fn route(
@@ -405,7 +434,7 @@ impl Exchange {
         loaded: &Arc<LoadedConfig>,
         endpoint: Endpoint,
         received: Instant,
-    ) -> Result<(Flight, String), ApiError> {
+    ) -> Result<Routed, ApiError> {
         let mut body = Vec::with_capacity(usize::try_from(reading.seen).unwrap_or(0));
         for chunk in &reading.chunks {
             body.extend_from_slice(chunk);
@@ -446,15 +475,171 @@ impl Exchange {
         let prepared = pipeline::prepare(&self.app, loaded, &inbound.parsed)
             .await
             .map_err(|err| err.into_api_error(endpoint))?;
-        let leg = pipeline::legs::route(&self.app, loaded, &inbound, &prepared, allowed).await?;
-        let Some(destination) = host_port(&leg.upstream.base) else {
+        let leg =
+            pipeline::legs::route(&self.app, loaded, &inbound, &prepared, allowed.clone()).await?;
+        let Some(picked) = host_port(&leg.upstream.base) else {
             let worker = leg.upstream.id;
             leg.flight.release_uncounted(CompletionCode::FAILED);
             return Err(ApiError::internal(format!(
                 "worker {worker}'s URL has no host:port to name as the destination"
             )));
         };
-        Ok((leg.flight, destination))
+        let wanted = loaded.config.epp.as_ref().map_or(0, |epp| epp.fallbacks);
+        let mut destination = picked.clone();
+        for fallback in self.fallbacks(loaded, allowed.as_deref(), leg.upstream.id, wanted) {
+            destination.push(',');
+            destination.push_str(&fallback);
+        }
+        let request = CoreRequest {
+            blocks: prepared.blocks.clone(),
+            isl_tokens: prepared.isl_tokens,
+            expected_output_tokens: prepared.expected_output_tokens,
+            ..CoreRequest::default()
+        };
+        Ok(Routed {
+            flight: leg.flight,
+            destination,
+            rebook: Rebook {
+                destination: picked,
+                request,
+                endpoint,
+                received,
+            },
+        })
+    }
+
+    /// Up to `wanted` fallback endpoints after `picked`: the other workers of the subset (all,
+    /// without a hint) that are healthy and not draining, the least loaded first (fewest
+    /// requests booked on their rows, then fewest prefill tokens; then file order). Policies
+    /// rank only their pick, so this is the router's load order, not the policy's.
+    fn fallbacks(
+        &self,
+        loaded: &LoadedConfig,
+        allowed: Option<&[u64]>,
+        picked: u64,
+        wanted: usize,
+    ) -> Vec<String> {
+        if wanted == 0 {
+            return Vec::new();
+        }
+        let load = loaded.host.load();
+        let allowed: Option<std::collections::HashSet<u64>> =
+            allowed.map(|ids| ids.iter().copied().collect());
+        let mut candidates: Vec<((u64, u64), usize, String)> = loaded
+            .config
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.id != picked && !w.draining)
+            .filter(|(_, w)| allowed.as_ref().is_none_or(|ids| ids.contains(&w.id)))
+            .filter(|(_, w)| self.app.health.is_healthy(w.id))
+            .filter_map(|(order, w)| {
+                let endpoint = host_port(&loaded.upstream(w.id)?.base)?;
+                let busy = (0..w.dp_size)
+                    .map(|rank| {
+                        load.get(RowId {
+                            worker_id: w.id,
+                            dp_rank: rank,
+                        })
+                    })
+                    .fold((0u64, 0u64), |(r, p), row| {
+                        (
+                            r.saturating_add(row.active_requests),
+                            p.saturating_add(row.active_prefill_tokens),
+                        )
+                    });
+                Some((busy, order, endpoint))
+            })
+            .collect();
+        candidates.sort_unstable_by_key(|(busy, order, _)| (*busy, *order));
+        candidates
+            .into_iter()
+            .take(wanted)
+            .map(|(_, _, endpoint)| endpoint)
+            .collect()
+    }
+
+    /// The data plane reports `served` served the response: when that is another worker than
+    /// the booked one, book the request there (pinned, without admission: the engine has it
+    /// already) and release the old booking; a `served` no worker has, or a row that cannot
+    /// be booked, keeps the booking. Counted in `router_epp_served_elsewhere{outcome}`.
+    async fn served_by(
+        &self,
+        flight: Flight,
+        loaded: &Arc<LoadedConfig>,
+        rebook: &Rebook,
+        served: &str,
+    ) -> Flight {
+        let booked = flight.info.row.worker_id;
+        if served == rebook.destination {
+            return flight;
+        }
+        let metrics = &self.app.metrics;
+        let worker = loaded
+            .upstreams
+            .iter()
+            .find(|u| host_port(&u.base).as_deref() == Some(served))
+            .map(|u| u.id);
+        let Some(worker) = worker else {
+            metrics.epp_served_elsewhere("unknown_endpoint");
+            tracing::debug!(
+                served = %excerpt(served),
+                booked,
+                "the data plane reports a served endpoint no worker has; the booking stays"
+            );
+            return flight;
+        };
+        if worker == booked {
+            return flight;
+        }
+        let request = CoreRequest {
+            pinned_worker: Some(RowId {
+                worker_id: worker,
+                dp_rank: 0,
+            }),
+            ..rebook.request.clone()
+        };
+        let core = loaded.host.core();
+        let routed = self
+            .app
+            .decider
+            .decide(loaded, || core.route_indexed(&request, false))
+            .await;
+        match routed {
+            Ok(routed) => {
+                let mut info = flight.info.clone();
+                info.row = routed.decision.row;
+                let moved = Flight::new(
+                    self.app.clone(),
+                    loaded.clone(),
+                    &routed,
+                    info,
+                    rebook.endpoint.label(),
+                    rebook.received,
+                );
+                // Not the request's end: the moved booking ends it, counted once.
+                flight.release_uncounted(CompletionCode::FAILED);
+                metrics.epp_served_elsewhere("moved");
+                tracing::debug!(
+                    from = booked,
+                    to = worker,
+                    served,
+                    "served by another endpoint than the picked one; the booking moved to it"
+                );
+                moved
+            }
+            Err(err) => {
+                metrics.epp_served_elsewhere("not_moved");
+                tracing::debug!(
+                    booked,
+                    served = worker,
+                    error = %err,
+                    "served by another endpoint than the picked one, which cannot be booked; \
+                     the booking stays"
+                );
+                flight
+            }
+        }
     }
 
     async fn refuse(&mut self, endpoint: Option<Endpoint>, err: ApiError) {
@@ -474,15 +659,22 @@ impl Exchange {
     /// The response: first byte at its first body chunk (or its headers when it has no body),
     /// completed at its end, failed on a 5xx; the stream's end before that cancels.
     async fn response_phase(&mut self, picked: Picked) {
-        let Picked { mut flight, loaded } = picked;
-        let decision = loaded.serve.decision_headers.then(|| {
+        let Picked {
+            mut flight,
+            loaded,
+            rebook,
+        } = picked;
+        let decision = |flight: &Flight| {
             let mut headers = HeaderMap::new();
-            pipeline::decision_headers(&mut headers, &flight.info, loaded.number);
+            if loaded.serve.decision_headers {
+                pipeline::decision_headers(&mut headers, &flight.info, loaded.number);
+            }
             headers
                 .iter()
                 .map(|(name, value)| proto::set_header(name.as_str(), value.as_bytes()))
                 .collect::<Vec<HeaderValueOption>>()
-        });
+        };
+        let mut served_read = false;
         let mut failed = false;
         let mut headers_seen = false;
         loop {
@@ -498,6 +690,16 @@ impl Exchange {
                 // response processing is off): dropped, the flight cancels.
                 Err(_) => return,
             };
+            if !served_read {
+                let served = message
+                    .metadata_context
+                    .as_ref()
+                    .and_then(proto::served_endpoint);
+                if let Some(served) = served {
+                    served_read = true;
+                    flight = self.served_by(flight, &loaded, &rebook, &served).await;
+                }
+            }
             match message.request {
                 Some(processing_request::Request::ResponseHeaders(headers)) => {
                     failed = response_status(&headers).is_some_and(|s| s >= 500);
@@ -506,7 +708,7 @@ impl Exchange {
                         // No body will be seen: the headers are the first byte.
                         flight.first_byte();
                     }
-                    let answer = proto::response_headers(decision.clone().unwrap_or_default());
+                    let answer = proto::response_headers(decision(&flight));
                     if headers.end_of_stream {
                         let _ = self.send(answer).await;
                         return finish(flight, failed);

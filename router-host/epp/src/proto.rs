@@ -28,6 +28,9 @@ use router_runtime::ApiError;
 pub const DESTINATION_NAMESPACE: &str = "envoy.lb";
 /// The header and metadata key of the picked endpoint.
 pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
+/// The metadata key (in [`DESTINATION_NAMESPACE`] of the response messages'
+/// `metadata_context`) under which the data plane reports the endpoint that served.
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// The metadata namespace of the subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// The metadata key of the subset hint.
@@ -96,6 +99,17 @@ pub fn subset_hint(metadata: &Metadata) -> Option<Vec<String>> {
         _ => {}
     }
     Some(endpoints)
+}
+
+/// The endpoint the data plane reports serving the response (`envoy.lb:
+/// {x-gateway-destination-endpoint-served: ip:port}` in `metadata_context`), if it says;
+/// a value that is not a string reads as `""`, which names no worker.
+pub fn served_endpoint(metadata: &Metadata) -> Option<String> {
+    let lb = metadata.filter_metadata.get(DESTINATION_NAMESPACE)?;
+    match &lb.fields.get(SERVED_KEY)?.kind {
+        Some(Kind::StringValue(text)) => Some(text.trim().to_owned()),
+        _ => Some(String::new()),
+    }
 }
 
 fn split_endpoints(text: &str) -> impl Iterator<Item = String> + '_ {

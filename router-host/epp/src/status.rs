@@ -13,51 +13,34 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+use router_runtime::ready::{status_page, StatusPage};
 use router_runtime::App;
 
 /// Connections served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 64;
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn answer(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+/// What `path` answers.
+pub fn respond(app: &App, path: &str) -> Response<Full<Bytes>> {
+    let (status, content_type, body) = match path {
+        "/metrics" => status_page(app, StatusPage::Metrics),
+        "/health" => status_page(app, StatusPage::Health),
+        "/ready" => status_page(app, StatusPage::Ready),
+        _ => (
+            404,
+            "application/json",
+            r#"{"error":"no such endpoint; the picker's HTTP port has /metrics, /health, /ready"}"#
+                .to_owned(),
+        ),
+    };
     let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
+    *response.status_mut() =
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         hyper::http::HeaderValue::from_static(content_type),
     );
     response
-}
-
-/// What `path` answers.
-pub fn respond(app: &App, path: &str) -> Response<Full<Bytes>> {
-    match path {
-        "/metrics" => answer(
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            app.metrics.encode(),
-        ),
-        "/health" => answer(
-            StatusCode::OK,
-            "application/json",
-            r#"{"status":"ok"}"#.to_owned(),
-        ),
-        "/ready" => {
-            let report = router_runtime::ready::readiness(app);
-            let status = if report.ready {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            };
-            answer(status, "application/json", report.body.to_string())
-        }
-        _ => answer(
-            StatusCode::NOT_FOUND,
-            "application/json",
-            r#"{"error":"no such endpoint; the picker's HTTP port has /metrics, /health, /ready"}"#
-                .to_owned(),
-        ),
-    }
 }
 
 /// Serve `listener` until the task is dropped.

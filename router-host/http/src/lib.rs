@@ -100,17 +100,6 @@ async fn method_not_allowed() -> Response {
     })
 }
 
-async fn metrics_endpoint(axum::extract::State(app): axum::extract::State<Arc<App>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        app.metrics.encode(),
-    )
-        .into_response()
-}
-
 fn routes(app: Arc<App>) -> axum::Router {
     axum::Router::new()
         .route("/v1/completions", post(proxy::completions))
@@ -118,7 +107,7 @@ fn routes(app: Arc<App>) -> axum::Router {
         .route("/v1/models", get(proxy::models))
         .route("/health", get(status::alive))
         .route("/ready", get(status::ready))
-        .route("/metrics", get(metrics_endpoint))
+        .route("/metrics", get(status::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(app)

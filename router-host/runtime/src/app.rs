@@ -30,7 +30,14 @@ pub struct App {
     pub kv_subscribers: kv_events::Subscribers,
     /// Where routing decisions run (`decider.rs`): for the whole process, across reloads.
     pub decider: decider::Decider,
+    /// A front end's own rule on the configuration (`epp`: workers by IP), set once after
+    /// start and checked by every reload: a configuration that breaks it is refused.
+    pub front_end_rule: std::sync::OnceLock<FrontEndRule>,
 }
+
+/// A front end's rule on a loaded configuration: `Err` says what breaks it, naming the file and
+/// the entry.
+pub type FrontEndRule = fn(&router_config::RouterConfig) -> Result<(), String>;
 
 impl std::fmt::Debug for App {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -68,6 +75,7 @@ impl App {
             tokenizer_turn: AtomicUsize::new(0),
             kv_subscribers: kv_events::Subscribers::default(),
             decider: decider::Decider::for_current_runtime(),
+            front_end_rule: std::sync::OnceLock::new(),
         }))
     }
 

@@ -1,10 +1,13 @@
 //! The work a running [`App`] does besides requests: the health probes, the admission
-//! queues' timer and the KV-event subscribers, started by [`start`] and stopped by
-//! [`Background::stop`] (or when the app stops).
+//! queues' timer, the KV-event subscribers and the watch on `workers_file`, started by
+//! [`start`] and stopped by [`Background::stop`] (or when the app stops).
 
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+
+use router_config::FileVersion;
 
 use crate::app::App;
 use crate::{health, lifecycle};
@@ -32,20 +35,21 @@ pub async fn shutdown_deadline(app: &App) {
 pub fn start(app: &Arc<App>) -> Background {
     let prober = tokio::spawn(probe_loop(app.clone()));
     let ticker = tokio::spawn(queue_ticker(app.clone()));
+    let watcher = tokio::spawn(watch_workers_file(app.clone()));
     app.kv_subscribers
         .sync(&app.current.load(), &app.current, &app.metrics.kv);
     Background {
         app: app.clone(),
-        tasks: [prober, ticker],
+        tasks: [prober, ticker, watcher],
     }
 }
 
 /// The background work of a running [`App`] (health probes, the queue timer, KV-event
-/// subscribers).
+/// subscribers, the workers file's watch).
 #[derive(Debug)]
 pub struct Background {
     app: Arc<App>,
-    tasks: [tokio::task::JoinHandle<()>; 2],
+    tasks: [tokio::task::JoinHandle<()>; 3],
 }
 
 impl Background {
@@ -82,5 +86,58 @@ async fn queue_ticker(app: Arc<App>) {
         }
         // In a task of its own, like every drain: a hung one must not stop this timer.
         lifecycle::after_release(&app, &app.current.load(), None);
+    }
+}
+
+/// How often the workers file is looked at. A change is reloaded once the file has looked the
+/// same for one more look (a debounce: a writer still writing is not read half-way).
+pub const WORKERS_FILE_POLL: Duration = Duration::from_millis(250);
+
+/// One look at the workers file: where, and its version or why it has none (a removed file is
+/// a change too: its reload fails, visibly).
+type Look = (PathBuf, Result<FileVersion, std::io::ErrorKind>);
+
+/// Reload (as SIGHUP does, [`App::reload`]) when the workers file the serving configuration
+/// was read with changes: polled every [`WORKERS_FILE_POLL`], debounced by one poll. The
+/// reload logs and counts its outcome (`router_config_reloads_total`); a bad file keeps the
+/// running configuration and is not tried again until it changes.
+///
+/// Polled rather than watched with inotify: a Kubernetes ConfigMap volume replaces the file by
+/// swapping a symlink in its directory, which a watch on the file misses, and one `stat` of
+/// one file four times a second costs nothing; it also works on every file system.
+async fn watch_workers_file(app: Arc<App>) {
+    let mut seen: Option<Look> = None;
+    let mut tried: Option<Look> = None;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(WORKERS_FILE_POLL) => {}
+            _ = app.stopping.cancelled() => return,
+        }
+        let Some(file) = app.current.load().config.workers_file.clone() else {
+            seen = None;
+            continue;
+        };
+        let path = file.path.clone();
+        // Off the runtime's threads: a stat on a stuck network file system blocks.
+        let version = tokio::task::spawn_blocking(move || FileVersion::of(&path))
+            .await
+            .unwrap_or(Err(std::io::ErrorKind::Other));
+        let now = (file.path.clone(), version);
+        if seen.as_ref() != Some(&now) {
+            // Changed since the last look: wait for it to settle.
+            seen = Some(now);
+            continue;
+        }
+        let serving = file.version.is_some() && now.1.as_ref().ok() == file.version.as_ref();
+        if serving || tried.as_ref() == Some(&now) {
+            continue;
+        }
+        tried = Some(now);
+        tracing::info!(
+            file = %file.path.display(),
+            "workers file changed; reloading the configuration"
+        );
+        // Logged and counted by the reload itself, success or not.
+        let _ = app.reload().await;
     }
 }

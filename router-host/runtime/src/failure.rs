@@ -56,6 +56,9 @@ pub enum ServeError {
     ReloadSuperseded { started: u64, serving: u64 },
     #[error("the reload task stopped before it finished: {0}")]
     ReloadTask(String),
+    /// The configuration breaks the front end's rule ([`crate::app::FrontEndRule`]).
+    #[error("{reason}")]
+    FrontEnd { reason: String },
 }
 
 impl From<std::io::Error> for ServeError {

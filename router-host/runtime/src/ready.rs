@@ -5,6 +5,34 @@
 
 use crate::app::App;
 
+/// The status pages every front end serves on its HTTP port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusPage {
+    /// `GET /metrics`: every metric, OpenMetrics text.
+    Metrics,
+    /// `GET /health`: the process is alive.
+    Health,
+    /// `GET /ready`: [`readiness`], `200` or `503`.
+    Ready,
+}
+
+/// The content type of `/metrics`.
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// One status page as `(HTTP status, content type, body)`, for a front end to frame: the one
+/// definition of what `/metrics`, `/health` and `/ready` answer.
+pub fn status_page(app: &App, page: StatusPage) -> (u16, &'static str, String) {
+    match page {
+        StatusPage::Metrics => (200, METRICS_CONTENT_TYPE, app.metrics.encode()),
+        StatusPage::Health => (200, "application/json", r#"{"status":"ok"}"#.to_owned()),
+        StatusPage::Ready => {
+            let report = readiness(app);
+            let status = if report.ready { 200 } else { 503 };
+            (status, "application/json", report.body.to_string())
+        }
+    }
+}
+
 /// The `/ready` answer: `ready` and its JSON body.
 pub struct Readiness {
     pub ready: bool,

@@ -22,9 +22,14 @@ impl App {
         let options = self.options.clone();
         let previous = self.current.load();
         self.metrics.reloads_loading.inc();
+        let rule = self.front_end_rule.get().copied();
         let loading = tokio::task::spawn_blocking(move || {
             // Numbered when swapped in.
-            LoadedConfig::load(&options, 0, Some(&previous))
+            let loaded = LoadedConfig::load(&options, 0, Some(&previous))?;
+            match rule.map(|rule| rule(&loaded.config)) {
+                Some(Err(reason)) => Err(ServeError::FrontEnd { reason }),
+                _ => Ok(loaded),
+            }
         })
         .await;
         self.metrics.reloads_loading.dec();

@@ -8,6 +8,7 @@
 
 pub mod child;
 pub mod engine;
+pub mod epp;
 pub mod logs;
 pub mod mock;
 pub mod venv;

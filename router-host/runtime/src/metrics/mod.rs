@@ -73,6 +73,10 @@ pub struct Metrics {
     pub client_timeouts: Family<ReasonLabels, Counter>,
     /// Engine answers dropped, by worker, endpoint and reason: `too_large`, `redirect`.
     pub engine_answers_rejected: Family<EngineAnswerLabels, Counter>,
+    /// `epp`: responses the data plane reports served by another endpoint than the picked
+    /// one (`x-gateway-destination-endpoint-served`), by outcome: `moved`, `not_moved`,
+    /// `unknown_endpoint`.
+    epp_served_elsewhere: Family<OutcomeLabels, Counter>,
     /// The router's own descriptors, ports or memory ran out, by what it was doing.
     pub local_resource_errors: Family<OpLabels, Counter>,
     /// Streamed responses ended with an error event after the engine failed mid-stream.
@@ -239,6 +243,17 @@ impl Metrics {
              mid-stream, by reason (body: its body broke off; idle: stream_idle_ms passed)",
             stream_error_events.clone(),
         );
+        let epp_served_elsewhere = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "router_epp_served_elsewhere",
+            "epp: responses the data plane reports served by another endpoint than the picked \
+             one, by outcome (moved: the booking moved to it; not_moved: it could not be \
+             booked; unknown_endpoint: no configured worker has that ip:port)",
+            epp_served_elsewhere.clone(),
+        );
+        for outcome in ["moved", "not_moved", "unknown_endpoint"] {
+            let _ = epp_served_elsewhere.get_or_create(&labels(outcome));
+        }
         registry.register_collector(scrape);
         Metrics {
             registry,
@@ -263,6 +278,7 @@ impl Metrics {
             engine_answers_rejected,
             local_resource_errors,
             stream_error_events,
+            epp_served_elsewhere,
         }
     }
 
@@ -339,6 +355,13 @@ impl Metrics {
 
     pub fn session(&self, outcome: &str) {
         self.sessions.get_or_create(&labels(outcome)).inc();
+    }
+
+    /// `epp`: a response served by another endpoint than the picked one, by `outcome`.
+    pub fn epp_served_elsewhere(&self, outcome: &str) {
+        self.epp_served_elsewhere
+            .get_or_create(&labels(outcome))
+            .inc();
     }
 
     pub fn reload(&self, outcome: &str) {
