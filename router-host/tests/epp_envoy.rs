@@ -34,6 +34,49 @@ fn envoy_binary() -> Result<PathBuf, String> {
 /// picker on `epp_port`, and the `ORIGINAL_DST` cluster the picked endpoint routes to (the
 /// one docs/gateway.md gives, with the addresses of this test).
 fn envoy_config(epp_port: u16) -> String {
+    let config = docs_envoy_config(epp_port);
+    assert!(config.contains("failure_mode_allow: false"));
+    config
+}
+
+/// docs/gateway.md's fail-open configuration: `failure_mode_allow: true`, the request body
+/// `BUFFERED`, and a second route, taken by a request that carries no destination, to a static
+/// round-robin cluster of `fallback`.
+fn fail_open_envoy_config(epp_port: u16, fallback: &[std::net::SocketAddr]) -> String {
+    let endpoints: String = fallback
+        .iter()
+        .map(|a| {
+            format!(
+                "        - endpoint: {{address: {{socket_address: {{address: {}, port_value: {}}}}}}}\n",
+                a.ip(),
+                a.port()
+            )
+        })
+        .collect();
+    let config = docs_envoy_config(epp_port)
+        .replace(
+            r#"              - match: {prefix: "/"}
+                route: {cluster: engines, timeout: 0s}"#,
+            r#"              - match:
+                  prefix: "/"
+                  headers: [{name: x-gateway-destination-endpoint, present_match: true}]
+                route: {cluster: engines, timeout: 0s}
+              - match: {prefix: "/"}
+                route: {cluster: fallback, timeout: 0s}"#,
+        )
+        .replace("failure_mode_allow: false", "failure_mode_allow: true")
+        .replace(
+            "request_body_mode: FULL_DUPLEX_STREAMED\n                request_trailer_mode: SEND",
+            "request_body_mode: BUFFERED\n                request_trailer_mode: SKIP",
+        );
+    assert!(config.contains("cluster: fallback") && config.contains("request_body_mode: BUFFERED"));
+    config
+        + "  - name: fallback\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 1s\n    \
+           load_assignment:\n      cluster_name: fallback\n      endpoints:\n      - lb_endpoints:\n"
+        + &endpoints
+}
+
+fn docs_envoy_config(epp_port: u16) -> String {
     format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
@@ -113,7 +156,11 @@ impl Drop for Envoy {
 }
 
 async fn start_envoy(binary: &Path, dir: &Path, epp_port: u16) -> Envoy {
-    let config = common::write(dir, "envoy.yaml", &envoy_config(epp_port));
+    start_envoy_with(binary, dir, &envoy_config(epp_port)).await
+}
+
+async fn start_envoy_with(binary: &Path, dir: &Path, config: &str) -> Envoy {
+    let config = common::write(dir, "envoy.yaml", config);
     let admin_path = dir.join("admin-address");
     let log = std::fs::File::create(dir.join("envoy.log")).expect("envoy log file");
     let child = Command::new(binary)
@@ -560,5 +607,99 @@ async fn envoy_original_dst_cannot_take_a_list_of_endpoints() {
     );
     picker.released().await;
     assert_eq!(picker.metric("router_epp_served_elsewhere_total"), 0.0);
+    drop(envoy);
+}
+
+/// Failing open: with docs/gateway.md's fail-open configuration, requests still land on the
+/// picked engine while the picker runs (the picker's destination makes Envoy choose the route
+/// again), and while it is down Envoy sends them to the fallback cluster instead of answering
+/// `500`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_fail_open_configuration_envoy_serves_through_the_fallback_route_while_the_picker_is_down(
+) {
+    let binary = match tokio::task::spawn_blocking(envoy_binary)
+        .await
+        .expect("join")
+    {
+        Ok(binary) => binary,
+        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
+            panic!("Envoy is required here: {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: Envoy is not available here: {reason}");
+            return;
+        }
+    };
+    let (one, two) = (Engine::start(1).await, Engine::start(2).await);
+    let dir = common::temp_dir("epp_envoy_fail_open");
+    // The picker knows engine 2 only, so every pick is engine 2 and a request the fallback's
+    // round-robin takes is told apart by the engines' own counters and Envoy's per-cluster counts.
+    let yaml = format!("block_size: 4\n{}", workers_yaml(&[&two]));
+    let picker = start_picker(&dir, &yaml).await;
+    let config = fail_open_envoy_config(picker.grpc.port(), &[one.addr, two.addr]);
+    let envoy = start_envoy_with(&binary, &dir, &config).await;
+    let http = reqwest::Client::new();
+    let send = || {
+        http.post(format!("http://{}/v1/completions", envoy.listener))
+            .header("content-type", "application/json")
+            .body(r#"{"model": "tiny", "prompt": "hello there", "max_tokens": 4}"#)
+            .send()
+    };
+    let admin = std::fs::read_to_string(dir.join("admin-address")).expect("admin address");
+    let upstream_requests = |cluster: &'static str| {
+        let http = http.clone();
+        let url = format!(
+            "http://{}/stats?filter=cluster.{cluster}.upstream_rq_total",
+            admin.trim()
+        );
+        async move {
+            let text = http
+                .get(url)
+                .send()
+                .await
+                .expect("admin answers")
+                .text()
+                .await
+                .expect("stats");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("cluster.{cluster}.upstream_rq_total: ")))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        }
+    };
+    let seen = |e: &Engine| e.state.seen.completions.load(Ordering::SeqCst);
+
+    for _ in 0..4 {
+        let response = send().await.expect("Envoy answers");
+        assert_eq!(response.status(), 200);
+        assert_eq!(header(&response, "x-router-worker"), "2");
+        let _ = response.bytes().await;
+    }
+    assert_eq!(
+        (seen(&one), seen(&two)),
+        (0, 4),
+        "every request on the pick"
+    );
+    assert_eq!(upstream_requests("engines").await, 4);
+    assert_eq!(upstream_requests("fallback").await, 0);
+    picker.released().await;
+
+    picker.stop().await;
+    for _ in 0..4 {
+        let response = send().await.expect("Envoy answers");
+        assert_eq!(response.status(), 200, "failing open");
+        assert_eq!(
+            header(&response, "x-router-worker"),
+            "",
+            "no picker answered"
+        );
+        let _ = response.bytes().await;
+    }
+    assert_eq!(upstream_requests("fallback").await, 4);
+    assert_eq!(
+        (seen(&one), seen(&two)),
+        (2, 6),
+        "the fallback cluster's round-robin over both engines"
+    );
     drop(envoy);
 }

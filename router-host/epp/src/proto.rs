@@ -119,9 +119,18 @@ fn split_endpoints(text: &str) -> impl Iterator<Item = String> + '_ {
         .map(str::to_owned)
 }
 
-fn common(header_mutation: Option<HeaderMutation>, body: Option<BodyMutation>) -> CommonResponse {
+/// Continue, with these mutations. A request-path header mutation (the destination) also asks
+/// Envoy to choose the route again: a route that matches on the destination header (the
+/// fail-open configuration in docs/gateway.md) was chosen before the picker answered, and
+/// without this Envoy keeps it, sending the request past the pick.
+fn common(
+    request: bool,
+    header_mutation: Option<HeaderMutation>,
+    body: Option<BodyMutation>,
+) -> CommonResponse {
     CommonResponse {
         status: common_response::ResponseStatus::Continue as i32,
+        clear_route_cache: request && header_mutation.is_some(),
         header_mutation,
         body_mutation: body,
         ..CommonResponse::default()
@@ -139,7 +148,7 @@ fn response(response: processing_response::Response) -> ProcessingResponse {
 pub fn request_headers(headers: Vec<HeaderValueOption>) -> ProcessingResponse {
     response(processing_response::Response::RequestHeaders(
         HeadersResponse {
-            response: Some(common(mutation(headers), None)),
+            response: Some(common(true, mutation(headers), None)),
         },
     ))
 }
@@ -148,7 +157,7 @@ pub fn request_headers(headers: Vec<HeaderValueOption>) -> ProcessingResponse {
 pub fn response_headers(headers: Vec<HeaderValueOption>) -> ProcessingResponse {
     response(processing_response::Response::ResponseHeaders(
         HeadersResponse {
-            response: Some(common(mutation(headers), None)),
+            response: Some(common(false, mutation(headers), None)),
         },
     ))
 }
@@ -192,7 +201,7 @@ pub fn body_chunk(
         }),
     };
     let answer = BodyResponse {
-        response: Some(common(mutation(headers), body)),
+        response: Some(common(request, mutation(headers), body)),
     };
     response(if request {
         processing_response::Response::RequestBody(answer)
