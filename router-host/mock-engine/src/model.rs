@@ -532,7 +532,7 @@ fn stream(
         |(mut receiver, mut active)| async move {
             match receiver.recv().await {
                 Some(b) => Some((
-                    Ok::<_, std::convert::Infallible>(Frame::data(b)),
+                    Ok::<_, std::io::Error>(Frame::data(b)),
                     (receiver, active),
                 )),
                 None => {
