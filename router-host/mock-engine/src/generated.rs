@@ -274,7 +274,11 @@ pub fn answer(state: &EngineState, completion: Completion) -> Response {
             state.id
         ),
         model: request.model.clone(),
-        asked: request.body.get("return_token_ids").and_then(Value::as_bool) == Some(true),
+        asked: request
+            .body
+            .get("return_token_ids")
+            .and_then(Value::as_bool)
+            == Some(true),
         prompt,
     };
     let die_after = state.controls.die_after_tokens.load(Ordering::SeqCst);
@@ -289,11 +293,14 @@ pub fn answer(state: &EngineState, completion: Completion) -> Response {
         }
         // A few bytes of the answer, then the connection is cut.
         let head = Bytes::copy_from_slice(&text.as_bytes()[..text.len().min(16)]);
-        let parts = vec![Ok(Frame::data(head)), Err(died())];
-        let body = futures_util::StreamExt::map(futures_util::stream::iter(parts), move |part| {
-            // Counted as active (and as cut) until the body is dropped.
-            let _counted = &active;
-            part
+        let body = futures_util::stream::unfold(Some((head, active)), |state| async move {
+            let (head, active) = state?;
+            if head.is_empty() {
+                flushed().await;
+                drop(active);
+                return Some((Err(died()), None));
+            }
+            Some((Ok(Frame::data(head)), Some((Bytes::new(), active))))
         });
         let mut response = hyper::Response::new(StreamBody::new(body).boxed_unsync());
         response
@@ -333,7 +340,8 @@ pub fn answer(state: &EngineState, completion: Completion) -> Response {
                 tokio::time::sleep(gap).await;
             }
             if cut == Some(i) {
-                // The reader sees the connection cut; the stream ends here.
+                // The reader sees what came, then the connection cut; the stream ends here.
+                flushed().await;
                 drop(active.take());
                 let dead = Vec::new().into_iter().enumerate();
                 return Some((Err(died()), (dead, None)));
@@ -348,6 +356,15 @@ pub fn answer(state: &EngineState, completion: Completion) -> Response {
     );
     engine_header(&mut response, state.id);
     response
+}
+
+/// Let hyper write what the body gave so far: it buffers ready chunks and flushes when the
+/// body waits, and a body error closes the connection with whatever is still buffered unsent.
+/// A dying engine has sent its last tokens; without this, one that dies a few tokens in would
+/// die before its response head left.
+async fn flushed() {
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
 }
 
 fn died() -> std::io::Error {

@@ -49,9 +49,9 @@ use hyper::HeaderMap;
 use serde_json::Value;
 
 pub use events::Format as EventFormat;
+pub use generated::{generate, token_text, Generator};
 pub use request::Prompt;
 pub use router_sim::replay::engine::EngineParams;
-pub use generated::{generate, token_text, Generator};
 pub use scripted::stream_chunks;
 pub use tokens::{FileTokenizer, Tokenizer, TokenizerError};
 

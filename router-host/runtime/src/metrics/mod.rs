@@ -77,6 +77,8 @@ pub struct Metrics {
     pub local_resource_errors: Family<OpLabels, Counter>,
     /// Streamed responses ended with an error event after the engine failed mid-stream.
     pub stream_error_events: Family<ReasonLabels, Counter>,
+    /// Engines that failed mid-answer under `serve.migration_limit`, by what followed.
+    pub migrations: Family<OutcomeLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -239,6 +241,15 @@ impl Metrics {
              mid-stream, by reason (body: its body broke off; idle: stream_idle_ms passed)",
             stream_error_events.clone(),
         );
+        let migrations = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "router_migrations",
+            "Engines that failed mid-answer for requests that may move (serve.migration_limit), \
+             by outcome: continued (another row took the request over), ended (generation had \
+             finished; the router ended the stream), exhausted (no leg or row left, or the next \
+             leg failed), unmovable (the request could not continue exactly)",
+            migrations.clone(),
+        );
         registry.register_collector(scrape);
         Metrics {
             registry,
@@ -263,7 +274,17 @@ impl Metrics {
             engine_answers_rejected,
             local_resource_errors,
             stream_error_events,
+            migrations,
         }
+    }
+
+    /// A failure mid-answer of a request that may move, and what followed.
+    pub fn migration(&self, outcome: &'static str) {
+        self.migrations
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
     }
 
     pub fn connection_shed(&self, reason: &'static str) {
