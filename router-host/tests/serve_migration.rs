@@ -362,3 +362,68 @@ async fn a_whole_answer_whose_body_fails_is_sent_again_to_another_row() {
     assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
     router.stop().await;
 }
+
+/// An engine that stalls mid-stream (`serve.timeouts.stream_idle_ms` passes) is left and the
+/// stream continues elsewhere; a client that asked for token ids gets every one of them, the
+/// prompt's in the first chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stream_continues_and_asked_for_ids_come_through() {
+    let (a, b) = (engine(1).await, engine(2).await);
+    let serve = "  timeouts:\n    stream_idle_ms: 300\n";
+    let router = TestRouter::start("serve_migration_idle", &yaml(&[&a, &b], serve)).await;
+    let http = client();
+    // Engine 1 sends its first chunk at once, then one every 30 s: it stalls.
+    a.state
+        .controls
+        .chunk_delay_ms
+        .store(30_000, Ordering::SeqCst);
+    for chat in [false, true] {
+        let mut body = request(chat, true, 9, true);
+        body["return_token_ids"] = json!(true);
+        let (prompt, expected) = expected_text(&a, &body, 9);
+        let (status, text) = send_until_first_leg_on(&http, &router, chat, &body, "1").await;
+        assert_eq!(status, 200, "{text}");
+        let (got, finish) = content(chat, true, &text);
+        assert_eq!(got, expected, "{text}");
+        assert_eq!(finish.as_deref(), Some("length"));
+        let (chunks, _) = events(&text);
+        let mut ids = Vec::new();
+        let mut prompts = Vec::new();
+        for chunk in &chunks {
+            let choice = chunk["choices"].as_array().and_then(|c| c.first());
+            let prompt_ids = if chat {
+                chunk.get("prompt_token_ids")
+            } else {
+                choice.and_then(|c| c.get("prompt_token_ids"))
+            };
+            if let Some(p) = prompt_ids.filter(|p| !p.is_null()) {
+                prompts.push(p.clone());
+            }
+            if let Some(t) = choice.and_then(|c| c["token_ids"].as_array()) {
+                ids.extend(t.iter().map(|id| id.as_u64().expect("an id") as u32));
+            }
+        }
+        assert_eq!(prompts, [json!(prompt)], "the prompt's ids once: {text}");
+        assert_eq!(ids, mock_engine::generate(&prompt, 9), "{text}");
+    }
+    assert_eq!(
+        router.metric("router_upstream_errors_total{worker=\"1\",kind=\"idle\"}"),
+        2.0
+    );
+    assert_eq!(
+        router.metric("router_migrations_total{outcome=\"continued\"}"),
+        2.0
+    );
+    // The stalled streams were dropped: engine 1 answers nothing any more.
+    assert!(
+        eventually(Duration::from_secs(5), || a
+            .state
+            .seen
+            .active
+            .load(Ordering::SeqCst)
+            == 0)
+        .await
+    );
+    assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
+    router.stop().await;
+}
