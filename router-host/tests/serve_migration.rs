@@ -427,3 +427,53 @@ async fn a_stalled_stream_continues_and_asked_for_ids_come_through() {
     assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
     router.stop().await;
 }
+
+/// An engine whose stream carries ids that are not token ids fails its leg with the error event
+/// (no panic, no move: its ids cannot be trusted), and the booking is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_token_ids_end_the_stream_with_an_error_event() {
+    use common::engine::{raw_full, raw_stream, serve_raw};
+    let (addr, task) = serve_raw(|_method, path, _body| async move {
+        if path != "/v1/completions" {
+            return raw_full(200, &[], r#"{"count":1,"max_model_len":100,"tokens":[1]}"#);
+        }
+        let first = "data: {\"id\":\"c\",\"object\":\"text_completion\",\"created\":0,\
+                     \"model\":\"tiny\",\"choices\":[{\"index\":0,\"text\":\" a\",\
+                     \"prompt_token_ids\":[1],\"token_ids\":[-5]}]}\n\n";
+        let mut response = raw_stream(futures_util::stream::iter([Ok(bytes::Bytes::from(first))]));
+        response
+            .headers_mut()
+            .insert("content-type", "text/event-stream".parse().expect("header"));
+        response
+    })
+    .await;
+    let yaml = format!(
+        "block_size: 4\nserve:\n  health:\n    interval_ms: 60000\nworkers:\n  - id: 1\n    url: http://{addr}\n"
+    );
+    let router = TestRouter::start("serve_migration_garbage", &yaml).await;
+    let http = client();
+    let (status, _, text) = send(
+        &http,
+        &router.url("/v1/completions"),
+        &request(false, true, 4, false),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (chunks, done) = events(&text);
+    assert!(done, "{text}");
+    assert_eq!(chunks.len(), 1, "only the error event: {text}");
+    assert!(
+        chunks[0]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not a token id")),
+        "{text}"
+    );
+    assert_eq!(
+        router.metric("router_stream_error_events_total{reason=\"garbage\"}"),
+        1.0
+    );
+    assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
+    router.stop().await;
+    task.abort();
+}
