@@ -76,7 +76,7 @@ pub fn generate(prompt: &[u32], n: usize) -> Vec<u32> {
 /// A generated token's text: ` w1234`, or ` ü1235` for every fifth id (two-byte UTF-8, so text
 /// comparisons see more than ASCII).
 pub fn token_text(id: u32) -> String {
-    if id % 5 == 0 {
+    if id.is_multiple_of(5) {
         format!(" ü{id}")
     } else {
         format!(" w{id}")

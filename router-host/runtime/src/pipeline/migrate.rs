@@ -350,10 +350,8 @@ impl Tracker {
     pub fn rest(&mut self) -> Bytes {
         let rest = std::mem::take(&mut self.buffer);
         let mut out = Vec::new();
-        if !rest.is_empty() {
-            if self.leg == Leg::First {
-                self.relay_first(&rest, &mut out);
-            }
+        if !rest.is_empty() && self.leg == Leg::First {
+            self.relay_first(&rest, &mut out);
         }
         Bytes::from(out)
     }
