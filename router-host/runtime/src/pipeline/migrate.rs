@@ -193,13 +193,7 @@ pub fn refusal(endpoint: Endpoint, parsed: &Parsed) -> Option<String> {
 
 /// The plan for a request: `None` when it will not move (limit 0, not streamed, or a refusal,
 /// which is logged at debug level).
-pub fn plan(
-    loaded: &LoadedConfig,
-    endpoint: Endpoint,
-    parsed: &Parsed,
-    limit: u32,
-) -> Option<Plan> {
-    let _ = loaded;
+pub fn plan(endpoint: Endpoint, parsed: &Parsed, limit: u32) -> Option<Plan> {
     if limit == 0 || !parsed.stream {
         return None;
     }
@@ -260,8 +254,8 @@ pub fn continuation(parsed: &Parsed, tracker: &Tracker) -> Bytes {
     let generated = tracker.generated.len() as u64;
     body.insert(
         "max_tokens".into(),
-        match tracker.budget {
-            Some(budget) => json!(budget.saturating_sub(generated).max(1)),
+        match tracker.remaining() {
+            Some(left) => json!(left),
             // Explicitly unbounded: a completion's default is 16.
             None => Value::Null,
         },
@@ -339,6 +333,12 @@ impl Tracker {
             finished: false,
             lost: None,
         }
+    }
+
+    /// The tokens the budget has left (`None`: the rest of the context).
+    pub fn remaining(&self) -> Option<u64> {
+        self.budget
+            .map(|b| b.saturating_sub(self.generated.len() as u64).max(1))
     }
 
     /// The prompt's ids, as the engine gave them.

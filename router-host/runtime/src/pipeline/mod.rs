@@ -132,7 +132,7 @@ pub async fn run_moving(
     let prepared = prepare(app, loaded, &inbound.parsed)
         .await
         .map_err(|err| err.into_api_error(inbound.endpoint))?;
-    let plan = migrate::plan(loaded, inbound.endpoint, &inbound.parsed, limit);
+    let plan = migrate::plan(inbound.endpoint, &inbound.parsed, limit);
     let mut body = forwarded_body(loaded, &inbound, &prepared);
     if let Some(plan) = &plan {
         body = migrate::first_body(&body, plan);

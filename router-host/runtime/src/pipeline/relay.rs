@@ -227,6 +227,7 @@ fn next_leg(moving: &Moving) -> NextLeg {
     let mut ids = Vec::with_capacity(prompt.len() + moving.tracker.generated.len());
     ids.extend_from_slice(prompt);
     ids.extend_from_slice(&moving.tracker.generated);
+    let expected_output_tokens = moving.tracker.remaining();
     let mut tried = moving.tried.clone();
     let left = moving.left;
     Box::pin(async move {
@@ -234,7 +235,7 @@ fn next_leg(moving: &Moving) -> NextLeg {
             isl_tokens: ids.len() as u64,
             blocks: blocks(&loaded, &inbound.parsed, &ids).unwrap_or_default(),
             ids: vec![ids],
-            expected_output_tokens: None,
+            expected_output_tokens,
         };
         let mut used = 0;
         let mut last = String::from("no row is left to continue on");
