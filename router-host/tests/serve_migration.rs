@@ -359,6 +359,24 @@ async fn a_whole_answer_whose_body_fails_is_sent_again_to_another_row() {
         router.metric("router_migrations_total{outcome=\"continued\"}"),
         2.0
     );
+
+    // Both engines die: after the one further leg the client gets a 502 naming the limit.
+    b.state.controls.die_after_tokens.store(1, Ordering::SeqCst);
+    let body = request(false, false, 7, false);
+    let (status, _, text) = send(&http, &router.url("/v1/completions"), &body, &[]).await;
+    assert_eq!(status, 502, "{text}");
+    let error: Value = serde_json::from_str(&text).expect("an OpenAI error body");
+    assert_eq!(error["error"]["code"], "upstream_error", "{text}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("serve.migration_limit")),
+        "{text}"
+    );
+    assert_eq!(
+        router.metric("router_migrations_total{outcome=\"exhausted\"}"),
+        1.0
+    );
     assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
     router.stop().await;
 }
