@@ -27,6 +27,11 @@ pub const MAX_MAX_BODY_BYTES: u64 = 1024 * 1024 * 1024;
 pub const DEFAULT_RETRIES: u32 = 1;
 /// Largest accepted `serve.retries`.
 pub const MAX_RETRIES: u64 = 16;
+/// Default `serve.migration_limit`: one engine failing at a time is the common case, and one
+/// more leg covers it; a stream that never fails only pays for reading its token ids.
+pub const DEFAULT_MIGRATION_LIMIT: u32 = 1;
+/// Largest accepted `serve.migration_limit`.
+pub const MAX_MIGRATION_LIMIT: u64 = 16;
 /// Longest accepted timeout or interval: one day.
 pub const MAX_TIMEOUT_MS: u64 = 86_400_000;
 /// Largest accepted `serve.max_connections`.
@@ -60,6 +65,10 @@ pub struct ServeConfig {
     pub max_prompt_tokens: Option<u64>,
     /// How many more rows a request that failed before its first upstream byte is tried on.
     pub retries: u32,
+    /// How many times a request whose engine fails mid-answer is continued on another row
+    /// (a stream from the tokens already generated, a whole answer from the start); 0: never.
+    /// A request's `x-router-migration-limit` header may lower it.
+    pub migration_limit: u32,
     /// Client connections open at once; more are shed at accept. `None`: derived from the
     /// process's open-files limit (`serve::accept::default_max_connections`).
     pub max_connections: Option<u64>,
@@ -89,6 +98,7 @@ impl Default for ServeConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_prompt_tokens: None,
             retries: DEFAULT_RETRIES,
+            migration_limit: DEFAULT_MIGRATION_LIMIT,
             max_connections: None,
             timeouts: ServeTimeouts::default(),
             health: HealthConfig::default(),
@@ -203,6 +213,8 @@ pub(super) struct RawServe {
     max_prompt_tokens: Option<u64>,
     #[serde(default, deserialize_with = "de_retries")]
     retries: Option<u64>,
+    #[serde(default, deserialize_with = "de_migration_limit")]
+    migration_limit: Option<u64>,
     #[serde(default, deserialize_with = "de_max_connections")]
     max_connections: Option<u64>,
     #[serde(default)]
@@ -283,6 +295,10 @@ fn de_max_connections<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D:
 
 fn de_retries<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 0, MAX_RETRIES)
+}
+
+fn de_migration_limit<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 0, MAX_MIGRATION_LIMIT)
 }
 
 /// A string checked by `check`; null means "absent".
@@ -526,6 +542,10 @@ impl Builder<'_> {
                 .retries
                 .and_then(|n| u32::try_from(n).ok())
                 .unwrap_or(defaults.retries),
+            migration_limit: raw
+                .migration_limit
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(defaults.migration_limit),
             max_connections: raw.max_connections,
             timeouts,
             health,
@@ -573,6 +593,7 @@ serve:
   max_body_bytes: 1024
   max_prompt_tokens: 100
   retries: 0
+  migration_limit: 3
   max_connections: 500
   timeouts: {connect_ms: 1, response_ms: 2, stream_idle_ms: 3, tokenize_ms: 4, queue_ms: 5, shutdown_ms: 6, header_read_ms: 9, body_read_ms: 10}
   health: {interval_ms: 7, timeout_ms: 8, scrape_load: false}
@@ -611,6 +632,7 @@ serve:
             (s.max_body_bytes, s.max_prompt_tokens, s.retries),
             (1024, Some(100), 0)
         );
+        assert_eq!(s.migration_limit, 3);
         assert_eq!(s.timeouts.connect, Duration::from_millis(1));
         assert_eq!(s.timeouts.shutdown, Duration::from_millis(6));
         assert_eq!(s.timeouts.header_read, Duration::from_millis(9));
@@ -630,6 +652,7 @@ serve:
         assert_eq!(s.listen.to_string(), "127.0.0.1:8000");
         assert_eq!(s.session_headers, ["x-session-id", "x-dynamo-session-id"]);
         assert_eq!(s.retries, 1);
+        assert_eq!(s.migration_limit, 1);
         assert!(parse("serve:\nworkers:\n").serve.is_none());
     }
 
@@ -683,6 +706,10 @@ serve:
             (
                 "serve:\n  retries: 17\n",
                 "line 2 column 12: serve.retries: invalid value: integer `17` is out of range, expected an integer from 0 to 16",
+            ),
+            (
+                "serve:\n  migration_limit: 17\n",
+                "line 2 column 20: serve.migration_limit: invalid value: integer `17` is out of range, expected an integer from 0 to 16",
             ),
             (
                 "serve:\n  timeouts:\n    connect_ms: 0\n",

@@ -14,13 +14,18 @@ use serde_json::{json, Value};
 
 use crate::EngineState;
 
-pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+/// A body whose error cuts the connection mid-answer (the `die_after_tokens` fault).
+pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
 pub type Response = hyper::Response<Body>;
 /// A refusal on the way to an answer (boxed: a response is large).
 pub type Refusal = Box<Response>;
 
 pub fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response {
-    let mut response = hyper::Response::new(Full::new(body.into()).boxed_unsync());
+    let mut response = hyper::Response::new(
+        Full::new(body.into())
+            .map_err(|never: Infallible| match never {})
+            .boxed_unsync(),
+    );
     *response.status_mut() = status;
     if !content_type.is_empty() {
         response

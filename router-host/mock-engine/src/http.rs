@@ -90,7 +90,7 @@ async fn route(state: Arc<EngineState>, request: hyper::Request<Incoming>) -> Re
     let path = request.uri().path().to_owned();
     let model = match &state.mode {
         Mode::Model(model) => Some(model),
-        Mode::Scripted => None,
+        Mode::Scripted | Mode::Generated => None,
     };
     match (method, path.as_str()) {
         (Method::POST, "/v1/completions") => completion(state, false, request).await,
@@ -186,6 +186,7 @@ async fn completion(
     };
     match &state.mode {
         Mode::Scripted => crate::scripted::answer(&state, completion),
+        Mode::Generated => crate::generated::answer(&state, completion),
         Mode::Model(model) => model.answer(&state, completion).await,
     }
 }

@@ -15,6 +15,10 @@
 //! - [`Answers::Scripted`]: no model; every completion answers the same deterministic chunks
 //!   ([`stream_chunks`]), so tests can compare bytes, and `/metrics` reports the completions
 //!   being answered as running.
+//! - [`Answers::Generated`]: no model; every next token is a deterministic function of the
+//!   whole token prefix ([`generate`]), with vLLM's `return_token_ids` fields and token-id
+//!   prompts, so a stream continued elsewhere from its prompt plus the tokens already generated
+//!   can be compared token for token with one that was not interrupted.
 //!
 //! The fault controls and counters work in both.
 //!
@@ -28,6 +32,7 @@
 
 mod answer;
 mod events;
+mod generated;
 mod http;
 mod model;
 mod rank;
@@ -44,6 +49,7 @@ use hyper::HeaderMap;
 use serde_json::Value;
 
 pub use events::Format as EventFormat;
+pub use generated::{generate, token_text, Generator};
 pub use request::Prompt;
 pub use router_sim::replay::engine::EngineParams;
 pub use scripted::stream_chunks;
@@ -82,6 +88,9 @@ pub struct Controls {
     pub healthy: AtomicBool,
     /// `max_model_len` reported by `/tokenize`, and the model's prompt + output limit.
     pub max_model_len: AtomicU64,
+    /// Non-zero (generated answers): a stream's connection is cut after this many tokens, a
+    /// whole answer's after a few bytes, as an engine that dies mid-answer.
+    pub die_after_tokens: AtomicU64,
 }
 
 /// What the engine saw.
@@ -106,6 +115,8 @@ pub struct Seen {
 pub enum Answers {
     /// Deterministic chunks, no model.
     Scripted,
+    /// Tokens generated from the whole prefix, no model (`generated.rs`).
+    Generated,
     /// The engine model.
     Model(ModelOptions),
 }
@@ -172,6 +183,14 @@ impl Options {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }
+
+    /// Generated answers as worker `id`, otherwise as [`Options::scripted`].
+    pub fn generated(id: u64, tokenizer: Tokenizer) -> Options {
+        Options {
+            answers: Answers::Generated,
+            ..Options::scripted(id, tokenizer)
+        }
+    }
 }
 
 /// 2 MiB: far over any prompt a demo or test sends, and the limit it always had.
@@ -194,6 +213,7 @@ pub struct EngineState {
 
 enum Mode {
     Scripted,
+    Generated,
     Model(model::Model),
 }
 
@@ -231,7 +251,7 @@ impl Engine {
     /// Start the engine (and its ranks and event sockets) in the current tokio runtime.
     pub async fn start(options: Options) -> Result<Engine, Error> {
         let created = match options.answers {
-            Answers::Scripted => 0,
+            Answers::Scripted | Answers::Generated => 0,
             Answers::Model(_) => std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
@@ -239,6 +259,7 @@ impl Engine {
         let mut background = Vec::new();
         let (mode, kv_events, replay) = match &options.answers {
             Answers::Scripted => (Mode::Scripted, Vec::new(), Vec::new()),
+            Answers::Generated => (Mode::Generated, Vec::new(), Vec::new()),
             Answers::Model(model) => {
                 let started = model::Model::start(&options, model).await?;
                 background.extend(started.tasks);
@@ -258,6 +279,7 @@ impl Engine {
                 chunks: AtomicUsize::new(3),
                 healthy: AtomicBool::new(true),
                 max_model_len: AtomicU64::new(options.max_model_len),
+                die_after_tokens: AtomicU64::new(0),
             },
             seen: Seen::default(),
             model: options.model,

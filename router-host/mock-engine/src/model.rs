@@ -531,10 +531,7 @@ fn stream(
         (receiver, Some(active)),
         |(mut receiver, mut active)| async move {
             match receiver.recv().await {
-                Some(b) => Some((
-                    Ok::<_, std::convert::Infallible>(Frame::data(b)),
-                    (receiver, active),
-                )),
+                Some(b) => Some((Ok::<_, std::io::Error>(Frame::data(b)), (receiver, active))),
                 None => {
                     if let Some(a) = active.as_mut() {
                         a.finished = true;

@@ -3,7 +3,6 @@
 //! apart, then vLLM's usage chunk when asked and `[DONE]`), with ids from the worker id and
 //! `created` 0; the header `x-engine-id` names the worker.
 
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -80,7 +79,7 @@ pub fn answer(state: &EngineState, completion: Completion) -> Response {
                 }
                 match parts.next() {
                     Some(part) => Some((
-                        Ok::<_, Infallible>(Frame::data(Bytes::from(part))),
+                        Ok::<_, std::io::Error>(Frame::data(Bytes::from(part))),
                         (parts, active, false),
                     )),
                     None => {

@@ -273,3 +273,92 @@ async fn the_model_answers_and_the_controls_apply_to_it_too() {
     assert_eq!(engine.state.seen.completions.load(Ordering::SeqCst), 6);
     assert!(engine.state.seen.active.load(Ordering::SeqCst) == 0);
 }
+
+/// Generated answers carry vLLM's `return_token_ids` fields where vLLM puts them (null unless
+/// asked; asked: the prompt's ids in the first chunk, per choice for a completion and at the top
+/// level for a chat, and each chunk's ids), take a prompt of token ids, and continue a prefix
+/// exactly; `die_after_tokens` cuts the connection after that many tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generated_answers_return_token_ids_and_die_on_demand() {
+    let engine = Engine::start(Options::generated(3, Tokenizer::Bytes))
+        .await
+        .expect("starts");
+    let events = |text: &str| -> Vec<Value> {
+        text.split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).expect("JSON"))
+            .collect()
+    };
+    let prompt: Vec<u32> = "hello".bytes().map(u32::from).collect();
+    let expected = mock_engine::generate(&prompt, 4);
+    for chat in [false, true] {
+        let (path, mut body) = if chat {
+            (
+                "/v1/chat/completions",
+                json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]}),
+            )
+        } else {
+            ("/v1/completions", json!({"model": "m", "prompt": "hello"}))
+        };
+        body["stream"] = json!(true);
+        body["max_tokens"] = json!(4);
+        let plain = events(&post(&engine, path, &body).await.text().await.expect("body"));
+        assert!(
+            plain.iter().all(|e| {
+                let c = &e["choices"][0];
+                c["token_ids"].is_null() && c.get("prompt_token_ids").is_none_or(Value::is_null)
+            }),
+            "{plain:?}"
+        );
+        body["return_token_ids"] = json!(true);
+        let asked = events(&post(&engine, path, &body).await.text().await.expect("body"));
+        let first_prompt = if chat {
+            asked[0]["prompt_token_ids"].clone()
+        } else {
+            asked[0]["choices"][0]["prompt_token_ids"].clone()
+        };
+        let engine_prompt = engine.state.tokenize(&body).expect("tokenizes");
+        assert_eq!(first_prompt, json!(engine_prompt));
+        let ids: Vec<u64> = asked
+            .iter()
+            .filter_map(|e| e["choices"][0]["token_ids"].as_array())
+            .flatten()
+            .map(|id| id.as_u64().expect("an id"))
+            .collect();
+        let tokens = mock_engine::generate(&engine_prompt, 4);
+        assert_eq!(
+            ids,
+            tokens.iter().map(|&t| u64::from(t)).collect::<Vec<_>>()
+        );
+    }
+    // A completion of the prompt's ids plus two generated goes on with the other two.
+    let mut prefix = prompt.clone();
+    prefix.extend_from_slice(&expected[..2]);
+    let body = json!({"model": "m", "prompt": prefix, "max_tokens": 2});
+    let answer = json_of(post(&engine, "/v1/completions", &body).await).await;
+    let text: String = expected[2..]
+        .iter()
+        .map(|&t| mock_engine::token_text(t))
+        .collect();
+    assert_eq!(answer["choices"][0]["text"], text);
+
+    engine
+        .state
+        .controls
+        .die_after_tokens
+        .store(2, Ordering::SeqCst);
+    let body = json!({"model": "m", "prompt": "hello", "max_tokens": 4, "stream": true});
+    let mut response = post(&engine, "/v1/completions", &body).await;
+    let mut got = String::new();
+    let cut = loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => got.push_str(&String::from_utf8_lossy(&chunk)),
+            Ok(None) => break false,
+            Err(_) => break true,
+        }
+    };
+    assert!(cut, "the connection was cut: {got}");
+    assert_eq!(events(&got).len(), 2, "two tokens came first: {got}");
+    assert!(eventually(|| engine.state.seen.streams_cut.load(Ordering::SeqCst) == 1).await);
+}

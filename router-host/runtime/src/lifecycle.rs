@@ -109,6 +109,19 @@ impl Flight {
         self.end(CompletionCode::FAILED, "failed");
     }
 
+    /// This leg failed mid-answer and the request moves to another row (mid-stream failover):
+    /// release it as FAILED without counting the request as ended.
+    pub fn migrated(mut self, why: &str) {
+        self.final_attempt = false;
+        tracing::warn!(
+            worker = self.info.row.worker_id,
+            dp_rank = self.info.row.dp_rank,
+            error = why,
+            "upstream failed mid-answer; the request continues on another row"
+        );
+        self.end(CompletionCode::FAILED, "failed");
+    }
+
     /// Release the booking as `code` without counting or logging the request: the caller
     /// answers it with an error, which the handler counts and logs.
     pub fn release_uncounted(mut self, code: CompletionCode) {

@@ -2,10 +2,10 @@
 //! headers.
 
 use axum::body::Body;
-use axum::http::{header, HeaderMap, HeaderName};
+use axum::http::{HeaderMap, HeaderName};
 use axum::response::Response;
 
-use super::relay::Relay;
+use super::relay::{Moving, Relay};
 use router_runtime::pipeline::{decision_headers, Answer};
 use router_runtime::state::LoadedConfig;
 
@@ -26,8 +26,13 @@ fn relayed(name: &HeaderName) -> bool {
 }
 
 /// The engine's answer relayed: its status, its headers (less hop-by-hop ones), the decision
-/// headers, and its body byte for byte through a [`Relay`].
-pub(super) fn respond(loaded: &LoadedConfig, answer: Answer) -> Response {
+/// headers, and its body through a [`Relay`] (byte for byte, but for the token ids a stream
+/// that may move asked for and the client did not).
+pub(super) fn respond(
+    loaded: &LoadedConfig,
+    answer: Answer,
+    moving: Option<Box<Moving>>,
+) -> Response {
     let Answer { response, flight } = answer;
     let status = response.status;
     let mut headers = HeaderMap::new();
@@ -40,18 +45,15 @@ pub(super) fn respond(loaded: &LoadedConfig, answer: Answer) -> Response {
         decision_headers(&mut headers, &flight.info, loaded.number);
     }
     let ok = status.is_success();
-    let sse = response
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let sse = router_runtime::pipeline::relay::is_sse(&response.headers);
     let relay = Relay::new(
         response.body,
         flight,
         loaded.serve.timeouts.stream_idle,
         ok,
         sse,
-    );
+    )
+    .moving(moving);
     let mut out = Response::new(Body::from_stream(relay));
     *out.status_mut() = status;
     *out.headers_mut() = headers;

@@ -141,8 +141,8 @@ async fn proxy(
         headers,
         received,
     };
-    let answer = pipeline::run(app, loaded, &inbound).await?;
-    Ok(respond(loaded, answer))
+    let (answer, moving) = pipeline::run_moving(app, loaded, inbound).await?;
+    Ok(respond(loaded, answer, moving))
 }
 
 /// `GET /v1/models`: `serve.models` when configured, else the first healthy engine's list.

@@ -81,6 +81,8 @@ pub struct Metrics {
     pub local_resource_errors: Family<OpLabels, Counter>,
     /// Streamed responses ended with an error event after the engine failed mid-stream.
     pub stream_error_events: Family<ReasonLabels, Counter>,
+    /// Engines that failed mid-answer under `serve.migration_limit`, by what followed.
+    pub migrations: Family<OutcomeLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -254,6 +256,18 @@ impl Metrics {
         for outcome in ["moved", "not_moved", "unknown_endpoint"] {
             let _ = epp_served_elsewhere.get_or_create(&labels(outcome));
         }
+        let migrations = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "router_migrations",
+            "Engines that failed mid-answer for requests that may move (serve.migration_limit), \
+             by outcome: continued (another row took the request over), ended (generation had \
+             finished; the router ended the stream), exhausted (no leg or row left, or the next \
+             leg failed), unmovable (the request could not continue exactly)",
+            migrations.clone(),
+        );
+        for outcome in ["continued", "ended", "exhausted", "unmovable"] {
+            let _ = migrations.get_or_create(&labels(outcome));
+        }
         registry.register_collector(scrape);
         Metrics {
             registry,
@@ -279,7 +293,17 @@ impl Metrics {
             local_resource_errors,
             stream_error_events,
             epp_served_elsewhere,
+            migrations,
         }
+    }
+
+    /// A failure mid-answer of a request that may move, and what followed.
+    pub fn migration(&self, outcome: &'static str) {
+        self.migrations
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
     }
 
     pub fn connection_shed(&self, reason: &'static str) {

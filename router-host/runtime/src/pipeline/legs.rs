@@ -179,6 +179,17 @@ impl Retries {
         })
     }
 
+    /// A leg on `worker` failed after its answer began (a whole answer's body broke off): the
+    /// next leg avoids it, and a refusal to route names `why`. Takes no retry.
+    pub fn exclude(&mut self, worker: u64, why: String) {
+        self.excluded.push(worker);
+        self.last_failure = Some(UpstreamFailure {
+            kind: "body",
+            message: why,
+            status: StatusCode::BAD_GATEWAY,
+        });
+    }
+
     /// Routing the next leg was refused: when no row is left after a failed leg, the client
     /// gets that leg's upstream failure rather than "no eligible worker".
     pub fn refused(self, err: ApiError) -> ApiError {
