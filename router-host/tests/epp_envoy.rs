@@ -30,15 +30,6 @@ fn envoy_binary() -> Result<PathBuf, String> {
     })
 }
 
-/// Envoy's configuration: a listener on an OS-chosen port, the ext_proc filter asking the
-/// picker on `epp_port`, and the `ORIGINAL_DST` cluster the picked endpoint routes to (the
-/// one docs/gateway.md gives, with the addresses of this test).
-fn envoy_config(epp_port: u16) -> String {
-    let config = docs_envoy_config(epp_port);
-    assert!(config.contains("failure_mode_allow: false"));
-    config
-}
-
 /// docs/gateway.md's fail-open configuration: `failure_mode_allow: true`, the request body
 /// `BUFFERED`, and a second route, taken by a request that carries no destination, to a static
 /// round-robin cluster of `fallback`.
@@ -53,7 +44,7 @@ fn fail_open_envoy_config(epp_port: u16, fallback: &[std::net::SocketAddr]) -> S
             )
         })
         .collect();
-    let config = docs_envoy_config(epp_port)
+    let config = envoy_config(epp_port)
         .replace(
             r#"              - match: {prefix: "/"}
                 route: {cluster: engines, timeout: 0s}"#,
@@ -69,14 +60,24 @@ fn fail_open_envoy_config(epp_port: u16, fallback: &[std::net::SocketAddr]) -> S
             "request_body_mode: FULL_DUPLEX_STREAMED\n                request_trailer_mode: SEND",
             "request_body_mode: BUFFERED\n                request_trailer_mode: SKIP",
         );
-    assert!(config.contains("cluster: fallback") && config.contains("request_body_mode: BUFFERED"));
+    // Each replacement took: the docs' configuration still has the lines they rewrite.
+    for changed in [
+        "cluster: fallback",
+        "failure_mode_allow: true",
+        "request_body_mode: BUFFERED",
+    ] {
+        assert!(config.contains(changed), "no `{changed}` in\n{config}");
+    }
     config
         + "  - name: fallback\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 1s\n    \
            load_assignment:\n      cluster_name: fallback\n      endpoints:\n      - lb_endpoints:\n"
         + &endpoints
 }
 
-fn docs_envoy_config(epp_port: u16) -> String {
+/// Envoy's configuration: a listener on an OS-chosen port, the ext_proc filter asking the
+/// picker on `epp_port`, and the `ORIGINAL_DST` cluster the picked endpoint routes to (the
+/// one docs/gateway.md gives, with the addresses of this test).
+fn envoy_config(epp_port: u16) -> String {
     format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
