@@ -5,7 +5,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName};
 use axum::response::Response;
 
-use super::relay::{Moving, Relay};
+use router_runtime::pipeline::relay::{self, Moving, Relay};
 use router_runtime::pipeline::{decision_headers, Answer};
 use router_runtime::state::LoadedConfig;
 
@@ -45,7 +45,7 @@ pub(super) fn respond(
         decision_headers(&mut headers, &flight.info, loaded.number);
     }
     let ok = status.is_success();
-    let sse = router_runtime::pipeline::relay::is_sse(&response.headers);
+    let sse = relay::is_sse(&response.headers);
     let relay = Relay::new(
         response.body,
         flight,

@@ -10,7 +10,6 @@
 //! `relay.rs` streams its body.
 
 mod forward;
-mod relay;
 
 use forward::respond;
 
