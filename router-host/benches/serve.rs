@@ -23,7 +23,8 @@
 //! `cargo bench -p router-host --bench serve`; `-- --test` (or any run not started by
 //! `cargo bench`) runs a tiny smoke version. Knobs: `ROUTER_BENCH_SERVE_SECS` (seconds per side
 //! per point, default 10), `ROUTER_BENCH_SERVE_RATES` (default `500,2000`),
-//! `ROUTER_BENCH_SERVE_SETUPS` (comma-separated names, default all), `ROUTER_BENCH_ARRIVALS`
+//! `ROUTER_BENCH_SERVE_SETUPS` (comma-separated names in the order to run, default all; a
+//! `/migration-N` suffix sets `serve.migration_limit`), `ROUTER_BENCH_ARRIVALS`
 //! (`poisson` or `fixed`), `ROUTER_BENCH_SERVE_LOG=off` (no `info` subscriber; by default the
 //! router's per-request log line is formatted, as `serve` does, into a sink).
 
@@ -79,8 +80,17 @@ const SETUPS: &[&str] = &[
     "two-tier/local",
 ];
 
+/// `policy/tokenizer`, or `policy/tokenizer/migration-N` for a `serve.migration_limit` other
+/// than the default (not in `SETUPS`: name it in `ROUTER_BENCH_SERVE_SETUPS` to compare).
 fn setup_yaml(name: &str, engines: &[&Engine]) -> String {
-    let (policy, tokenizer) = name.split_once('/').expect("policy/tokenizer");
+    let (policy, rest) = name.split_once('/').expect("policy/tokenizer");
+    let (tokenizer, migration) = match rest.split_once('/') {
+        Some((tokenizer, limit)) => {
+            let limit = limit.strip_prefix("migration-").expect("policy/tokenizer/migration-N");
+            (tokenizer, format!("  migration_limit: {limit}\n"))
+        }
+        None => (rest, String::new()),
+    };
     let tokenizer = match tokenizer {
         "local" => format!("{{path: {}}}", engine::tokenizer_dir().display()),
         _ => "remote".to_owned(),
@@ -93,7 +103,7 @@ fn setup_yaml(name: &str, engines: &[&Engine]) -> String {
         ),
     };
     format!(
-        "block_size: 16\nserve:\n  tokenizer: {tokenizer}\n  decision_headers: true\n{policy}{}",
+        "block_size: 16\nserve:\n  tokenizer: {tokenizer}\n  decision_headers: true\n{migration}{policy}{}",
         workers_yaml(engines)
     )
 }
@@ -521,16 +531,16 @@ fn main() {
             .map(|r| r.trim().parse().expect("ROUTER_BENCH_SERVE_RATES: numbers"))
             .collect()
     };
-    let wanted = std::env::var("ROUTER_BENCH_SERVE_SETUPS").ok();
-    let setups: Vec<&str> = SETUPS
-        .iter()
-        .copied()
-        .filter(|s| {
-            wanted
-                .as_deref()
-                .is_none_or(|w| w.split(',').any(|x| x.trim() == *s))
-        })
-        .collect();
+    // The setups named, in the order given (variants outside `SETUPS` too), or all of `SETUPS`.
+    let setups: Vec<String> = match std::env::var("ROUTER_BENCH_SERVE_SETUPS") {
+        Ok(wanted) => wanted
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        Err(_) => SETUPS.iter().map(|s| (*s).to_owned()).collect(),
+    };
     let arrivals = match std::env::var("ROUTER_BENCH_ARRIVALS").as_deref() {
         Ok("fixed") => Arrivals::Fixed,
         _ => Arrivals::Poisson,
@@ -565,7 +575,7 @@ fn main() {
         }
     );
     for setup in &setups {
-        let router = if *setup == "bare-proxy" {
+        let router = if setup == "bare-proxy" {
             Front::Bare(router_rt.block_on(start_bare_proxy(&[&engines[0], &engines[1]])))
         } else {
             let yaml = setup_yaml(setup, &[&engines[0], &engines[1]]);
