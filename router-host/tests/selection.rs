@@ -500,3 +500,64 @@ fn the_indexed_blocks_columns_count_what_each_row_holds_from_kv_events() {
     );
     assert_eq!(indexed_seen(&host), pairs(&[("1:0", "none")]));
 }
+
+/// The probe's `kv_index_state` label by row, from one decision through the core's KV index.
+fn states_seen(host: &Host) -> Vec<(String, String)> {
+    let request = Request {
+        isl_tokens: 64,
+        blocks: vec![1, 2, 3, 4],
+        ..Default::default()
+    };
+    let routed = match host.core().submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    assert!(host.complete(routed.id));
+    let e = routed.decision.explanation.expect("probe explains");
+    let rows = e.get_label("row_list").expect("row_list").split(',');
+    let label = e.get_label("kv_index_state").expect("label");
+    if label == "none" {
+        return rows.map(|r| (r.to_string(), "none".to_string())).collect();
+    }
+    let values: Vec<&str> = label.split(',').collect();
+    rows.zip(values)
+        .map(|(r, v)| (r.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn the_index_state_column_reaches_a_plugin_with_the_cache_columns_aligned_with_its_rows() {
+    use plugin_api::KvIndexState;
+    let cluster = || Cluster::new(vec![Worker::new(1).with_ranks(0, 2), Worker::new(2)]).unwrap();
+    let config = RouterConfig::default();
+    let host = Host::new(probe("{inputs: [cache]}"), cluster(), &config);
+    // Rows nobody feeds are current.
+    assert_eq!(
+        sorted(states_seen(&host)),
+        pairs(&[("1:0", "current"), ("1:1", "current"), ("2:0", "current")])
+    );
+    let core = host.core();
+    assert_eq!(
+        core.set_kv_index_state(row(1, 1), KvIndexState::Stale),
+        Some(KvIndexState::Current)
+    );
+    core.set_kv_index_state(row(2, 0), KvIndexState::Lagging);
+    assert_eq!(
+        core.set_kv_index_state(row(9, 0), KvIndexState::Stale),
+        None
+    );
+    assert_eq!(core.kv_index_state(row(1, 1)), Some(KvIndexState::Stale));
+    assert_eq!(
+        sorted(states_seen(&host)),
+        pairs(&[("1:0", "current"), ("1:1", "stale"), ("2:0", "lagging")])
+    );
+    // A removed worker's slot is current again for whoever gets it next.
+    core.remove_worker(2).unwrap();
+    core.add_worker(Worker::new(3)).unwrap();
+    assert_eq!(core.kv_index_state(row(3, 0)), Some(KvIndexState::Current));
+    // Only with the overlap columns: a load-only policy reads no overlap to distrust.
+    let host = Host::new(probe("{inputs: [load]}"), cluster(), &config);
+    host.core()
+        .set_kv_index_state(row(2, 0), KvIndexState::Stale);
+    assert!(states_seen(&host).iter().all(|(_, s)| s == "none"));
+}

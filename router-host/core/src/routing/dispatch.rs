@@ -146,7 +146,8 @@ impl RoutingCore {
     pub fn route_indexed(&self, request: &Request, explain: bool) -> Result<Routed, RouteError> {
         self.with_topology(|topology| {
             with_buffer(&OVERLAP, |buffers| {
-                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers);
+                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers)
+                    .with_trust(&self.trust);
                 self.route_on(topology, request, &source, explain)
             })
         })
@@ -169,7 +170,8 @@ impl RoutingCore {
     pub fn submit_indexed(&self, request: Request, explain: bool) -> Result<Submitted, RouteError> {
         let admitted = self.with_topology(|topology| {
             with_buffer(&OVERLAP, |buffers| {
-                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers);
+                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers)
+                    .with_trust(&self.trust);
                 self.admit(topology, &request, &source, explain)
             })
         })?;
