@@ -561,3 +561,72 @@ fn the_index_state_column_reaches_a_plugin_with_the_cache_columns_aligned_with_i
         .set_kv_index_state(row(2, 0), KvIndexState::Stale);
     assert!(states_seen(&host).iter().all(|(_, s)| s == "none"));
 }
+
+/// The row each policy picks for a prompt worker 2 holds, through the core's KV index, and
+/// the reason, with worker 2's index in `state`.
+fn picked_with_index_state(router: PolicySet, state: plugin_api::KvIndexState) -> (u64, String) {
+    let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
+    let host = Host::new(router, cluster, &RouterConfig::default());
+    let core = host.core();
+    core.apply_kv_batch((1..=4).map(|b| (row(2, 0), KvEventKind::Stored, b)));
+    core.set_kv_index_state(row(2, 0), state);
+    // Worker 2 already runs a request: without its overlap, worker 1 is the better row.
+    let busy = Request {
+        isl_tokens: 16,
+        pinned_worker: Some(row(2, 0)),
+        ..Default::default()
+    };
+    let Ok(Submitted::Dispatched(_held)) = core.submit_indexed(busy, false) else {
+        panic!("the pinned request was not dispatched");
+    };
+    let request = Request {
+        isl_tokens: 64,
+        blocks: vec![1, 2, 3, 4],
+        ..Default::default()
+    };
+    let routed = match core.submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    let reason = routed.decision.explanation.expect("explained").reason;
+    (routed.decision.row.worker_id, reason)
+}
+
+#[test]
+fn the_built_in_default_and_two_tier_route_load_only_on_a_row_whose_index_is_not_current() {
+    use plugin_api::KvIndexState;
+    let builtin = || {
+        let config = RouterConfig::default();
+        PolicySet::from_config(&config, &SearchPath::default()).expect("router starts")
+    };
+    let two_tier = || {
+        policy_set(
+            &["two_tier_cost_fn"],
+            "    - {name: p, type: dynamo-two-tier-cost-fn}\n",
+        )
+    };
+    assert_eq!(
+        picked_with_index_state(builtin(), KvIndexState::Current),
+        (2, "lowest_cost".to_string())
+    );
+    assert_eq!(
+        picked_with_index_state(two_tier(), KvIndexState::Current),
+        (2, "cache_tier_least_loaded_among_max_overlap".to_string())
+    );
+    for state in [
+        KvIndexState::Unknown,
+        KvIndexState::Stale,
+        KvIndexState::Lagging,
+    ] {
+        assert_eq!(
+            picked_with_index_state(builtin(), state),
+            (1, "lowest_cost_kv_load_only".to_string()),
+            "{state}"
+        );
+        assert_eq!(
+            picked_with_index_state(two_tier(), state),
+            (1, "least_loaded_no_cache_winner_kv_load_only".to_string()),
+            "{state}"
+        );
+    }
+}
