@@ -75,7 +75,7 @@ pub use sessions::{
     check_redis_url, redact_url, OnStoreUnavailable, RedisStoreConfig, SessionAffinityConfig,
     SessionStoreConfig,
 };
-pub use workers::{KvEventsConfig, WorkerConfig};
+pub use workers::{KvEventsConfig, WorkerConfig, DEFAULT_MAX_LAG_MS, DEFAULT_STALE_CLEAR_MS};
 // `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;
 pub use router_core::select::PrefillBooking;
