@@ -264,11 +264,14 @@ impl KvIndexState {
     /// [`KvIndexState::Unknown`].
     #[inline]
     pub fn from_code(code: f64) -> KvIndexState {
-        match code {
-            c if c == 0.0 => KvIndexState::Current,
-            c if c == 2.0 => KvIndexState::Stale,
-            c if c == 3.0 => KvIndexState::Lagging,
-            _ => KvIndexState::Unknown,
+        if code == 0.0 {
+            KvIndexState::Current
+        } else if code == 2.0 {
+            KvIndexState::Stale
+        } else if code == 3.0 {
+            KvIndexState::Lagging
+        } else {
+            KvIndexState::Unknown
         }
     }
 

@@ -893,6 +893,8 @@ async fn each_rows_index_state_follows_its_events_and_the_policy_routes_load_onl
     assert_eq!(rows, ["1:0=unknown", "2:0=unknown"]);
 
     p1.prime(&router, 1).await;
+    // An engine that has run a while: when it restarts below, its new sequence is behind.
+    p2.seq = 1_000_000;
     p2.prime(&router, 2).await;
     assert!(eventually(WAIT, || index_state(&router, 2) == "current").await);
     assert_eq!(core_state(&router, 2), "current");
