@@ -52,6 +52,9 @@ pub(super) const LIMITS: Limits = Limits {
 };
 /// Least time between two warnings that a row's index went over its limit.
 const OVERFLOW_LOG_EVERY: Duration = Duration::from_secs(60);
+/// Least time between two lines that a row's index state changed (a lag hovering at the bound,
+/// or a publisher alternating gaps and clears, changes it per batch; the counter has them all).
+const STATE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Run `session`; a panic in it becomes its message (the subscriber then reconnects instead
 /// of leaving its row silently dead).
@@ -143,6 +146,8 @@ pub(super) struct Subscriber {
     overflow_logged: Option<Instant>,
     /// What the row's index state is derived from.
     trust: Trust,
+    /// Thins the state-change log lines.
+    state_log: router_core::log_limit::LogThrottle,
 }
 
 impl Subscriber {
@@ -166,6 +171,7 @@ impl Subscriber {
             max_indexed_blocks,
             overflow_logged: None,
             trust: Trust::default(),
+            state_log: router_core::log_limit::LogThrottle::new(),
         })
     }
 
@@ -244,15 +250,20 @@ impl Subscriber {
                 to: state.as_str(),
             })
             .inc();
+        let Some(left_out) = self.state_log.admit_now(STATE_LOG_EVERY) else {
+            return;
+        };
         // Stale is what an operator acts on; connects and lag come and go with the engine.
         let (worker, rank) = (self.spec.worker, self.spec.rank);
+        let (from, to) = (previous.as_str(), state.as_str());
         if state == KvIndexState::Stale {
             tracing::warn!(
                 worker,
                 dp_rank = rank,
-                from = previous.as_str(),
-                to = state.as_str(),
+                from,
+                to,
                 stale_clear_ms = self.spec.stale_clear_ms,
+                similar_lines_left_out = left_out,
                 "KV index state changed: batches were lost and not replayed; policies route \
                  load-only on this row until its entries are cleared"
             );
@@ -260,8 +271,9 @@ impl Subscriber {
             tracing::info!(
                 worker,
                 dp_rank = rank,
-                from = previous.as_str(),
-                to = state.as_str(),
+                from,
+                to,
+                similar_lines_left_out = left_out,
                 "KV index state changed"
             );
         }
@@ -727,6 +739,28 @@ mod tests {
             caught(async { std::panic::panic_any(5u8) }).await,
             Err::<(), _>("(no message)".to_owned())
         );
+    }
+
+    #[test]
+    fn the_index_state_is_the_first_rule_that_holds() {
+        let mut trust = Trust {
+            fresh: false,
+            stale_until: Some(Instant::now()),
+            lagging: true,
+            published: None,
+        };
+        assert_eq!(
+            trust.state(),
+            KvIndexState::Unknown,
+            "nothing since the connect"
+        );
+        trust.fresh = true;
+        assert_eq!(trust.state(), KvIndexState::Stale);
+        trust.stale_until = None;
+        assert_eq!(trust.state(), KvIndexState::Lagging);
+        trust.lagging = false;
+        assert_eq!(trust.state(), KvIndexState::Current);
+        assert_eq!(Trust::default().state(), KvIndexState::Unknown);
     }
 
     #[test]
