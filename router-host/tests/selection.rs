@@ -630,3 +630,36 @@ fn the_built_in_default_and_two_tier_route_load_only_on_a_row_whose_index_is_not
         );
     }
 }
+
+#[test]
+fn uncached_prefill_booking_books_the_whole_prompt_on_a_row_whose_index_is_not_current() {
+    use plugin_api::KvIndexState;
+    // booking.prefill: uncached (the default); block size 16; worker 1 holds 4 of the 5 blocks.
+    let config = RouterConfig::default();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+    let host = Host::new(router, Cluster::new(vec![Worker::new(1)]).unwrap(), &config);
+    let core = host.core();
+    core.apply_kv_batch((1..=4).map(|b| (row(1, 0), KvEventKind::Stored, b)));
+    let booked = |state| {
+        core.set_kv_index_state(row(1, 0), state);
+        let request = Request {
+            isl_tokens: 80,
+            blocks: vec![1, 2, 3, 4, 5],
+            ..Default::default()
+        };
+        let Ok(Submitted::Dispatched(routed)) = core.submit_indexed(request, false) else {
+            panic!("not dispatched");
+        };
+        let prefill = core.booked(row(1, 0)).active_prefill_tokens;
+        assert!(host.complete(routed.id));
+        prefill
+    };
+    assert_eq!(booked(KvIndexState::Current), 80 - 4 * 16);
+    for state in [
+        KvIndexState::Unknown,
+        KvIndexState::Stale,
+        KvIndexState::Lagging,
+    ] {
+        assert_eq!(booked(state), 80, "{state}");
+    }
+}

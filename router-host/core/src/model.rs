@@ -335,6 +335,13 @@ pub trait OverlapSource {
         let _ = rows;
         out.clear();
     }
+
+    /// `row`'s KV index state (what [`OverlapSource::kv_index_state_column`] sends for it);
+    /// current for sources without states.
+    fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
+        let _ = row;
+        plugin_api::KvIndexState::Current
+    }
 }
 
 /// Everything selection reads per row: the request's overlap (as an [`OverlapSource`], so the

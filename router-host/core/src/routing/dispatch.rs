@@ -515,15 +515,21 @@ impl RoutingCore {
     }
 
     /// What booking `request` on `row` adds to it (docs/routing-contract.md §7): the selector's
-    /// rule, reading the row's device overlap from `source` only if the rule asks for it.
+    /// rule, reading the row's device overlap from `source` only if the rule asks for it. A row
+    /// whose KV index is not current counts as caching nothing: its prefill is the whole prompt.
     fn charge<O: OverlapSource + ?Sized>(
         &self,
         request: &Request,
         row: RowId,
         source: &O,
     ) -> Charge {
-        self.selector
-            .charge(request.isl_tokens, &|| source.overlap(row).device)
+        self.selector.charge(request.isl_tokens, &|| {
+            if source.kv_index_state(row).is_current() {
+                source.overlap(row).device
+            } else {
+                0.0
+            }
+        })
     }
 
     /// The slot of `row` and its in-flight shard, locked, on the newest snapshot: while a shard

@@ -37,6 +37,10 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
     fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
         self.source.kv_index_state_column(rows, out);
     }
+
+    fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
+        self.source.kv_index_state(row)
+    }
 }
 
 impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
@@ -197,5 +201,12 @@ impl OverlapSource for IndexOverlap<'_> {
                 .slots(rows)
                 .map(|slot| slot.map_or(0.0, |slot| trust.get(slot).code())),
         );
+    }
+
+    fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
+        match (self.trust, self.topology.slot(row)) {
+            (Some(trust), Some(slot)) => trust.get(slot),
+            _ => plugin_api::KvIndexState::Current,
+        }
     }
 }
