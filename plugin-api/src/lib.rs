@@ -24,6 +24,9 @@
 //! - **1.3**: the indexed-blocks extra columns ([`KV_INDEXED_DEVICE_BLOCKS`] and its host and
 //!   disk siblings; [`Rows::kv_indexed_blocks`]): what each row's cache holds now. Older plugins
 //!   never look at them.
+//! - **1.4**: the [`KV_INDEX_STATE`] extra column ([`Rows::kv_index_trust`], [`KvIndexState`]):
+//!   whether each row's KV index is current, unknown, stale or lagging. Older plugins never
+//!   look at it and see the overlap columns they always saw.
 
 pub mod abi;
 mod columns;
@@ -38,9 +41,10 @@ pub use abi::{Inputs, RowId, API_VERSION};
 pub use columns::Columns;
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
-    AffinityTarget, Completion, Context, Dispatch, Explanation, IndexedBlocks, Load, Outcome,
-    Overlap, PickError, Policy, Role, Rows, ViewError, KV_CAPACITY_BLOCKS,
-    KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
+    AffinityTarget, Completion, Context, Dispatch, Explanation, IndexTrust, IndexedBlocks,
+    KvIndexState, Load, Outcome, Overlap, PickError, Policy, Role, Rows, ViewError,
+    KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
+    KV_INDEX_STATE, KV_LOAD_ONLY_SUFFIX,
 };
 
 #[doc(hidden)]

@@ -219,6 +219,173 @@ pub const KV_INDEXED_HOST_BLOCKS: &str = "kv_indexed_host_blocks";
 /// See [`KV_INDEXED_DEVICE_BLOCKS`].
 pub const KV_INDEXED_DISK_BLOCKS: &str = "kv_indexed_disk_blocks";
 
+/// Name of the extra column (since 1.4) holding how far the host trusts each row's KV index: a
+/// [`KvIndexState`] code per row (`0.0` current). Hosts send it with the CACHE columns when the
+/// overlap comes from a KV index they keep (serve, replay; not injected `select` scenarios);
+/// read it with [`Rows::kv_index_trust`].
+pub const KV_INDEX_STATE: &str = "kv_index_state";
+
+/// How far the host's KV index of a row can be trusted (the [`KV_INDEX_STATE`] column).
+///
+/// Only [`KvIndexState::Current`] overlap is what the row's engine caches as far as the host
+/// can know; on the other states the built-in policies and two-tier read the row's overlap as
+/// zero (load-only there). A code this crate does not know (from a newer host) reads as
+/// [`KvIndexState::Unknown`].
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvIndexState {
+    /// Events arrive in sequence and on time (also: the index is fed directly, as in replay).
+    #[default]
+    Current = 0,
+    /// Nothing known yet: before the first event after the subscriber (re)connected.
+    Unknown = 1,
+    /// A gap in the event sequence that replay could not fill: entries may be missing or
+    /// evicted already, until the host clears the row or the engine clears its cache.
+    Stale = 2,
+    /// Events arrive, but older than the host's bound (`kv_events.max_lag_ms`).
+    Lagging = 3,
+}
+
+impl KvIndexState {
+    pub const ALL: [KvIndexState; 4] = [
+        KvIndexState::Current,
+        KvIndexState::Unknown,
+        KvIndexState::Stale,
+        KvIndexState::Lagging,
+    ];
+
+    /// The state's code as sent in the [`KV_INDEX_STATE`] column.
+    #[inline]
+    pub fn code(self) -> f64 {
+        f64::from(self as u8)
+    }
+
+    /// The state of a column value; anything but a known code (NaN, a newer host's code) is
+    /// [`KvIndexState::Unknown`].
+    #[inline]
+    pub fn from_code(code: f64) -> KvIndexState {
+        if code == 0.0 {
+            KvIndexState::Current
+        } else if code == 2.0 {
+            KvIndexState::Stale
+        } else if code == 3.0 {
+            KvIndexState::Lagging
+        } else {
+            KvIndexState::Unknown
+        }
+    }
+
+    /// The state of a `u8` code (as kept per row by hosts); unknown codes as in
+    /// [`KvIndexState::from_code`].
+    #[inline]
+    pub fn from_u8(code: u8) -> KvIndexState {
+        KvIndexState::from_code(f64::from(code))
+    }
+
+    /// Its spelling in metrics, logs and `/ready`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvIndexState::Current => "current",
+            KvIndexState::Unknown => "unknown",
+            KvIndexState::Stale => "stale",
+            KvIndexState::Lagging => "lagging",
+        }
+    }
+
+    /// Whether a policy should use the row's overlap.
+    #[inline]
+    pub fn is_current(self) -> bool {
+        self == KvIndexState::Current
+    }
+}
+
+impl fmt::Display for KvIndexState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The reason suffix a policy appends when it read some row's overlap as zero because that
+/// row's KV index was not current ([`IndexTrust::discounted`]): `lowest_cost` becomes
+/// `lowest_cost_kv_load_only`.
+pub const KV_LOAD_ONLY_SUFFIX: &str = "_kv_load_only";
+
+/// Each row's [`KvIndexState`], read once per call ([`Rows::kv_index_trust`]). Without the
+/// column (hosts older than 1.4, injected scenarios) every row is current.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IndexTrust<'a> {
+    codes: Option<&'a [f64]>,
+}
+
+impl<'a> IndexTrust<'a> {
+    /// Every row current (what a host without the column means).
+    pub const ALL_CURRENT: IndexTrust<'static> = IndexTrust { codes: None };
+
+    /// Row `i`'s state.
+    #[inline]
+    pub fn state(&self, i: usize) -> KvIndexState {
+        match self.codes {
+            None => KvIndexState::Current,
+            Some(codes) => codes
+                .get(i)
+                .map_or(KvIndexState::Unknown, |&c| KvIndexState::from_code(c)),
+        }
+    }
+
+    /// Whether row `i`'s overlap may be used (its index is current). Hot path: one compare.
+    #[inline]
+    pub fn trusted(&self, i: usize) -> bool {
+        match self.codes {
+            None => true,
+            Some(codes) => codes.get(i).is_some_and(|&c| c == 0.0),
+        }
+    }
+
+    /// `value` where row `i` is trusted, else 0.
+    #[inline]
+    pub fn overlap(&self, i: usize, value: f64) -> f64 {
+        if self.trusted(i) {
+            value
+        } else {
+            0.0
+        }
+    }
+
+    /// The rows whose overlap a policy read as zero although the index said they cache some of
+    /// the prompt: `(index, state)`. Empty when every row is current. For explanations (off
+    /// the hot path).
+    pub fn discounted(&self, rows: &Rows<'_>) -> Vec<(usize, KvIndexState)> {
+        let Some(overlap) = rows.overlap() else {
+            return Vec::new();
+        };
+        (0..rows.len())
+            .filter(|&i| !self.trusted(i))
+            .filter(|&i| overlap.device[i] > 0.0 || overlap.host[i] > 0.0 || overlap.disk[i] > 0.0)
+            .map(|i| (i, self.state(i)))
+            .collect()
+    }
+
+    /// Add to `e` what [`IndexTrust::discounted`] found, if anything: the reason gets
+    /// [`KV_LOAD_ONLY_SUFFIX`], and the label `kv_load_only` lists the rows as
+    /// `worker:rank=state`. Unchanged when every row with overlap is current.
+    pub fn explain(&self, rows: &Rows<'_>, mut e: Explanation) -> Explanation {
+        let discounted = self.discounted(rows);
+        if discounted.is_empty() {
+            return e;
+        }
+        let list: Vec<String> = discounted
+            .iter()
+            .map(|&(i, state)| {
+                let row = rows.row(i);
+                format!("{}:{}={state}", row.worker_id, row.dp_rank)
+            })
+            .collect();
+        e.reason.push_str(KV_LOAD_ONLY_SUFFIX);
+        e.labels.push(("kv_load_only".to_owned(), list.join(",")));
+        e
+    }
+}
+
 /// What each row's cache holds, per tier, in blocks ([`Rows::kv_indexed_blocks`]).
 #[derive(Debug, Clone, Copy)]
 pub struct IndexedBlocks<'a> {
@@ -351,6 +518,15 @@ impl<'a> Rows<'a> {
             host: self.extra_column(KV_INDEXED_HOST_BLOCKS)?,
             disk: self.extra_column(KV_INDEXED_DISK_BLOCKS)?,
         })
+    }
+
+    /// Each row's [`KvIndexState`] (the [`KV_INDEX_STATE`] column): every row current from
+    /// hosts older than 1.4 and when the host keeps no KV index (injected scenarios).
+    #[inline]
+    pub fn kv_index_trust(&self) -> IndexTrust<'a> {
+        IndexTrust {
+            codes: self.extra_column(KV_INDEX_STATE),
+        }
     }
 
     /// A per-row signal added by a newer 1.x host, by name.

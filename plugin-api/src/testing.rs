@@ -219,6 +219,13 @@ impl TestRows {
             .extra_column(crate::KV_INDEXED_DISK_BLOCKS, zeros)
     }
 
+    /// The [`crate::KV_INDEX_STATE`] column: each row's KV-index state (sent with the CACHE
+    /// columns, as hosts do).
+    pub fn kv_index_states(self, states: &[crate::KvIndexState]) -> Self {
+        let codes = states.iter().map(|s| s.code()).collect();
+        self.extra_column(crate::KV_INDEX_STATE, codes)
+    }
+
     pub fn len(&self) -> usize {
         self.columns.len()
     }
@@ -249,9 +256,18 @@ impl TestRows {
 
     /// The view with the extra columns too, handed to `f`.
     fn with_view<R>(&self, inputs: Inputs, f: impl FnOnce(&RawCandidateView<'_>) -> R) -> R {
-        let extra: Vec<ExtraColumn<'_>> = if inputs.contains(Inputs::LOAD) {
+        // As hosts send them: the index states with the CACHE columns, the others with LOAD.
+        let sent = |name: &str| {
+            if name == crate::KV_INDEX_STATE {
+                inputs.contains(Inputs::CACHE)
+            } else {
+                inputs.contains(Inputs::LOAD)
+            }
+        };
+        let extra: Vec<ExtraColumn<'_>> = if inputs != Inputs::NONE {
             self.extra
                 .iter()
+                .filter(|(name, _)| sent(name))
                 .map(|(name, values)| ExtraColumn {
                     name: RStr::from_str(name),
                     values: RSlice::from_slice(values),

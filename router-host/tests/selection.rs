@@ -500,3 +500,166 @@ fn the_indexed_blocks_columns_count_what_each_row_holds_from_kv_events() {
     );
     assert_eq!(indexed_seen(&host), pairs(&[("1:0", "none")]));
 }
+
+/// The probe's `kv_index_state` label by row, from one decision through the core's KV index.
+fn states_seen(host: &Host) -> Vec<(String, String)> {
+    let request = Request {
+        isl_tokens: 64,
+        blocks: vec![1, 2, 3, 4],
+        ..Default::default()
+    };
+    let routed = match host.core().submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    assert!(host.complete(routed.id));
+    let e = routed.decision.explanation.expect("probe explains");
+    let rows = e.get_label("row_list").expect("row_list").split(',');
+    let label = e.get_label("kv_index_state").expect("label");
+    if label == "none" {
+        return rows.map(|r| (r.to_string(), "none".to_string())).collect();
+    }
+    let values: Vec<&str> = label.split(',').collect();
+    rows.zip(values)
+        .map(|(r, v)| (r.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn the_index_state_column_reaches_a_plugin_with_the_cache_columns_aligned_with_its_rows() {
+    use plugin_api::KvIndexState;
+    let cluster = || Cluster::new(vec![Worker::new(1).with_ranks(0, 2), Worker::new(2)]).unwrap();
+    let config = RouterConfig::default();
+    let host = Host::new(probe("{inputs: [cache]}"), cluster(), &config);
+    // Rows nobody feeds are current.
+    assert_eq!(
+        sorted(states_seen(&host)),
+        pairs(&[("1:0", "current"), ("1:1", "current"), ("2:0", "current")])
+    );
+    let core = host.core();
+    assert_eq!(
+        core.set_kv_index_state(row(1, 1), KvIndexState::Stale),
+        Some(KvIndexState::Current)
+    );
+    core.set_kv_index_state(row(2, 0), KvIndexState::Lagging);
+    assert_eq!(
+        core.set_kv_index_state(row(9, 0), KvIndexState::Stale),
+        None
+    );
+    assert_eq!(core.kv_index_state(row(1, 1)), Some(KvIndexState::Stale));
+    assert_eq!(
+        sorted(states_seen(&host)),
+        pairs(&[("1:0", "current"), ("1:1", "stale"), ("2:0", "lagging")])
+    );
+    // A removed worker's slot is current again for whoever gets it next.
+    core.remove_worker(2).unwrap();
+    core.add_worker(Worker::new(3)).unwrap();
+    assert_eq!(core.kv_index_state(row(3, 0)), Some(KvIndexState::Current));
+    // Only with the overlap columns: a load-only policy reads no overlap to distrust.
+    let host = Host::new(probe("{inputs: [load]}"), cluster(), &config);
+    host.core()
+        .set_kv_index_state(row(2, 0), KvIndexState::Stale);
+    assert!(states_seen(&host).iter().all(|(_, s)| s == "none"));
+}
+
+/// The row each policy picks for a prompt worker 2 holds, through the core's KV index, and
+/// the reason, with worker 2's index in `state`.
+fn picked_with_index_state(router: PolicySet, state: plugin_api::KvIndexState) -> (u64, String) {
+    let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
+    let host = Host::new(router, cluster, &RouterConfig::default());
+    let core = host.core();
+    core.apply_kv_batch((1..=4).map(|b| (row(2, 0), KvEventKind::Stored, b)));
+    core.set_kv_index_state(row(2, 0), state);
+    // Worker 2 already runs a request: without its overlap, worker 1 is the better row.
+    let busy = Request {
+        isl_tokens: 16,
+        pinned_worker: Some(row(2, 0)),
+        ..Default::default()
+    };
+    let Ok(Submitted::Dispatched(_held)) = core.submit_indexed(busy, false) else {
+        panic!("the pinned request was not dispatched");
+    };
+    let request = Request {
+        isl_tokens: 64,
+        blocks: vec![1, 2, 3, 4],
+        ..Default::default()
+    };
+    let routed = match core.submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    let reason = routed.decision.explanation.expect("explained").reason;
+    (routed.decision.row.worker_id, reason)
+}
+
+#[test]
+fn the_built_in_default_and_two_tier_route_load_only_on_a_row_whose_index_is_not_current() {
+    use plugin_api::KvIndexState;
+    let builtin = || {
+        let config = RouterConfig::default();
+        PolicySet::from_config(&config, &SearchPath::default()).expect("router starts")
+    };
+    let two_tier = || {
+        policy_set(
+            &["two_tier_cost_fn"],
+            "    - {name: p, type: dynamo-two-tier-cost-fn}\n",
+        )
+    };
+    assert_eq!(
+        picked_with_index_state(builtin(), KvIndexState::Current),
+        (2, "lowest_cost".to_string())
+    );
+    assert_eq!(
+        picked_with_index_state(two_tier(), KvIndexState::Current),
+        (2, "cache_tier_least_loaded_among_max_overlap".to_string())
+    );
+    for state in [
+        KvIndexState::Unknown,
+        KvIndexState::Stale,
+        KvIndexState::Lagging,
+    ] {
+        assert_eq!(
+            picked_with_index_state(builtin(), state),
+            (1, "lowest_cost_kv_load_only".to_string()),
+            "{state}"
+        );
+        assert_eq!(
+            picked_with_index_state(two_tier(), state),
+            (1, "least_loaded_no_cache_winner_kv_load_only".to_string()),
+            "{state}"
+        );
+    }
+}
+
+#[test]
+fn uncached_prefill_booking_books_the_whole_prompt_on_a_row_whose_index_is_not_current() {
+    use plugin_api::KvIndexState;
+    // booking.prefill: uncached (the default); block size 16; worker 1 holds 4 of the 5 blocks.
+    let config = RouterConfig::default();
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+    let host = Host::new(router, Cluster::new(vec![Worker::new(1)]).unwrap(), &config);
+    let core = host.core();
+    core.apply_kv_batch((1..=4).map(|b| (row(1, 0), KvEventKind::Stored, b)));
+    let booked = |state| {
+        core.set_kv_index_state(row(1, 0), state);
+        let request = Request {
+            isl_tokens: 80,
+            blocks: vec![1, 2, 3, 4, 5],
+            ..Default::default()
+        };
+        let Ok(Submitted::Dispatched(routed)) = core.submit_indexed(request, false) else {
+            panic!("not dispatched");
+        };
+        let prefill = core.booked(row(1, 0)).active_prefill_tokens;
+        assert!(host.complete(routed.id));
+        prefill
+    };
+    assert_eq!(booked(KvIndexState::Current), 80 - 4 * 16);
+    for state in [
+        KvIndexState::Unknown,
+        KvIndexState::Stale,
+        KvIndexState::Lagging,
+    ] {
+        assert_eq!(booked(state), 80, "{state}");
+    }
+}

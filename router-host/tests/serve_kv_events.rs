@@ -88,11 +88,23 @@ impl Publisher {
     }
 }
 
+/// A batch stamped now, as vLLM stamps its batches (`time.time()`).
 fn payload(events: Vec<Value>) -> Vec<u8> {
+    payload_at(now_secs(), events)
+}
+
+fn now_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs_f64()
+}
+
+fn payload_at(ts: f64, events: Vec<Value>) -> Vec<u8> {
     let mut out = Vec::new();
     rmpv::encode::write_value(
         &mut out,
-        &Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::from(0)]),
+        &Value::Array(vec![Value::F64(ts), Value::Array(events), Value::from(0)]),
     )
     .expect("encode");
     out
@@ -698,6 +710,7 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
     );
     assert_eq!(kv.topic, "");
     assert_eq!(kv.max_indexed_blocks, 1 << 20);
+    assert_eq!((kv.max_lag_ms, kv.stale_clear_ms), (5_000, 30_000));
     assert_eq!(ok.workers[0].block_size, 32);
 
     let cases = [
@@ -725,6 +738,16 @@ fn kv_events_configuration_is_checked_with_file_line_and_key() {
             "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      max_indexed_blocks: 0\n",
             "max_indexed_blocks",
             "an integer >= 1",
+        ),
+        (
+            "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      max_lag_ms: 0\n",
+            "max_lag_ms",
+            "an integer from 1 to 86400000",
+        ),
+        (
+            "    kv_events:\n      endpoint: tcp://127.0.0.1:5557\n      stale_clear_ms: 86400001\n",
+            "stale_clear_ms",
+            "an integer from 1 to 86400000",
         ),
     ];
     for (extra, key, why) in cases {
@@ -757,5 +780,224 @@ async fn a_reload_keeps_the_rows_blocks_in_the_new_configuration() {
         router.metric("router_kv_event_gaps_total{worker=\"1\",dp_rank=\"0\"}"),
         0.0
     );
+    router.stop().await;
+}
+
+/// `router_kv_index_state` of worker `worker`'s rank 0: the state whose gauge is 1 (and the
+/// others' 0).
+fn index_state(router: &TestRouter, worker: u64) -> &'static str {
+    let mut on = Vec::new();
+    for state in ["current", "unknown", "stale", "lagging"] {
+        let sample =
+            format!("router_kv_index_state{{worker=\"{worker}\",dp_rank=\"0\",state=\"{state}\"}}");
+        if router.metric(&sample) == 1.0 {
+            on.push(state);
+        }
+    }
+    match on.as_slice() {
+        [state] => state,
+        [] => "none",
+        _ => "several",
+    }
+}
+
+fn transitions(router: &TestRouter, worker: u64, from: &str, to: &str) -> f64 {
+    router.metric(&format!(
+        "router_kv_index_state_transitions_total{{worker=\"{worker}\",dp_rank=\"0\",from=\"{from}\",to=\"{to}\"}}"
+    ))
+}
+
+/// The core's own state of worker `worker`'s rank 0 (what decisions read).
+fn core_state(router: &TestRouter, worker: u64) -> &'static str {
+    router
+        .handle
+        .loaded()
+        .host
+        .core()
+        .kv_index_state(router_core::model::RowId {
+            worker_id: worker,
+            dp_rank: 0,
+        })
+        .map_or("none", |s| s.as_str())
+}
+
+/// `/ready`'s status and its `kv_index` list as `worker:rank=state`.
+async fn ready_kv_index(router: &TestRouter) -> (u16, Vec<String>) {
+    let response = client()
+        .get(router.url("/ready"))
+        .send()
+        .await
+        .expect("GET /ready");
+    let status = response.status().as_u16();
+    let bytes = response.bytes().await.expect("the body");
+    let body: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON body");
+    let rows = body["kv_index"]
+        .as_array()
+        .expect("kv_index list")
+        .iter()
+        .map(|r| {
+            format!(
+                "{}:{}={}",
+                r["worker"],
+                r["dp_rank"],
+                r["state"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    (status, rows)
+}
+
+/// Where a request for `tokens` goes, and why.
+async fn route(router: &TestRouter, tokens: &[u32]) -> (String, String) {
+    let response = post(
+        &client(),
+        &router.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": tokens}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let routed = (
+        header(&response, "x-router-worker"),
+        header(&response, "x-router-reason"),
+    );
+    let _ = response.bytes().await;
+    routed
+}
+
+/// Each row's index state, end to end: unknown before the first batch and after a disconnect;
+/// current while batches come in order; stale after a gap with no replay endpoint, until the
+/// engine clears its cache or `stale_clear_ms` clears the row; lagging while batches come
+/// later than `max_lag_ms`. Metrics, the core, `/ready` and the decisions follow it, and the
+/// built-in policy does not prefer the row holding the prompt while it is not current.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rows_index_state_follows_its_events_and_the_policy_routes_load_only_there() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
+    let port2 = p2.port;
+    // Ties go to the lowest row, so a decision without overlap is worker 1's.
+    let config = yaml(&[(&e1, &p1), (&e2, &p2)])
+        .replace(
+            "block_size: 4\n",
+            "block_size: 4\ndefault_selector:\n  tie_break: lowest_row\n",
+        )
+        .replace(
+            "      topic: kv\n",
+            "      topic: kv\n      stale_clear_ms: 1000\n",
+        );
+    let router = TestRouter::start("serve_kv_trust", &config).await;
+    // Before any batch: unknown, though the router is ready.
+    assert!(eventually(WAIT, || index_state(&router, 2) == "unknown").await);
+    assert_eq!(core_state(&router, 2), "unknown");
+    let (status, rows) = ready_kv_index(&router).await;
+    assert_eq!(status, 200);
+    assert_eq!(rows, ["1:0=unknown", "2:0=unknown"]);
+
+    p1.prime(&router, 1).await;
+    // An engine that has run a while: when it restarts below, its new sequence is behind.
+    p2.seq = 1_000_000;
+    p2.prime(&router, 2).await;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "current").await);
+    assert_eq!(core_state(&router, 2), "current");
+    assert_eq!(transitions(&router, 2, "unknown", "current"), 1.0);
+    assert_eq!(
+        ready_kv_index(&router).await.1,
+        ["1:0=current", "2:0=current"]
+    );
+
+    let tokens: Vec<u32> = (1..=8).collect();
+    let ids = prompt_ids(&tokens);
+    p2.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 2, &ids) == 2).await);
+    assert_eq!(
+        route(&router, &tokens).await,
+        ("2".into(), "lowest_cost".into())
+    );
+
+    // A gap, no replay endpoint: stale. The prompt's row is not preferred for it any more.
+    p2.send_seq(p2.seq + 3, vec![]).await;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "stale").await);
+    assert_eq!(core_state(&router, 2), "stale");
+    assert_eq!(
+        held(&router, 2, &ids),
+        2,
+        "the entries are kept, just not trusted"
+    );
+    assert_eq!(
+        route(&router, &tokens).await,
+        ("1".into(), "lowest_cost_kv_load_only".into())
+    );
+    let (status, rows) = ready_kv_index(&router).await;
+    assert_eq!(
+        (status, rows),
+        (200, vec!["1:0=current".into(), "2:0=stale".into()])
+    );
+
+    // The engine cleared its cache: what comes from now on is the whole truth.
+    p2.send(vec![cleared(), stored_map(&[1, 2], None, &tokens, 4)])
+        .await;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "current").await);
+    assert_eq!(transitions(&router, 2, "stale", "current"), 1.0);
+    assert_eq!(
+        route(&router, &tokens).await,
+        ("2".into(), "lowest_cost".into())
+    );
+
+    // Another gap: stale until stale_clear_ms (1 s) clears the row; then current, empty.
+    let gapped = std::time::Instant::now();
+    p2.send_seq(p2.seq + 2, vec![]).await;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "stale").await);
+    assert!(eventually(WAIT, || index_state(&router, 2) == "current").await);
+    assert!(
+        gapped.elapsed() >= Duration::from_millis(1000),
+        "cleared after {:?}, before stale_clear_ms",
+        gapped.elapsed()
+    );
+    assert_eq!(held(&router, 2, &ids), 0);
+    assert_eq!(
+        router.metric("router_kv_row_clears_total{worker=\"2\",dp_rank=\"0\",kind=\"stale\"}"),
+        1.0
+    );
+    assert_eq!(transitions(&router, 2, "stale", "current"), 2.0);
+
+    // Batches older than max_lag_ms (5 s): lagging; on time again: current.
+    p2.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    assert!(eventually(WAIT, || held(&router, 2, &ids) == 2).await);
+    let seq = p2.seq;
+    p2.frames(vec![
+        b"kv@test".to_vec(),
+        seq.to_be_bytes().to_vec(),
+        payload_at(now_secs() - 30.0, vec![]),
+    ])
+    .await;
+    p2.seq += 1;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "lagging").await);
+    assert_eq!(
+        route(&router, &tokens).await,
+        ("1".into(), "lowest_cost_kv_load_only".into())
+    );
+    p2.send(vec![]).await;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "current").await);
+    assert_eq!(transitions(&router, 2, "lagging", "current"), 1.0);
+
+    // The publisher goes away: unknown, and /ready still 200.
+    drop(p2);
+    assert!(eventually(WAIT, || index_state(&router, 2) == "unknown").await);
+    assert_eq!(core_state(&router, 2), "unknown");
+    let (status, rows) = ready_kv_index(&router).await;
+    assert_eq!(
+        (status, rows),
+        (200, vec!["1:0=current".into(), "2:0=unknown".into()])
+    );
+    assert_eq!(
+        route(&router, &tokens).await,
+        ("1".into(), "lowest_cost_kv_load_only".into())
+    );
+    // Back (a restarted engine, its sequence from 0): the first batch makes it current.
+    let mut p2 = Publisher::bind(port2).await;
+    p2.prime(&router, 2).await;
+    assert!(eventually(WAIT, || index_state(&router, 2) == "current").await);
+    assert_eq!(core_state(&router, 2), "current");
+    assert_eq!(transitions(&router, 2, "unknown", "current"), 2.0);
+    assert_eq!(index_state(&router, 1), "current");
     router.stop().await;
 }

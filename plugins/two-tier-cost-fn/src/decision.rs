@@ -2,7 +2,7 @@
 //!
 //! Allocation-free: a row set is a predicate over row indices, and each tier run is one pass.
 
-use plugin_api::{ties, AffinityTarget, PickError, RowId, Rows};
+use plugin_api::{ties, AffinityTarget, IndexTrust, PickError, RowId, Rows};
 
 use crate::params::{LoadSignal, ResolvedParams};
 
@@ -148,6 +148,8 @@ pub struct Columns<'a> {
     kv_capacity: Option<&'a [f64]>,
     /// What [`ties::room_rank`] reads, when the host sent the indexed blocks.
     room: Option<ties::RoomColumns<'a>>,
+    /// Each row's KV-index state: a row not current has no overlap here (load-only).
+    trust: IndexTrust<'a>,
 }
 
 /// What the request asks of a row, for [`LoadSignal::PrefillBacklog`]: its prompt tokens and
@@ -185,6 +187,7 @@ impl<'a> Columns<'a> {
             decode: load.decode_blocks,
             kv_capacity: rows.kv_capacity_blocks(),
             room: ties::RoomColumns::of(rows),
+            trust: rows.kv_index_trust(),
         })
     }
 
@@ -209,6 +212,7 @@ impl<'a> Columns<'a> {
             decode: self.decode,
             kv_capacity: self.kv_capacity,
             room: self.room,
+            trust: self.trust,
         }
     }
 
@@ -281,9 +285,14 @@ impl<'a> Columns<'a> {
     }
 
     /// `device + weight * host`. A NaN (no meaningful overlap) counts as nothing cached, which
-    /// also keeps the comparisons below total.
+    /// also keeps the comparisons below total; so does a row whose KV index is not current
+    /// (every tier, the soft-affinity cache gate and `kv_capacity_limit`'s move rule read the
+    /// overlap here).
     #[inline]
     fn effective_overlap(&self, i: usize, host_weight: f64) -> f64 {
+        if !self.trust.trusted(i) {
+            return 0.0;
+        }
         let eff = self.device[i] + host_weight * self.host[i];
         if eff.is_nan() {
             0.0

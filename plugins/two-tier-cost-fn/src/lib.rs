@@ -93,6 +93,7 @@ impl TwoTierCostFn {
             .label("max_overlap_row", row_label(rows.row(all.max_overlap_row)))
             .label("soft_affinity", decision.soft_affinity.as_str())
             .label("tie_break", p.tie_break.as_str());
+        e = rows.kv_index_trust().explain(rows, e);
         if p.respect_soft_affinity && p.soft_affinity_load_gate {
             e = e
                 .field("soft_affinity_gate_abs", p.soft_affinity_gate_abs as f64)

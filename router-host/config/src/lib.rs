@@ -75,7 +75,10 @@ pub use sessions::{
     check_redis_url, redact_url, OnStoreUnavailable, RedisStoreConfig, SessionAffinityConfig,
     SessionStoreConfig,
 };
-pub use workers::{FileVersion, KvEventsConfig, WorkerConfig, WorkersFile};
+pub use workers::{
+    FileVersion, KvEventsConfig, WorkerConfig, WorkersFile, DEFAULT_MAX_LAG_MS,
+    DEFAULT_STALE_CLEAR_MS,
+};
 // `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;
 pub use router_core::select::PrefillBooking;

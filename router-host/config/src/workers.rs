@@ -54,6 +54,12 @@ pub struct KvEventsConfig {
     /// Most blocks indexed per rank and tier (on the device, the engine's known KV capacity
     /// plus a quarter plus 64 blocks, when that is smaller).
     pub max_indexed_blocks: u64,
+    /// A row whose batches arrive more than this many ms after their timestamp is `lagging`
+    /// (docs/serve.md, "KV index states").
+    pub max_lag_ms: u64,
+    /// How long a row stays `stale` after a gap replay could not fill before its entries are
+    /// cleared and it is `current` again with what arrives from then on.
+    pub stale_clear_ms: u64,
 }
 
 /// Default `kv_events.max_indexed_blocks`: above the device cache of real engines (a 7-8B
@@ -61,6 +67,21 @@ pub struct KvEventsConfig {
 /// and of a host offload tier of a few hundred GB, while bounding one rank's tier to about
 /// 150 MB of index.
 pub const DEFAULT_MAX_INDEXED_BLOCKS: u64 = 1 << 20;
+
+/// Default `kv_events.max_lag_ms`: a batch reaches the router within a millisecond on loopback
+/// (two mock engines behind `serve`, 200 requests: `router_kv_event_lag_seconds` under 1 ms),
+/// a few ms on a LAN, and NTP keeps hosts within tens of ms of each other; 5 s is two orders of
+/// magnitude above that, so only a real backlog (or an engine clock that is badly off, which
+/// the lag gauge then shows) makes a row lagging.
+pub const DEFAULT_MAX_LAG_MS: u64 = 5_000;
+
+/// Default `kv_events.stale_clear_ms`: two scrapes at Prometheus' usual 15 s interval see the
+/// row stale, and the row routes load-only for at most that long before its index starts
+/// over from what arrives.
+pub const DEFAULT_STALE_CLEAR_MS: u64 = 30_000;
+
+/// Upper bound of the `kv_events` times in ms: a day.
+const MAX_KV_EVENTS_MS: u64 = 86_400_000;
 
 impl KvEventsConfig {
     /// The endpoint of `rank`: the port plus the rank.
@@ -127,6 +148,10 @@ pub(super) struct RawKvEvents {
     topic: Option<String>,
     #[serde(default, deserialize_with = "de_positive")]
     max_indexed_blocks: Option<u64>,
+    #[serde(default, deserialize_with = "de_kv_ms")]
+    max_lag_ms: Option<u64>,
+    #[serde(default, deserialize_with = "de_kv_ms")]
+    stale_clear_ms: Option<u64>,
 }
 
 /// Accepts a ZMQ endpoint the router connects to (see [`check_zmq_endpoint`]).
@@ -188,6 +213,10 @@ fn de_worker_id<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 
 fn de_positive<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 1, u64::MAX)
+}
+
+fn de_kv_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, MAX_KV_EVENTS_MS)
 }
 
 /// Accepts an `http://` or `https://` URL with a host and no query or fragment; returns it
@@ -300,6 +329,8 @@ impl Builder<'_> {
                         max_indexed_blocks: raw
                             .max_indexed_blocks
                             .unwrap_or(DEFAULT_MAX_INDEXED_BLOCKS),
+                        max_lag_ms: raw.max_lag_ms.unwrap_or(DEFAULT_MAX_LAG_MS),
+                        stale_clear_ms: raw.stale_clear_ms.unwrap_or(DEFAULT_STALE_CLEAR_MS),
                     };
                     let last_rank = dp_size.saturating_sub(1);
                     let endpoints = std::iter::once(("endpoint", Some(&config.endpoint))).chain(

@@ -327,6 +327,21 @@ pub trait OverlapSource {
         let _ = rows;
         out.iter_mut().for_each(Vec::clear);
     }
+
+    /// Each row's [`plugin_api::KvIndexState`] code (`kv_index_state`), `out` made as long as
+    /// `rows`, when the overlap comes from a KV index whose rows have a trust state. Left empty
+    /// otherwise (injected rows), and then no column is sent: every row counts as current.
+    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        let _ = rows;
+        out.clear();
+    }
+
+    /// `row`'s KV index state (what [`OverlapSource::kv_index_state_column`] sends for it);
+    /// current for sources without states.
+    fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
+        let _ = row;
+        plugin_api::KvIndexState::Current
+    }
 }
 
 /// Everything selection reads per row: the request's overlap (as an [`OverlapSource`], so the

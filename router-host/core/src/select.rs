@@ -8,7 +8,7 @@
 use plugin_api::abi::{CompleteEvent, DispatchEvent, PickFailure, PickFailureKind};
 use plugin_api::{
     Columns, Explanation, Inputs, KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS,
-    KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
+    KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS, KV_INDEX_STATE,
 };
 
 use crate::eligibility::EligibilityError;
@@ -250,18 +250,22 @@ pub struct RowColumns {
     /// `kv_indexed_{device,host,disk}_blocks`, sent with the LOAD columns; empty when the
     /// overlap does not come from a KV index (then they are not sent).
     pub kv_indexed_blocks: [Vec<f64>; 3],
+    /// `kv_index_state`, sent with the CACHE columns; empty when the overlap does not come from
+    /// a KV index (then it is not sent, and plugins take every row as current).
+    pub kv_index_state: Vec<f64>,
 }
 
 impl RowColumns {
     /// The extra columns by their ABI names, in the order they are sent; an empty one is not
     /// sent.
-    pub fn extra(&self) -> [(&'static str, &[f64]); 4] {
+    pub fn extra(&self) -> [(&'static str, &[f64]); 5] {
         let [device, host, disk] = &self.kv_indexed_blocks;
         [
             (KV_CAPACITY_BLOCKS, &self.kv_capacity_blocks),
             (KV_INDEXED_DEVICE_BLOCKS, device),
             (KV_INDEXED_HOST_BLOCKS, host),
             (KV_INDEXED_DISK_BLOCKS, disk),
+            (KV_INDEX_STATE, &self.kv_index_state),
         ]
     }
 }
@@ -297,6 +301,9 @@ impl Scratch {
         fill(&mut c.disk, cache);
         if cache > 0 {
             signals.overlap_columns(rows, c);
+            signals.kv_index_state_column(rows, &mut self.columns.kv_index_state);
+        } else {
+            self.columns.kv_index_state.clear();
         }
         let load = if inputs.contains(Inputs::LOAD) {
             rows.len()

@@ -8,8 +8,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use plugin_api::{
-    check, ties, Context, CreateError, Explanation, Inputs, ParamDoc, Parameters, PickError,
-    Policy, RowId, Rows,
+    check, ties, Context, CreateError, Explanation, IndexTrust, Inputs, ParamDoc, Parameters,
+    PickError, Policy, RowId, Rows,
 };
 use serde::Deserialize;
 
@@ -227,13 +227,16 @@ impl DefaultSelector {
     /// `prefill_load_scale * (max(0, (active_prefill_tokens + isl) / block_size - credit)
     ///  - (overlap_credit - 1) * device) + decode_blocks
     ///  + decode_active_request_weight * active_requests`.
-    fn cost(&self, ctx: &Context<'_>, rows: &Rows<'_>, i: usize) -> f64 {
+    ///
+    /// A row whose KV index is not current (`trust`) is priced load-only: its overlap reads 0.
+    fn cost(&self, ctx: &Context<'_>, rows: &Rows<'_>, trust: &IndexTrust<'_>, i: usize) -> f64 {
         let (Some(overlap), Some(load)) = (rows.overlap(), rows.load()) else {
             return 0.0;
         };
-        let credit = overlap.device[i]
-            + self.host_weight * overlap.host[i]
-            + self.disk_weight * overlap.disk[i];
+        let device = trust.overlap(i, overlap.device[i]);
+        let credit = device
+            + self.host_weight * trust.overlap(i, overlap.host[i])
+            + self.disk_weight * trust.overlap(i, overlap.disk[i]);
         let block_size = f64::from(ctx.block_size().max(1));
         let mut prefill = ((load.active_prefill_tokens[i] as f64 + ctx.prompt_tokens() as f64)
             / block_size
@@ -244,7 +247,6 @@ impl DefaultSelector {
         // exactly 1.0, so the formula, NaN handling included, is the 1.0 one.)
         let bonus = self.overlap_credit - 1.0;
         if bonus != 0.0 {
-            let device = overlap.device[i];
             prefill -= bonus * if device.is_nan() { 0.0 } else { device };
         }
         self.prefill_load_scale * prefill
@@ -279,9 +281,10 @@ impl DefaultSelector {
             TieBreak::LowestRow => (0, None),
             TieBreak::Spread => (ties::request_key(ctx), ties::RoomColumns::of(rows)),
         };
+        let trust = rows.kv_index_trust();
         let mut best: Option<(usize, f64, (i64, u64, RowId))> = None;
         for i in 0..rows.len() {
-            let cost = self.cost(ctx, rows, i);
+            let cost = self.cost(ctx, rows, &trust, i);
             let key = self.tie_key(request, room.as_ref(), i, rows.row(i));
             let better = match best {
                 None => true,
@@ -326,7 +329,7 @@ impl Policy for DefaultSelector {
         if self.tie_break != TieBreak::LowestRow {
             e = e.label("tie_break", self.tie_break.as_str());
         }
-        Some(e)
+        Some(rows.kv_index_trust().explain(rows, e))
     }
 }
 
@@ -462,6 +465,46 @@ mod tests {
                 dp_rank: 0
             }
         );
+    }
+
+    #[test]
+    fn default_prices_a_row_whose_index_is_not_current_load_only() {
+        use plugin_api::KvIndexState;
+        let request = TestRequest::new(160, 16);
+        // Worker 41 holds 6 of the 10 prompt blocks (cost 4 against 10) but one more request.
+        let rows = || {
+            TestRows::new(vec![
+                TestRow::new(29, 0),
+                TestRow::new(41, 0).device(6.0).host(2.0).active(1),
+            ])
+        };
+        for settings in [BuiltinSettings::dynamo(), BuiltinSettings::default()] {
+            let policy = DefaultSelector::new(&settings);
+            let current = rows().kv_index_states(&[KvIndexState::Current; 2]);
+            assert_eq!(
+                current.pick_worker(&policy, &request).unwrap().worker_id,
+                41
+            );
+            let e = current.explain(&policy, &request).unwrap();
+            assert_eq!(e.reason, "lowest_cost");
+            assert_eq!(e.get_label("kv_load_only"), None);
+            for state in [
+                KvIndexState::Unknown,
+                KvIndexState::Stale,
+                KvIndexState::Lagging,
+            ] {
+                let rows = rows().kv_index_states(&[KvIndexState::Current, state]);
+                // Without its overlap 41 costs what 29 does and carries more load.
+                assert_eq!(
+                    rows.pick_worker(&policy, &request).unwrap().worker_id,
+                    29,
+                    "{state}"
+                );
+                let e = rows.explain(&policy, &request).unwrap();
+                assert_eq!(e.reason, "lowest_cost_kv_load_only");
+                assert_eq!(e.get_label("kv_load_only"), Some(&*format!("41:0={state}")));
+            }
+        }
     }
 
     #[test]

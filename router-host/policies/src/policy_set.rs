@@ -326,13 +326,14 @@ impl PolicySet {
             extensions: RSlice::EMPTY,
         };
         let mut view = scratch.columns.view.view(instance.inputs);
-        // Each extra column is filled (with the LOAD columns) only when the host knows it: the
-        // capacity when some worker's is known, the indexed blocks when a KV index answers.
+        // Each extra column is filled only when the host knows it: the capacity when some
+        // worker's is known, the indexed blocks (with LOAD) and the index states (with CACHE)
+        // when a KV index answers.
         let named = scratch.columns.extra();
         let mut extra = [ExtraColumn {
             name: RStr::from_str(""),
             values: RSlice::EMPTY,
-        }; 4];
+        }; 5];
         let mut sent = 0;
         for (name, values) in named.into_iter().filter(|(_, v)| !v.is_empty()) {
             extra[sent] = ExtraColumn {

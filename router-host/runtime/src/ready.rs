@@ -1,7 +1,9 @@
 //! What `/ready` reports, for every front end: whether the router can route now (a
 //! configuration loaded, an engine healthy and not draining, not stopping, every role with a policy instance
-//! that can serve it), and the engines and policy instances behind that answer. Each front
-//! end answers it in its own framing (`200` when ready, `503` when not).
+//! that can serve it), and the engines and policy instances behind that answer, and each KV
+//! index row's state (which never changes the answer: a row not current is routed load-only,
+//! not refused). Each front end answers it in its own framing (`200` when ready, `503` when
+//! not).
 
 use crate::app::App;
 
@@ -100,6 +102,35 @@ fn policy_states(router: &router_policies::policy_set::PolicySet) -> PolicyState
     states
 }
 
+/// Each row with `kv_events` configured and its KV index state, as decisions read it now
+/// (rows without events are not indexed and not listed).
+fn kv_index_states(loaded: &crate::state::LoadedConfig) -> Vec<serde_json::Value> {
+    let core = loaded.host.core();
+    let mut rows = Vec::new();
+    for w in loaded
+        .config
+        .workers
+        .iter()
+        .filter(|w| w.kv_events.is_some())
+    {
+        for rank in 0..w.dp_size {
+            let row = router_core::model::RowId {
+                worker_id: w.id,
+                dp_rank: rank,
+            };
+            let Some(state) = core.kv_index_state(row) else {
+                continue;
+            };
+            rows.push(serde_json::json!({
+                "worker": w.id,
+                "dp_rank": rank,
+                "state": state.as_str(),
+            }));
+        }
+    }
+    rows
+}
+
 /// The readiness of `app` now.
 pub fn readiness(app: &App) -> Readiness {
     let loaded = app.current.load();
@@ -138,6 +169,7 @@ pub fn readiness(app: &App) -> Readiness {
         "policies": policies.instances,
         "out_of_service": policies.out_of_service,
         "unservable_roles": policies.unservable_roles,
+        "kv_index": kv_index_states(&loaded),
     });
     Readiness { ready, body }
 }

@@ -2,6 +2,7 @@
 
 mod behaviour;
 mod conformance;
+mod index_trust;
 mod kv_capacity_limit;
 mod prefill_backlog;
 mod ranks;

@@ -29,6 +29,7 @@ mod query;
 mod slots;
 #[cfg(test)]
 mod tests;
+pub mod trust;
 mod update;
 
 use crate::model::RowId;

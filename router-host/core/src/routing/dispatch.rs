@@ -146,7 +146,8 @@ impl RoutingCore {
     pub fn route_indexed(&self, request: &Request, explain: bool) -> Result<Routed, RouteError> {
         self.with_topology(|topology| {
             with_buffer(&OVERLAP, |buffers| {
-                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers);
+                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers)
+                    .with_trust(&self.trust);
                 self.route_on(topology, request, &source, explain)
             })
         })
@@ -169,7 +170,8 @@ impl RoutingCore {
     pub fn submit_indexed(&self, request: Request, explain: bool) -> Result<Submitted, RouteError> {
         let admitted = self.with_topology(|topology| {
             with_buffer(&OVERLAP, |buffers| {
-                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers);
+                let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers)
+                    .with_trust(&self.trust);
                 self.admit(topology, &request, &source, explain)
             })
         })?;
@@ -513,15 +515,21 @@ impl RoutingCore {
     }
 
     /// What booking `request` on `row` adds to it (docs/routing-contract.md §7): the selector's
-    /// rule, reading the row's device overlap from `source` only if the rule asks for it.
+    /// rule, reading the row's device overlap from `source` only if the rule asks for it. A row
+    /// whose KV index is not current counts as caching nothing: its prefill is the whole prompt.
     fn charge<O: OverlapSource + ?Sized>(
         &self,
         request: &Request,
         row: RowId,
         source: &O,
     ) -> Charge {
-        self.selector
-            .charge(request.isl_tokens, &|| source.overlap(row).device)
+        self.selector.charge(request.isl_tokens, &|| {
+            if source.kv_index_state(row).is_current() {
+                source.overlap(row).device
+            } else {
+                0.0
+            }
+        })
     }
 
     /// The slot of `row` and its in-flight shard, locked, on the newest snapshot: while a shard

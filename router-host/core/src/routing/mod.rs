@@ -45,6 +45,7 @@ use arc_swap::ArcSwap;
 
 use crate::admission::{AdmissionStats, ClassSpec, Lanes};
 use crate::fast_hash::FastMap;
+use crate::kv_index::trust::RowTrust;
 use crate::kv_index::KvIndex;
 use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{Cluster, RowId, RowLoad};
@@ -131,6 +132,9 @@ pub struct RoutingCore {
     /// Sharded: a read lock touches only the reading thread's shard, so concurrent decisions do
     /// not bounce one lock word between cores (writes, per event batch, take every shard).
     kv: ShardedLock<KvIndex>,
+    /// Per slot, how far its KV index can be trusted: read by decisions without a lock,
+    /// written by the row's event feeder (`workers.rs` `set_kv_index_state`).
+    trust: RowTrust,
     sessions: Option<Arc<dyn SessionStore>>,
     classes: Vec<ClassSpec>,
     queues: Mutex<Lanes>,
@@ -174,12 +178,14 @@ impl RoutingCore {
         let topology = alloc.initial(cluster).published_as(next_generation());
         let generation = topology.generation();
         let kv = KvIndex::new(topology.slot_bound());
+        let topology_slots = topology.slot_bound();
         RoutingCore {
             selector,
             ledger: Ledger::with_slots(topology.slot_bound()),
             topology: ArcSwap::from_pointee(topology),
             writer: Mutex::new(alloc),
             kv: ShardedLock::new(kv),
+            trust: RowTrust::with_slots(topology_slots),
             sessions: settings.sessions,
             classes: settings.classes,
             queues: Mutex::new(Lanes::new(

@@ -35,12 +35,10 @@ impl RoutingCore {
         self.drain_inner(explain, &mut |_, request, f| {
             with_overlap_buffers(|buffers| {
                 let topology = self.topology.load();
-                f(&IndexOverlap::new(
-                    &topology,
-                    &self.kv,
-                    &request.blocks,
-                    buffers,
-                ))
+                f(
+                    &IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers)
+                        .with_trust(&self.trust),
+                )
             })
         })
     }

@@ -5,6 +5,7 @@ use std::sync::PoisonError;
 
 use crossbeam_utils::sync::ShardedLock;
 
+use crate::kv_index::trust::RowTrust;
 use crate::kv_index::KvIndex;
 use crate::ledger::Ledger;
 use plugin_api::Columns;
@@ -31,6 +32,14 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
 
     fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
         self.source.kv_indexed_columns(rows, out);
+    }
+
+    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        self.source.kv_index_state_column(rows, out);
+    }
+
+    fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
+        self.source.kv_index_state(row)
     }
 }
 
@@ -81,6 +90,8 @@ pub struct IndexOverlap<'a> {
     blocks: &'a [u64],
     buffers: RefCell<&'a mut OverlapBuffers>,
     walked: Cell<bool>,
+    /// Each slot's index state, when the core keeps them (`kv_index_state`).
+    trust: Option<&'a RowTrust>,
 }
 
 impl<'a> IndexOverlap<'a> {
@@ -96,7 +107,14 @@ impl<'a> IndexOverlap<'a> {
             blocks,
             buffers: RefCell::new(buffers),
             walked: Cell::new(false),
+            trust: None,
         }
+    }
+
+    /// Send each row's index state from `trust` with the overlap.
+    pub fn with_trust(mut self, trust: &'a RowTrust) -> Self {
+        self.trust = Some(trust);
+        self
     }
 
     /// Run `f` over the walked counts, walking the index first if nobody did yet.
@@ -171,6 +189,24 @@ impl OverlapSource for IndexOverlap<'_> {
             device.push(held[0] as f64);
             host.push(held[1] as f64);
             disk.push(held[2] as f64);
+        }
+    }
+
+    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        out.clear();
+        let Some(trust) = self.trust else { return };
+        // A row the topology does not know holds nothing: current.
+        out.extend(
+            self.topology
+                .slots(rows)
+                .map(|slot| slot.map_or(0.0, |slot| trust.get(slot).code())),
+        );
+    }
+
+    fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
+        match (self.trust, self.topology.slot(row)) {
+            (Some(trust), Some(slot)) => trust.get(slot),
+            _ => plugin_api::KvIndexState::Current,
         }
     }
 }

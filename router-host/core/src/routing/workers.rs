@@ -12,6 +12,7 @@ use super::{
 use crate::kv_index::{KvEvent, KvEventKind, Tier};
 use crate::model::{RowId, Worker};
 use crate::topology::{MembershipError, Topology};
+use plugin_api::KvIndexState;
 
 /// What removing a worker took with it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -37,6 +38,7 @@ impl RoutingCore {
         let mut alloc = lock(&self.writer);
         let (next, needed) = alloc.add(&self.topology.load(), worker)?;
         write(&self.kv).ensure_rows(next.slot_bound());
+        self.trust.ensure(next.slot_bound());
         // In place: bookings and releases on other rows go on meanwhile.
         self.ledger.ensure(needed);
         self.publish(next);
@@ -129,6 +131,7 @@ impl RoutingCore {
                 self.ledger.reset(slot);
                 shards[shard_of_slot(slot)].held.forget(slot);
                 cached_blocks += kv.clear_row(slot);
+                self.trust.set(slot, KvIndexState::Current);
             }
             drop(kv);
             drop(shards);
@@ -189,6 +192,20 @@ impl RoutingCore {
             }
         }
         applied
+    }
+
+    /// Set how far `row`'s KV index can be trusted (docs/serve.md, "KV index states"): what
+    /// decisions lend policies as the `kv_index_state` column from the next one on. Returns
+    /// the state it replaces, `None` for a row not registered.
+    pub fn set_kv_index_state(&self, row: RowId, state: KvIndexState) -> Option<KvIndexState> {
+        let slot = self.topology.load().slot(row)?;
+        Some(self.trust.set(slot, state))
+    }
+
+    /// `row`'s KV index state (`None` for a row not registered).
+    pub fn kv_index_state(&self, row: RowId) -> Option<KvIndexState> {
+        let slot = self.topology.load().slot(row)?;
+        Some(self.trust.get(slot))
     }
 
     /// Forget every block `row` holds, on every tier (its engine restarted).

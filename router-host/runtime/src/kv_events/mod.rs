@@ -29,6 +29,8 @@ pub struct Spec {
     pub topic: String,
     pub block_size: u32,
     pub max_indexed_blocks: u64,
+    pub max_lag_ms: u64,
+    pub stale_clear_ms: u64,
 }
 
 /// The subscribers a configuration asks for.
@@ -45,6 +47,8 @@ pub fn specs(loaded: &LoadedConfig) -> Vec<Spec> {
                 topic: kv.topic.clone(),
                 block_size: w.block_size,
                 max_indexed_blocks: kv.max_indexed_blocks,
+                max_lag_ms: kv.max_lag_ms,
+                stale_clear_ms: kv.stale_clear_ms,
             });
         }
     }

@@ -4,6 +4,10 @@
 //! never awaited under), and reconnects with backoff when the connection breaks or the peer
 //! breaks the protocol. A gap in the sequence numbers is counted and, with a replay endpoint,
 //! filled by asking the engine's replay socket.
+//!
+//! It also decides how far the row's index can be trusted ([`KvIndexState`], docs/serve.md, "KV
+//! index states") from what it saw ([`Trust`]), and sets it in the core, the gauges and the
+//! transitions counter whenever it changes.
 
 use std::collections::HashSet;
 use std::hash::{BuildHasher, Hasher};
@@ -13,6 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
+use plugin_api::KvIndexState;
 use router_core::kv_index::Tier;
 use tokio::time::Instant;
 
@@ -20,7 +25,10 @@ use super::decode::{decode_batch, decode_seq, DecodeError, MAX_PAYLOAD_BYTES};
 use super::ingest::{capacity_limit, RowIngest, SeqCheck, Sink, Tally, Update};
 use super::zmtp::{Connection, Limits, ProtocolError, SocketType};
 use super::Spec;
-use crate::metrics::{KvKindLabels, KvMetrics, RowLabels, RowTierLabels, RowTierReasonLabels};
+use crate::metrics::{
+    KvKindLabels, KvMetrics, RowLabels, RowStateLabels, RowTierLabels, RowTierReasonLabels,
+    RowTransitionLabels,
+};
 use crate::state::Current;
 use crate::stop::Stop;
 use router_core::model::RowId;
@@ -44,6 +52,9 @@ pub(super) const LIMITS: Limits = Limits {
 };
 /// Least time between two warnings that a row's index went over its limit.
 const OVERFLOW_LOG_EVERY: Duration = Duration::from_secs(60);
+/// Least time between two lines that a row's index state changed (a lag hovering at the bound,
+/// or a publisher alternating gaps and clears, changes it per batch; the counter has them all).
+const STATE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Run `session`; a panic in it becomes its message (the subscriber then reconnects instead
 /// of leaving its row silently dead).
@@ -66,6 +77,37 @@ fn random_fraction() -> f64 {
         .build_hasher()
         .finish();
     (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// What a row's [`KvIndexState`] is derived from. One rule, [`Trust::state`]: unknown until a
+/// batch arrived since the last (re)connect; then stale while a gap replay could not fill is
+/// not yet cleared; then lagging while the last batch came later than `max_lag_ms`; else
+/// current.
+#[derive(Debug, Default)]
+struct Trust {
+    /// A batch arrived since the subscriber (re)connected.
+    fresh: bool,
+    /// Set at a gap replay could not fill: when the row's entries are cleared (unless the
+    /// engine's restart or its `AllBlocksCleared` empties them first).
+    stale_until: Option<Instant>,
+    /// The last batch arrived more than `max_lag_ms` after its timestamp.
+    lagging: bool,
+    /// The state last published (gauges, counter, log); `None` before the first.
+    published: Option<KvIndexState>,
+}
+
+impl Trust {
+    fn state(&self) -> KvIndexState {
+        if !self.fresh {
+            KvIndexState::Unknown
+        } else if self.stale_until.is_some() {
+            KvIndexState::Stale
+        } else if self.lagging {
+            KvIndexState::Lagging
+        } else {
+            KvIndexState::Current
+        }
+    }
 }
 
 /// The core of the configuration serving now, for one row.
@@ -102,6 +144,10 @@ pub(super) struct Subscriber {
     max_indexed_blocks: u64,
     /// When an over-limit clear was last logged at `warn`.
     overflow_logged: Option<Instant>,
+    /// What the row's index state is derived from.
+    trust: Trust,
+    /// Thins the state-change log lines.
+    state_log: router_core::log_limit::LogThrottle,
 }
 
 impl Subscriber {
@@ -124,6 +170,8 @@ impl Subscriber {
             warned: HashSet::new(),
             max_indexed_blocks,
             overflow_logged: None,
+            trust: Trust::default(),
+            state_log: router_core::log_limit::LogThrottle::new(),
         })
     }
 
@@ -168,6 +216,101 @@ impl Subscriber {
         }
     }
 
+    /// Set the row's index state in the core serving now (every time: a reloaded core starts
+    /// with the row current), and, when it changed, in the gauges, the transitions counter and
+    /// the log.
+    fn publish_trust(&mut self) {
+        let state = self.trust.state();
+        self.current
+            .load()
+            .host
+            .core()
+            .set_kv_index_state(self.row(), state);
+        let previous = self.trust.published.replace(state);
+        if previous == Some(state) {
+            return;
+        }
+        for s in KvIndexState::ALL {
+            self.metrics
+                .index_state
+                .get_or_create(&RowStateLabels {
+                    worker: self.spec.worker.to_string(),
+                    dp_rank: self.spec.rank.to_string(),
+                    state: s.as_str(),
+                })
+                .set(i64::from(s == state));
+        }
+        let Some(previous) = previous else { return };
+        self.metrics
+            .state_transitions
+            .get_or_create(&RowTransitionLabels {
+                worker: self.spec.worker.to_string(),
+                dp_rank: self.spec.rank.to_string(),
+                from: previous.as_str(),
+                to: state.as_str(),
+            })
+            .inc();
+        let Some(left_out) = self.state_log.admit_now(STATE_LOG_EVERY) else {
+            return;
+        };
+        // Stale is what an operator acts on; connects and lag come and go with the engine.
+        let (worker, rank) = (self.spec.worker, self.spec.rank);
+        let (from, to) = (previous.as_str(), state.as_str());
+        if state == KvIndexState::Stale {
+            tracing::warn!(
+                worker,
+                dp_rank = rank,
+                from,
+                to,
+                stale_clear_ms = self.spec.stale_clear_ms,
+                similar_lines_left_out = left_out,
+                "KV index state changed: batches were lost and not replayed; policies route \
+                 load-only on this row until its entries are cleared"
+            );
+        } else {
+            tracing::info!(
+                worker,
+                dp_rank = rank,
+                from,
+                to,
+                similar_lines_left_out = left_out,
+                "KV index state changed"
+            );
+        }
+    }
+
+    /// A stale row whose time is up: clear its entries (the index then holds only what arrives
+    /// from now on, which is true) and trust it again.
+    fn clear_if_stale_expired(&mut self) {
+        if self
+            .trust
+            .stale_until
+            .is_none_or(|until| Instant::now() < until)
+        {
+            return;
+        }
+        self.trust.stale_until = None;
+        self.metrics
+            .clears
+            .get_or_create(&self.kind_labels("stale"))
+            .inc();
+        let loaded = self.current.load();
+        self.config_number = loaded.number;
+        let mut sink = CoreSink {
+            core: loaded.host.core(),
+            row: self.row(),
+        };
+        self.ingest.clear(&mut sink);
+        self.update_blocks();
+        tracing::info!(
+            worker = self.spec.worker,
+            dp_rank = self.spec.rank,
+            stale_clear_ms = self.spec.stale_clear_ms,
+            "KV events: the row was stale for kv_events.stale_clear_ms; its entries were cleared"
+        );
+        self.publish_trust();
+    }
+
     fn set_connected(&self, up: bool) {
         self.metrics
             .connected
@@ -182,11 +325,15 @@ impl Subscriber {
     /// right after subscribing is retried, and logged, at most every 5 s).
     pub(super) async fn run(mut self) {
         self.set_connected(false);
+        self.publish_trust();
         let mut backoff = BACKOFF_MIN;
         while !self.stop.is_cancelled() {
             let mut subscribed_at = None;
             let outcome = caught(self.session(&mut subscribed_at)).await;
             self.set_connected(false);
+            // Whatever happened while disconnected is unknown until a batch comes again.
+            self.trust.fresh = false;
+            self.publish_trust();
             match outcome {
                 Ok(Ok(())) => break,
                 Ok(Err(err)) => self.session_failed(&err),
@@ -258,7 +405,10 @@ impl Subscriber {
         loop {
             tokio::select! {
                 message = conn.recv() => self.message(message?).await,
-                _ = tick.tick() => self.follow_generation(),
+                _ = tick.tick() => {
+                    self.follow_generation();
+                    self.clear_if_stale_expired();
+                }
                 () = self.stop.cancelled() => return Ok(()),
             }
         }
@@ -273,6 +423,8 @@ impl Subscriber {
         self.config_number = loaded.number;
         let row = self.row();
         let core = loaded.host.core();
+        // The state first: the new core takes the row as current until told otherwise.
+        core.set_kv_index_state(row, self.trust.state());
         core.clear_kv_row(row);
         core.apply_kv_events(row, self.ingest.holdings());
     }
@@ -312,9 +464,12 @@ impl Subscriber {
             Err(err) => return self.count_decode_error("frames", &err),
         };
         self.metrics.batches.get_or_create(&self.row_labels()).inc();
+        self.trust.fresh = true;
         match self.ingest.check_seq(seq) {
             SeqCheck::First | SeqCheck::InOrder => {}
             SeqCheck::Restart { last, got } => {
+                // The engine's cache is gone with it: the index starts over, nothing stale.
+                self.trust.stale_until = None;
                 self.restart(last, got);
             }
             SeqCheck::Gap { expected, got } => {
@@ -323,22 +478,31 @@ impl Subscriber {
                     "sequence gap",
                     &format_args!("batches {expected}..{got} lost"),
                 );
-                if let Some(replay) = self.spec.replay_endpoint.clone() {
-                    let outcome = match self.replay(&replay, expected, got).await {
-                        Ok(_) => "ok",
-                        Err(err) => {
-                            self.warn_once("replay failed", &err);
-                            "error"
-                        }
-                    };
-                    self.metrics
-                        .replays
-                        .get_or_create(&self.kind_labels(outcome))
-                        .inc();
+                let filled = match self.spec.replay_endpoint.clone() {
+                    Some(replay) => {
+                        let outcome = match self.replay(&replay, expected, got).await {
+                            Ok(_) => "ok",
+                            Err(err) => {
+                                self.warn_once("replay failed", &err);
+                                "error"
+                            }
+                        };
+                        self.metrics
+                            .replays
+                            .get_or_create(&self.kind_labels(outcome))
+                            .inc();
+                        outcome == "ok"
+                    }
+                    None => false,
+                };
+                if !filled && self.trust.stale_until.is_none() {
+                    let clear_after = Duration::from_millis(self.spec.stale_clear_ms);
+                    self.trust.stale_until = Some(Instant::now() + clear_after);
                 }
             }
         }
         self.payload(&frames[2]);
+        self.publish_trust();
     }
 
     fn restart(&mut self, last: u64, got: u64) {
@@ -414,15 +578,23 @@ impl Subscriber {
         self.ingest.apply(batch.events, &mut sink, &mut tally);
         self.record(&tally);
         self.update_blocks();
+        let cleared = tally
+            .clears
+            .iter()
+            .any(|&(cause, n)| cause == "all_blocks_cleared" && n > 0);
+        // The engine emptied its device cache: what arrives from here is the whole truth, unless
+        // an offload tier (which that event does not clear) may still hold lost entries.
+        if cleared && !self.ingest.has_seen(Tier::Host) && !self.ingest.has_seen(Tier::Disk) {
+            self.trust.stale_until = None;
+        }
         if let Some(ts) = ts.filter(|ts| ts.is_finite()) {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
             // Clock skew between hosts can make it negative: shown as 0.
-            self.metrics
-                .lag
-                .get_or_create(&self.row_labels())
-                .set((now - ts).max(0.0));
+            let lag = (now - ts).max(0.0);
+            self.metrics.lag.get_or_create(&self.row_labels()).set(lag);
+            self.trust.lagging = lag * 1000.0 > self.spec.max_lag_ms as f64;
         }
     }
 
@@ -567,6 +739,28 @@ mod tests {
             caught(async { std::panic::panic_any(5u8) }).await,
             Err::<(), _>("(no message)".to_owned())
         );
+    }
+
+    #[test]
+    fn the_index_state_is_the_first_rule_that_holds() {
+        let mut trust = Trust {
+            fresh: false,
+            stale_until: Some(Instant::now()),
+            lagging: true,
+            published: None,
+        };
+        assert_eq!(
+            trust.state(),
+            KvIndexState::Unknown,
+            "nothing since the connect"
+        );
+        trust.fresh = true;
+        assert_eq!(trust.state(), KvIndexState::Stale);
+        trust.stale_until = None;
+        assert_eq!(trust.state(), KvIndexState::Lagging);
+        trust.lagging = false;
+        assert_eq!(trust.state(), KvIndexState::Current);
+        assert_eq!(Trust::default().state(), KvIndexState::Unknown);
     }
 
     #[test]

@@ -5,7 +5,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::{KvKindLabels, RowLabels, RowTierLabels, RowTierReasonLabels};
+use super::{
+    KvKindLabels, RowLabels, RowStateLabels, RowTierLabels, RowTierReasonLabels,
+    RowTransitionLabels,
+};
 
 /// What KV-event ingestion counts (`serve/kv_events/`); cheap to clone (shared families).
 #[derive(Clone, Debug, Default)]
@@ -18,7 +21,7 @@ pub struct KvMetrics {
     pub gaps: Family<RowLabels, Counter>,
     /// Replay requests, by `kind` (outcome): `ok`, `error`.
     pub replays: Family<KvKindLabels, Counter>,
-    /// Rows cleared, by `kind` (cause): `restart`, `all_blocks_cleared`.
+    /// Rows cleared, by `kind` (cause): `restart`, `all_blocks_cleared`, `over_capacity`, `stale`.
     pub clears: Family<KvKindLabels, Counter>,
     /// Events refused, by `kind` (reason).
     pub refused: Family<KvKindLabels, Counter>,
@@ -39,6 +42,11 @@ pub struct KvMetrics {
     pub panics: Family<RowLabels, Counter>,
     /// Blocks dropped from a row's tier to keep it within its limit, by `tier` and `reason`.
     pub evictions: Family<RowTierReasonLabels, Counter>,
+    /// 1 for the state the row's KV index is in (`current`, `unknown`, `stale`, `lagging`), 0
+    /// for the others.
+    pub index_state: Family<RowStateLabels, Gauge>,
+    /// Changes of a row's KV index state, by `from` and `to`.
+    pub state_transitions: Family<RowTransitionLabels, Counter>,
 }
 
 impl KvMetrics {
@@ -66,7 +74,7 @@ impl KvMetrics {
         );
         registry.register(
             "router_kv_row_clears",
-            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared, \
+            "Rows whose index entries were dropped, by cause (restart, all_blocks_cleared, stale, \
              over_capacity)",
             self.clears.clone(),
         );
@@ -123,6 +131,17 @@ impl KvMetrics {
              and reason (over_capacity: the engine's reported KV capacity; over_limit: \
              kv_events.max_indexed_blocks)",
             self.evictions.clone(),
+        );
+        registry.register(
+            "router_kv_index_state",
+            "1 for the state the row's KV index is in (current, unknown, stale, lagging), 0 for \
+             the others; policies use the overlap of current rows only",
+            self.index_state.clone(),
+        );
+        registry.register(
+            "router_kv_index_state_transitions",
+            "Changes of a row's KV index state, by from and to",
+            self.state_transitions.clone(),
         );
     }
 }

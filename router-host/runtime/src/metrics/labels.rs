@@ -88,3 +88,20 @@ pub struct KvKindLabels {
     pub dp_rank: String,
     pub kind: String,
 }
+
+/// `router_kv_index_state`'s labels: a row and one of its index states.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RowStateLabels {
+    pub worker: String,
+    pub dp_rank: String,
+    pub state: &'static str,
+}
+
+/// `router_kv_index_state_transitions_total`'s labels: a row, the state it left and entered.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RowTransitionLabels {
+    pub worker: String,
+    pub dp_rank: String,
+    pub from: &'static str,
+    pub to: &'static str,
+}

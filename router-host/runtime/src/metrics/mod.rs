@@ -15,8 +15,8 @@ mod labels;
 pub use kv::KvMetrics;
 pub use labels::{
     ConnectionLabels, DecisionLabels, EngineAnswerLabels, KvKindLabels, OpLabels, OutcomeLabels,
-    ReasonLabels, RequestLabels, RowLabels, RowTierLabels, RowTierReasonLabels, StageLabels,
-    UpstreamLabels,
+    ReasonLabels, RequestLabels, RowLabels, RowStateLabels, RowTierLabels, RowTierReasonLabels,
+    RowTransitionLabels, StageLabels, UpstreamLabels,
 };
 
 use prometheus_client::metrics::counter::Counter;
