@@ -455,6 +455,7 @@ fn a_plugin_logging_on_every_pick_is_cut_at_its_budget() {
         "s.json",
         &format!(r#"{{"workers": [{{"worker_id": 1}}], "requests": [{requests}]}}"#),
     );
+    let started = std::time::Instant::now();
     let (code, out, err) = common::run_cli(&[
         "select",
         "--config",
@@ -462,6 +463,9 @@ fn a_plugin_logging_on_every_pick_is_cut_at_its_budget() {
         "--scenario",
         scenario.to_str().unwrap(),
     ]);
+    // The run takes well under one window, but on a starved machine it can span more: each
+    // window it touched grants the budget again, and says so once.
+    let windows = usize::try_from(started.elapsed().as_secs() / 10 + 1).unwrap_or(usize::MAX);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out.lines().count(), 500, "every request is still decided");
     let plugin_lines = err
@@ -469,8 +473,8 @@ fn a_plugin_logging_on_every_pick_is_cut_at_its_budget() {
         .filter(|l| l.contains("chatty pick") || l.contains("chatty tail"))
         .count();
     assert!(
-        (90..=100).contains(&plugin_lines),
-        "{plugin_lines} plugin lines:\n{err}"
+        (90..=100 * windows).contains(&plugin_lines),
+        "{plugin_lines} plugin lines in {windows} window(s):\n{err}"
     );
     let said: Vec<_> = err
         .lines()
@@ -480,7 +484,7 @@ fn a_plugin_logging_on_every_pick_is_cut_at_its_budget() {
             )
         })
         .collect();
-    assert_eq!(said.len(), 1, "{err}");
+    assert!((1..=windows).contains(&said.len()), "{err}");
     assert!(said[0].contains("plugin=\"fixture-faulty\""), "{}", said[0]);
 }
 
