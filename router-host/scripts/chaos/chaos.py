@@ -84,6 +84,13 @@ REPORTED_COUNTERS = [
     "router_queue_total",
 ]
 MIGRATIONS = "router_migrations_total"
+# Counters of the configuration serving now, which start again from 0 at every reload: the
+# report adds up what each configuration had counted just before it was replaced.
+PER_CONFIG_COUNTERS = [
+    "router_session_store_outages_total",
+    "router_session_store_degraded_requests_total",
+    "router_session_store_errors_total",
+]
 
 
 def now_s(t0: float) -> float:
@@ -782,6 +789,7 @@ class Chaos:
         self.events: list[dict] = []
         self.failures: list[str] = []
         self.dead: Engine | None = None
+        self.earlier_configs = collections.Counter()  # PER_CONFIG_COUNTERS of replaced configurations
         self.restart_at = 0.0
         self.cycle: list[str] = []
 
@@ -879,11 +887,14 @@ class Chaos:
             r.retries = 3 if r.retries == 2 else 2
             change = f"soft_affinity_load_gate: {str(r.load_gate).lower()}, serve.retries: {r.retries}"
         before = self._reloads()
+        counted = {name: msum(self.router.metrics(), name) for name in PER_CONFIG_COUNTERS}
         r.write()
         os.kill(r.proc.pid, signal.SIGHUP)
         moved = poll(lambda: self._reloads()[0] > before[0] or self._reloads()[1] > before[1], 15.0, 0.1)
         after = self._reloads()
         ok = after[0] > before[0]
+        if ok:
+            self.earlier_configs.update(counted)
         self.log_event("reload", change=change, reloads_ok=f"{before[0]:.0f}->{after[0]:.0f}",
                        reloads_error=f"{before[1]:.0f}->{after[1]:.0f}", applied=ok)
         if not ok:
@@ -974,7 +985,7 @@ def main() -> int:
         LOG(f"serve pid {router.proc.pid} on 127.0.0.1:{router.port}; {a.engines} engines x {a.dp_size} ranks; "
             f"redis on {redis.port}; load for {a.duration:.0f} s, seed {a.seed}")
         report["setup"] = {
-            "engines": a.engines, "dp_size": a.dp_size, "concurrency": a.concurrency,
+            "engines": a.engines, "dp_size": a.dp_size, "concurrency": a.concurrency, "retries": a.retries,
             "session_share": a.session_share, "client_timeout_s": CLIENT_TIMEOUT_S,
             "router_timeouts_ms": ROUTER_TIMEOUTS, "base_config": str(BASE_CONFIG.relative_to(REPO)),
             "overlay": overlay, "config": router.config(),
@@ -1050,8 +1061,11 @@ def main() -> int:
                                 f"{settle['kv_subscribers_connected']}")
             final = router.metrics()
             report["metrics"] = {name: by_labels(final, name) for name in REPORTED_COUNTERS}
+            report["per_config_counters_summed"] = {
+                name: chaos.earlier_configs[name] + msum(final, name) for name in PER_CONFIG_COUNTERS}
             report["migrations_total"] = msum(final, MIGRATIONS) if has_metric(final, MIGRATIONS) else "n/a"
             report["router_requests_total"] = msum(final, "router_requests_total")
+            report["configurations"] = int(msum(final, "router_config_generation"))
         else:
             failures.append("serve was not running at the end of the load")
             report["migrations_total"] = "n/a"
@@ -1170,11 +1184,12 @@ def markdown(r: dict) -> str:
         lines += ["", "```sh", r["command"], "```"]
     s = r.get("setup", {})
     if s:
-        lines += ["", f"{s['engines']} mock engines x {s['dp_size']} data-parallel ranks, KV events through a "
-                  f"relay the script cuts; Redis session store; `{s['base_config']}` (two-tier, soft affinity) "
-                  f"with serve.retries, timeouts {s['router_timeouts_ms']}; {s['concurrency']} closed-loop "
-                  f"clients, {s['session_share']:.0%} of requests with an `x-session-id`, client timeout "
-                  f"{s['client_timeout_s']:.0f} s."]
+        timeouts = ", ".join(f"{k} {v}" for k, v in s["router_timeouts_ms"].items())
+        lines += ["", f"{s['engines']} mock engines x {s['dp_size']} data-parallel ranks, their KV events through "
+                  f"relays the script cuts; `serve` on `{s['base_config']}` (two-tier, soft affinity) with a Redis "
+                  f"session store, `serve.retries` {s['retries']} (reloads toggle 2 and 3) and timeouts "
+                  f"({timeouts}); {s['concurrency']} closed-loop clients, {s['session_share']:.0%} of the requests "
+                  f"in conversations with an `x-session-id`, client timeout {s['client_timeout_s']:.0f} s."]
         if s.get("overlay"):
             lines += ["", f"Config overlay: `{json.dumps(s['overlay'])}`"]
     if r["failures"]:
@@ -1227,13 +1242,17 @@ def markdown(r: dict) -> str:
     m = r.get("metrics")
     if m:
         lines += ["", "## Router counters at the end", ""]
+        summed = r.get("per_config_counters_summed", {})
         for name, vals in m.items():
-            if vals:
+            if name in summed:
+                lines.append(f"- `{name}`: {summed[name]:g} (summed over the {r.get('configurations', '?')} "
+                             f"configurations: it starts from 0 at each reload)")
+            elif vals:
                 lines.append(f"- `{name}`: " + ", ".join(f"{k} {v:g}" for k, v in sorted(vals.items())))
     if s.get("processes"):
         lines += ["", "## Commands", ""]
         for name, argv in s["processes"].items():
-            lines.append(f"- {name}: `{shlex.join(argv)}`")
+            lines.append(f"- {name}: `{shlex.join(argv).replace(str(REPO) + '/', '')}`")
     return "\n".join(lines) + "\n"
 
 
