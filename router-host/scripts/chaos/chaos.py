@@ -546,6 +546,7 @@ class Results:
         self.session_headers = collections.Counter()  # x-router-session values seen
         self.workers = collections.Counter()  # x-router-worker values seen
         self.latency = {k: [] for k in KINDS}
+        self.crashes: list[str] = []  # load clients that stopped on an error of the driver
 
     def record(self, kind: str, outcome: str, detail: str, session: bool, example: dict, latency: float,
                headers: dict) -> None:
@@ -729,6 +730,16 @@ class Request:
 
 def load_thread(i: int, seed: int, port: int, stop: threading.Event, results: Results, t0: float,
                 session_share: float) -> None:
+    try:
+        _load(i, seed, port, stop, results, t0, session_share)
+    except Exception as e:  # noqa: BLE001
+        with results.lock:
+            results.crashes.append(f"load client {i}: {type(e).__name__}: {e}")
+        LOG(f"load client {i} stopped: {type(e).__name__}: {e}")
+
+
+def _load(i: int, seed: int, port: int, stop: threading.Event, results: Results, t0: float,
+          session_share: float) -> None:
     rng = random.Random(f"{seed}-load-{i}")
     conversations: list[Conversation] = []
     n_sessions = 0
@@ -811,6 +822,13 @@ class Chaos:
         return t
 
     def run(self, stop_at: float, stop: threading.Event) -> None:
+        try:
+            self._run(stop_at, stop)
+        except Exception as e:  # noqa: BLE001
+            self.failures.append(f"the chaos stopped early: {type(e).__name__}: {e}")
+            LOG(f"the chaos stopped early: {type(e).__name__}: {e}")
+
+    def _run(self, stop_at: float, stop: threading.Event) -> None:
         next_at = time.monotonic() + self.rng.uniform(self.min_gap, self.max_gap)
         while not stop.is_set():
             now = time.monotonic()
@@ -829,11 +847,13 @@ class Chaos:
             self.restart_engine()
 
     def one(self, kind: str) -> None:
+        # Any error of an event (a process that will not start, a full disk when the config is
+        # rewritten) fails the run by name; the chaos goes on with the next event.
         try:
             getattr(self, kind)()
-        except ChaosError as e:
-            self.failures.append(f"{kind}: {e}")
-            self.log_event(f"{kind}_failed", error=str(e))
+        except Exception as e:  # noqa: BLE001
+            self.failures.append(f"{kind}: {type(e).__name__}: {e}")
+            self.log_event(f"{kind}_failed", error=f"{type(e).__name__}: {e}")
 
     def kill_engine(self) -> None:
         e = self.rng.choice(self.engines)
@@ -1028,6 +1048,7 @@ def main() -> int:
         chaos_thread.join(timeout=60)
         for t in threads:
             t.join(timeout=CLIENT_TIMEOUT_S + 10)
+        failures.extend(results.crashes)
         hung_clients = sum(t.is_alive() for t in threads)
         if hung_clients:
             failures.append(f"{hung_clients} load threads did not finish within the client timeout")
