@@ -566,6 +566,16 @@ class Results:
                 self.examples[f"{outcome}/{detail}"].append(example)
 
 
+def read_body(resp: http.client.HTTPResponse) -> bytes:
+    """The whole body, at most MAX_BODY_BYTES + 1 bytes. A body shorter than its content-length
+    raises IncompleteRead (http.client's bounded read returns what came without a word; a
+    chunked body cut before its last chunk raises by itself)."""
+    raw = resp.read(MAX_BODY_BYTES + 1)
+    if len(raw) <= MAX_BODY_BYTES and resp.length:
+        raise http.client.IncompleteRead(raw, resp.length)
+    return raw
+
+
 def is_openai_error(value) -> str | None:
     """The error's code (or type) if `value` is an OpenAI-style error object, else None."""
     if not isinstance(value, dict) or not isinstance(value.get("error"), dict):
@@ -577,10 +587,36 @@ def is_openai_error(value) -> str | None:
     return str(code if code not in (None, "") else err.get("type", "error"))
 
 
+class Lines:
+    """The lines of a response body, read with `read1`: http.client's `readline` on a chunked
+    body takes a body cut before its last chunk for a clean end, `read1` raises. At most
+    MAX_BODY_BYTES in all: past it `next` returns None."""
+
+    def __init__(self, resp: http.client.HTTPResponse):
+        self.resp = resp
+        self.buf = b""
+        self.total = 0
+
+    def next(self) -> bytes | None:
+        """One line with its newline; b"" at the clean end of the body."""
+        while b"\n" not in self.buf:
+            data = self.resp.read1(65536)
+            if not data:
+                line, self.buf = self.buf, b""
+                return line
+            self.total += len(data)
+            if self.total > MAX_BODY_BYTES:
+                return None
+            self.buf += data
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line + b"\n"
+
+
 class Request:
     """One request's classification. Every path out of `run` records exactly one outcome."""
 
-    def __init__(self, kind: str, body: dict, headers: dict, max_tokens: int):
+    def __init__(self, kind: str, body: dict, headers: dict, max_tokens: int, timeout: float = CLIENT_TIMEOUT_S):
+        self.timeout = timeout
         self.kind = kind
         self.stream = kind.endswith("+stream")
         self.chat = kind.startswith("chat")
@@ -592,11 +628,11 @@ class Request:
     def run(self, port: int, t0: float) -> tuple[str, str, dict, dict, str]:
         """(outcome, detail, example, response headers, answer text)."""
         started = time.monotonic()
-        deadline = started + CLIENT_TIMEOUT_S
+        deadline = started + self.timeout
         ex = {"t_s": now_s(t0), "kind": self.kind, "session": self.headers.get("x-session-id"),
               "max_tokens": self.max_tokens}
         rheaders: dict = {}
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT_S)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=self.timeout)
         try:
             conn.request("POST", self.path, json.dumps(self.body), {"content-type": "application/json",
                                                                      **self.headers})
@@ -605,7 +641,7 @@ class Request:
             ex["status"] = resp.status
             ex["headers"] = rheaders
             if resp.status != 200:
-                raw = resp.read(MAX_BODY_BYTES + 1)
+                raw = read_body(resp)
                 ex["body"] = raw[:600].decode("utf-8", "replace")
                 try:
                     code = is_openai_error(json.loads(raw))
@@ -618,8 +654,11 @@ class Request:
                 return self._stream(resp, deadline, ex, rheaders)
             return self._whole(resp, ex, rheaders)
         except socket.timeout:
-            ex["error"] = f"no answer within the client timeout ({CLIENT_TIMEOUT_S:.0f} s)"
+            ex["error"] = f"no answer within the client timeout ({self.timeout:g} s)"
             return "lost", "client_timeout", ex, rheaders, ""
+        except http.client.IncompleteRead as e:
+            ex["error"] = repr(e)
+            return "lost", "body_cut", ex, rheaders, ""
         except ConnectionRefusedError as e:
             ex["error"] = repr(e)
             return "lost", "router_refused_connection", ex, rheaders, ""
@@ -631,7 +670,7 @@ class Request:
             conn.close()
 
     def _whole(self, resp, ex, rheaders):
-        raw = resp.read(MAX_BODY_BYTES + 1)  # IncompleteRead when the body is cut: lost, above
+        raw = read_body(resp)  # IncompleteRead when the body is cut: lost, above
         if len(raw) > MAX_BODY_BYTES:
             return "lost", "body_too_large", ex, rheaders, ""
         try:
@@ -660,15 +699,16 @@ class Request:
             raw = resp.read(MAX_BODY_BYTES + 1)
             ex["body"] = raw[:600].decode("utf-8", "replace")
             return "lost", "stream_not_event_stream", ex, rheaders, ""
-        tokens, usage, done, error, read = 0, None, False, None, 0
+        tokens, usage, done, error = 0, None, False, None
+        lines = Lines(resp)
         text = []
         last_events: collections.deque = collections.deque(maxlen=4)
         while True:
             if time.monotonic() > deadline:
-                ex["error"] = f"stream still open after the client timeout ({CLIENT_TIMEOUT_S:.0f} s)"
+                ex["error"] = f"stream still open after the client timeout ({self.timeout:g} s)"
                 return "lost", "client_timeout", ex, rheaders, ""
             try:
-                line = resp.readline(1 << 20)
+                line = lines.next()
             except socket.timeout:
                 raise
             except (http.client.HTTPException, OSError) as e:
@@ -678,11 +718,10 @@ class Request:
                 if error:
                     return "failed_clear", f"stream_error_event_{error}", ex, rheaders, ""
                 return "lost", "stream_cut_without_error_event", ex, rheaders, ""
-            read += len(line)
-            if read > MAX_BODY_BYTES:
+            if line is None:
                 return "lost", "body_too_large", ex, rheaders, ""
             if not line:
-                break  # end of the body
+                break  # the body's clean end
             line = line.rstrip(b"\r\n")
             if not line or line.startswith(b":"):
                 continue
@@ -780,6 +819,98 @@ def _load(i: int, seed: int, port: int, stop: threading.Event, results: Results,
                 convo.turns.append((question, text[:400]))
             if len(convo.turns) >= convo.max_turns:
                 conversations.remove(convo)
+
+
+# -- the classifier's own check -------------------------------------------------------------------
+
+def self_test() -> int:
+    """Answers of every kind from a stand-in server on 127.0.0.1, each classified as it must be:
+    the check that a lost request would be seen as lost. run.sh runs it before the chaos."""
+    import http.server
+
+    def sse(*events: str) -> bytes:
+        return b"".join(f"data: {e}\n\n".encode() for e in events)
+
+    chunk = json.dumps({"choices": [{"index": 0, "text": "a"}]})
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 2}})
+    err = json.dumps({"error": {"message": "engine gone", "type": "upstream_error", "code": "upstream_error"}})
+    whole = lambda n: json.dumps({"choices": [{"text": "ab"}], "usage": {"completion_tokens": n}}).encode()  # noqa: E731
+    cases = {
+        # path: (kind, what the server does, outcome, detail)
+        "/ok-stream": ("completions+stream", ("chunked", sse(chunk, chunk, usage, "[DONE]"), True), "completed", "ok"),
+        "/ok-whole": ("completions", ("json", 200, whole(2)), "completed", "ok"),
+        "/error-event": ("completions+stream", ("chunked", sse(chunk, err, "[DONE]"), True), "failed_clear",
+                         "stream_error_event_upstream_error"),
+        "/error-event-then-cut": ("completions+stream", ("chunked", sse(chunk, err), False), "failed_clear",
+                                  "stream_error_event_upstream_error"),
+        "/503-json": ("completions", ("json", 503, err.encode()), "failed_clear", "http_503_upstream_error"),
+        "/cut-stream": ("completions+stream", ("chunked", sse(chunk), False), "lost", "stream_cut_without_error_event"),
+        "/no-done": ("completions+stream", ("chunked", sse(chunk, chunk, usage), True), "lost",
+                     "stream_ended_without_done"),
+        "/short-stream": ("completions+stream", ("chunked", sse(chunk, usage, "[DONE]"), True), "lost",
+                          "wrong_token_count"),
+        "/bad-event": ("completions+stream", ("chunked", sse("{not json", "[DONE]"), True), "lost",
+                       "malformed_stream_event"),
+        "/502-html": ("completions", ("json", 502, b"<html>bad gateway</html>"), "lost",
+                      "http_502_without_openai_error_body"),
+        "/wrong-count": ("completions", ("json", 200, whole(5)), "lost", "wrong_token_count"),
+        "/cut-body": ("completions", ("cut", 200, whole(2)), "lost", "body_cut"),
+        "/cut-error-body": ("completions", ("cut", 503, err.encode()), "lost", "body_cut"),
+        "/hang": ("completions", ("hang",), "lost", "client_timeout"),
+        "/reset": ("completions", ("reset",), "lost", "connection_error_RemoteDisconnected"),
+    }
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            what = cases[self.path][1]
+            if what[0] == "hang":
+                time.sleep(2.0)
+                return
+            if what[0] == "reset":
+                self.close_connection = True
+                return
+            if what[0] == "chunked":
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(f"{len(what[1]):x}\r\n".encode() + what[1] + b"\r\n")
+                if what[2]:
+                    self.wfile.write(b"0\r\n\r\n")
+                self.close_connection = True
+                return
+            body = what[2]
+            self.send_response(what[1])
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body) + (10 if what[0] == "cut" else 0)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    wrong = []
+    try:
+        for path, (kind, _what, outcome, detail) in cases.items():
+            req = Request(kind, {"model": MODEL, "prompt": "x", "max_tokens": 2}, {}, 2, timeout=1.0)
+            req.path = path
+            got = req.run(port, time.monotonic())
+            if (got[0], got[1]) != (outcome, detail):
+                wrong.append(f"{path}: classified {got[0]}/{got[1]}, expected {outcome}/{detail}")
+    finally:
+        server.shutdown()
+    for w in wrong:
+        LOG(f"self-test FAILED: {w}")
+    LOG(f"self-test: {len(cases) - len(wrong)} of {len(cases)} answers classified as expected")
+    return 1 if wrong else 0
 
 
 # -- chaos -----------------------------------------------------------------------------------------
@@ -952,6 +1083,10 @@ def main() -> int:
     p.add_argument("--rss-max-mib", type=float, default=512.0, help="most serve's RSS may reach, MiB")
     p.add_argument("--settle-timeout", type=float, default=30.0, help="how long the gauges get to reach 0, s")
     p.add_argument("--command", default="", help="the command line to record in the report")
+    p.add_argument("--self-test", action="store_true",
+                   help="only check the classifier against a stand-in server, then exit")
+    if "--self-test" in sys.argv[1:]:
+        return self_test()
     a = p.parse_args()
     if a.engines < 3:
         sys.exit("--engines: at least 3 (one dead and one draining must leave one to route to)")

@@ -89,6 +89,9 @@ if ! "$PYTHON" -c 'import yaml' >/dev/null 2>&1; then
   PYTHON="$VENV/bin/python"
 fi
 
+# The classifier first: a lost request must be seen as lost (a stand-in server, a second).
+"$PYTHON" "$HERE/chaos.py" --self-test || die "the driver's self-test failed: its classifier is wrong"
+
 log "cargo build --release -p router-host -p two-tier-cost-fn"
 t0=$SECONDS
 (cd "$REPO" && cargo build --release -p router-host -p two-tier-cost-fn) || die "cargo build --release failed"
