@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -1097,6 +1098,8 @@ def main() -> int:
     a.plugin = a.plugin.resolve()
     out = a.out.resolve()
     logs = out / "logs"
+    # This run's logs only (the processes append across their restarts within a run).
+    shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
     overlay = {}
     if a.config_overlay:
