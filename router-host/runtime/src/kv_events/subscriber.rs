@@ -205,12 +205,13 @@ impl Subscriber {
         }
     }
 
-    /// Log a condition at `warn` the first time, at `debug` after that.
+    /// Log a condition at `warn` the first time, at `debug` after that (`disconnected` is
+    /// warned again after each successful subscribe: each outage is worth one line).
     fn warn_once(&mut self, condition: &'static str, detail: &dyn std::fmt::Display) {
         let (worker, rank, endpoint) = (self.spec.worker, self.spec.rank, &self.spec.endpoint);
         if self.warned.insert(condition) {
             tracing::warn!(worker, dp_rank = rank, endpoint = %endpoint, condition, %detail,
-                "KV events: {condition} (logged once per subscriber; counted in metrics)");
+                "KV events: {condition} (repeats are logged at debug; counted in metrics)");
         } else {
             tracing::debug!(worker, dp_rank = rank, condition, %detail, "KV events");
         }
