@@ -86,7 +86,9 @@ fn setup_yaml(name: &str, engines: &[&Engine]) -> String {
     let (policy, rest) = name.split_once('/').expect("policy/tokenizer");
     let (tokenizer, migration) = match rest.split_once('/') {
         Some((tokenizer, limit)) => {
-            let limit = limit.strip_prefix("migration-").expect("policy/tokenizer/migration-N");
+            let limit = limit
+                .strip_prefix("migration-")
+                .expect("policy/tokenizer/migration-N");
             (tokenizer, format!("  migration_limit: {limit}\n"))
         }
         None => (rest, String::new()),

@@ -30,6 +30,24 @@ fn envoy_binary() -> Result<PathBuf, String> {
     })
 }
 
+/// The `envoy` binary; `None` (the test skips, saying why) when Envoy cannot be had here and
+/// CI does not require it (`.ci/run` sets `ROUTER_REQUIRE_ENVOY`: there it panics).
+async fn envoy_or_skip() -> Option<PathBuf> {
+    match tokio::task::spawn_blocking(envoy_binary)
+        .await
+        .expect("join")
+    {
+        Ok(binary) => Some(binary),
+        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
+            panic!("Envoy is required here: {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: Envoy is not available here: {reason}");
+            None
+        }
+    }
+}
+
 /// docs/gateway.md's fail-open configuration: `failure_mode_allow: true`, the request body
 /// `BUFFERED`, and a second route, taken by a request that carries no destination, to a static
 /// round-robin cluster of `fallback`.
@@ -231,19 +249,8 @@ fn header(response: &reqwest::Response, name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_through_envoy_land_on_the_picked_engine_and_release_their_bookings() {
-    let binary = match tokio::task::spawn_blocking(envoy_binary)
-        .await
-        .expect("join")
-    {
-        Ok(binary) => binary,
-        // CI sets ROUTER_REQUIRE_ENVOY (.ci/run): there a missing Envoy fails the test.
-        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
-            panic!("Envoy is required here: {reason}")
-        }
-        Err(reason) => {
-            println!("skipped: Envoy is not available here: {reason}");
-            return;
-        }
+    let Some(binary) = envoy_or_skip().await else {
+        return;
     };
     let one = Engine::start(1).await;
     let two = Engine::start(2).await;
@@ -426,18 +433,8 @@ async fn caching_engine(id: u64) -> mock_engine::Engine {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_long_prefix_returns_through_envoy_to_the_engine_that_cached_it() {
-    let binary = match tokio::task::spawn_blocking(envoy_binary)
-        .await
-        .expect("join")
-    {
-        Ok(binary) => binary,
-        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
-            panic!("Envoy is required here: {reason}")
-        }
-        Err(reason) => {
-            println!("skipped: Envoy is not available here: {reason}");
-            return;
-        }
+    let Some(binary) = envoy_or_skip().await else {
+        return;
     };
     let engines = [caching_engine(1).await, caching_engine(2).await];
     let mut yaml = String::from("block_size: 4\nworkers:\n");
@@ -501,18 +498,8 @@ async fn a_repeated_long_prefix_returns_through_envoy_to_the_engine_that_cached_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restart() {
-    let binary = match tokio::task::spawn_blocking(envoy_binary)
-        .await
-        .expect("join")
-    {
-        Ok(binary) => binary,
-        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
-            panic!("Envoy is required here: {reason}")
-        }
-        Err(reason) => {
-            println!("skipped: Envoy is not available here: {reason}");
-            return;
-        }
+    let Some(binary) = envoy_or_skip().await else {
+        return;
     };
     let one = Engine::start(1).await;
     let dir = common::temp_dir("epp_envoy_restart");
@@ -556,18 +543,8 @@ async fn envoy_answers_500_while_the_picker_is_down_and_reconnects_to_its_restar
 /// Envoy as `original_dst_host_invalid`); the booking is released all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_original_dst_cannot_take_a_list_of_endpoints() {
-    let binary = match tokio::task::spawn_blocking(envoy_binary)
-        .await
-        .expect("join")
-    {
-        Ok(binary) => binary,
-        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
-            panic!("Envoy is required here: {reason}")
-        }
-        Err(reason) => {
-            println!("skipped: Envoy is not available here: {reason}");
-            return;
-        }
+    let Some(binary) = envoy_or_skip().await else {
+        return;
     };
     let (one, two) = (Engine::start(1).await, Engine::start(2).await);
     let dir = common::temp_dir("epp_envoy_fallbacks");
@@ -618,18 +595,8 @@ async fn envoy_original_dst_cannot_take_a_list_of_endpoints() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_fail_open_configuration_envoy_serves_through_the_fallback_route_while_the_picker_is_down(
 ) {
-    let binary = match tokio::task::spawn_blocking(envoy_binary)
-        .await
-        .expect("join")
-    {
-        Ok(binary) => binary,
-        Err(reason) if std::env::var_os("ROUTER_REQUIRE_ENVOY").is_some() => {
-            panic!("Envoy is required here: {reason}")
-        }
-        Err(reason) => {
-            println!("skipped: Envoy is not available here: {reason}");
-            return;
-        }
+    let Some(binary) = envoy_or_skip().await else {
+        return;
     };
     let (one, two) = (Engine::start(1).await, Engine::start(2).await);
     let dir = common::temp_dir("epp_envoy_fail_open");

@@ -291,18 +291,7 @@ impl Subscriber {
             return;
         }
         self.trust.stale_until = None;
-        self.metrics
-            .clears
-            .get_or_create(&self.kind_labels("stale"))
-            .inc();
-        let loaded = self.current.load();
-        self.config_number = loaded.number;
-        let mut sink = CoreSink {
-            core: loaded.host.core(),
-            row: self.row(),
-        };
-        self.ingest.clear(&mut sink);
-        self.update_blocks();
+        self.clear_row("stale");
         tracing::info!(
             worker = self.spec.worker,
             dp_rank = self.spec.rank,
@@ -507,10 +496,6 @@ impl Subscriber {
     }
 
     fn restart(&mut self, last: u64, got: u64) {
-        self.metrics
-            .clears
-            .get_or_create(&self.kind_labels("restart"))
-            .inc();
         tracing::info!(
             worker = self.spec.worker,
             dp_rank = self.spec.rank,
@@ -518,6 +503,15 @@ impl Subscriber {
             seq = got,
             "KV events: the sequence went backwards (engine restarted); row cleared"
         );
+        self.clear_row("restart");
+    }
+
+    /// Drop every block of this row from the index serving now (counted by `kind`).
+    fn clear_row(&mut self, kind: &str) {
+        self.metrics
+            .clears
+            .get_or_create(&self.kind_labels(kind))
+            .inc();
         let loaded = self.current.load();
         self.config_number = loaded.number;
         let mut sink = CoreSink {

@@ -192,8 +192,8 @@ impl Retries {
 
     /// Routing the next leg was refused: when no row is left after a failed leg, the client
     /// gets that leg's upstream failure rather than "no eligible worker".
-    pub fn refused(self, err: ApiError) -> ApiError {
-        match self.last_failure {
+    pub fn refused(&mut self, err: ApiError) -> ApiError {
+        match self.last_failure.take() {
             Some(failure) if err.status == StatusCode::SERVICE_UNAVAILABLE => {
                 ApiError::upstream(failure.status, failure.message)
             }

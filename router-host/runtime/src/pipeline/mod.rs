@@ -91,10 +91,29 @@ pub async fn run(
         .await
         .map_err(|err| err.into_api_error(inbound.endpoint))?;
     let body = forwarded_body(loaded, inbound, &prepared);
-    let mut retries = Retries::new(loaded.serve.retries);
+    answered(
+        app,
+        loaded,
+        inbound,
+        &prepared,
+        &body,
+        &mut Retries::new(loaded.serve.retries),
+    )
+    .await
+}
+
+/// Legs until one is answered (`Retries` settles each) or the request fails.
+async fn answered(
+    app: &Arc<App>,
+    loaded: &Arc<LoadedConfig>,
+    inbound: &Inbound,
+    prepared: &Prepared,
+    body: &Bytes,
+    retries: &mut Retries,
+) -> Result<Answer, ApiError> {
     loop {
         let allowed = retries.allowed(loaded);
-        let leg = match legs::route(app, loaded, inbound, &prepared, allowed).await {
+        let leg = match legs::route(app, loaded, inbound, prepared, allowed).await {
             Ok(leg) => leg,
             Err(err) => return Err(retries.refused(err)),
         };
@@ -141,24 +160,7 @@ pub async fn run_moving(
     let mut whole_left = if inbound.parsed.stream { 0 } else { limit };
     let mut retries = Retries::new(loaded.serve.retries);
     loop {
-        let allowed = retries.allowed(loaded);
-        let leg = match legs::route(app, loaded, &inbound, &prepared, allowed).await {
-            Ok(leg) => leg,
-            Err(err) => return Err(retries.refused(err)),
-        };
-        let sent = legs::send(
-            loaded,
-            &leg,
-            inbound.endpoint,
-            &inbound.headers,
-            body.clone(),
-        )
-        .await;
-        let mut answer = match retries.settle(app, loaded, leg.flight, sent) {
-            Next::Answer(answer) => answer,
-            Next::Retry => continue,
-            Next::Fail(err) => return Err(err),
-        };
+        let mut answer = answered(app, loaded, &inbound, &prepared, &body, &mut retries).await?;
         let whole = answer.response.status.is_success() && !relay::is_sse(&answer.response.headers);
         if limit > 0 && !inbound.parsed.stream && whole {
             let idle = loaded.serve.timeouts.stream_idle;
