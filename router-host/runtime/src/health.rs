@@ -554,6 +554,17 @@ vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0
 vllm:num_requests_waiting_by_reason{engine=\"0\",reason=\"x\"} 9.0
 vllm:num_requests_running_total 7
 ";
+        let waiting = parse_engine_metrics(text).waiting;
+        assert_eq!(
+            waiting.get(&0),
+            Some(&2),
+            "waiting alone, not waiting_by_reason"
+        );
+        assert_eq!(
+            waiting.get(&1),
+            None,
+            "a rank that reports none is unknown, not 0"
+        );
         let load = parse_engine_load(text);
         assert_eq!(load.get(&0), Some(&5));
         assert_eq!(load.get(&1), Some(&1));
