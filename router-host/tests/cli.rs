@@ -237,3 +237,52 @@ fn a_plugin_path_that_is_not_a_regular_file_says_what_it_is() {
         assert!(!err.contains("not found"), "{path}: {err}");
     }
 }
+
+#[test]
+fn select_sheds_the_lowest_priority_at_a_full_queue_and_refuses_equals() {
+    let dir = temp_dir("select_overload");
+    let config = write(
+        &dir,
+        "router.yaml",
+        "max_queued_requests: 2\npolicy_classes:\n\
+         \x20 - {name: default, priority: 0, prefill_busy_threshold: 100}\n\
+         \x20 - {name: high, priority: 10, prefill_busy_threshold: 100}\n",
+    );
+    let scenario = write(
+        &dir,
+        "scenario.json",
+        r#"{"workers": [{"worker_id": 1}],
+            "requests": [
+              {"isl_tokens": 500},
+              {"isl_tokens": 10},
+              {"isl_tokens": 10},
+              {"isl_tokens": 10, "policy_class": "high"},
+              {"isl_tokens": 10},
+              {"isl_tokens": 10, "complete": [0]}
+            ]}"#,
+    );
+    let (code, out, _) = run_cli(&[
+        "select",
+        "--config",
+        config.to_str().unwrap(),
+        "--scenario",
+        scenario.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6);
+    // Request 2 (the newest of the lowest priority) made room for request 3.
+    let error = |i: usize| lines[i]["error"].as_str().unwrap_or("").to_owned();
+    assert!(error(2).starts_with("shed from the queue of policy class `default` (priority 0) to make room for a request of class `high` (priority 10)"), "{}", error(2));
+    assert!(
+        error(4).starts_with("the admission queues hold their limit of 2 requests"),
+        "{}",
+        error(4)
+    );
+    for i in [1, 3] {
+        assert_eq!(lines[i]["admitted_at"], 5, "{}", lines[i]);
+    }
+}

@@ -4,11 +4,14 @@ use serde::Deserialize;
 
 use super::error::{ConfigError, ConfigErrorKind};
 use super::locate::{key, Seg};
-use super::numbers::{de_busy_frac, de_busy_threshold, de_queue_wait_ms};
+use super::numbers::{
+    de_busy_frac, de_busy_threshold, de_engine_waiting, de_kv_usage, de_priority, de_queue_wait_ms,
+};
 use super::strings::{de_admission, de_class_name};
 use super::{AdmissionMode, Builder, Names};
 
-/// One entry of `policy_classes:` (docs/routing-contract.md §8). At least one threshold is set.
+/// One entry of `policy_classes:` (docs/routing-contract.md §8). At least one busy limit is set
+/// (a prefill threshold or an engine limit).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyClassConfig {
     /// Unique class name, `[A-Za-z0-9_.-]{1,128}`.
@@ -22,6 +25,12 @@ pub struct PolicyClassConfig {
     pub admission: AdmissionMode,
     /// A request queued longer than this fails (`max_queue_wait_ms`); `None` = no limit.
     pub max_queue_wait: Option<std::time::Duration>,
+    /// Higher = more important; shed last when the queues are full (default 0).
+    pub priority: i64,
+    /// A row whose engine reports more waiting requests than this is busy (prefill-saturated).
+    pub max_engine_waiting: Option<u64>,
+    /// A row whose engine reports a KV-cache usage over this (0..1) is busy (decode-saturated).
+    pub max_kv_usage: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -37,6 +46,12 @@ pub(super) struct RawPolicyClass {
     admission: Option<AdmissionMode>,
     #[serde(default, deserialize_with = "de_queue_wait_ms")]
     max_queue_wait_ms: Option<u64>,
+    #[serde(default, deserialize_with = "de_priority")]
+    priority: Option<i64>,
+    #[serde(default, deserialize_with = "de_engine_waiting")]
+    max_engine_waiting: Option<u64>,
+    #[serde(default, deserialize_with = "de_kv_usage")]
+    max_kv_usage: Option<f64>,
 }
 
 impl Builder<'_> {
@@ -49,7 +64,10 @@ impl Builder<'_> {
         });
         for (index, class) in raw.iter().enumerate() {
             names.add(self, index, &class.name)?;
-            if class.prefill_busy_threshold.is_none() && class.prefill_busy_threshold_frac.is_none()
+            if class.prefill_busy_threshold.is_none()
+                && class.prefill_busy_threshold_frac.is_none()
+                && class.max_engine_waiting.is_none()
+                && class.max_kv_usage.is_none()
             {
                 return Err(self.error(
                     &[key("policy_classes"), Seg::Index(index)],
@@ -69,6 +87,9 @@ impl Builder<'_> {
                 max_queue_wait: class
                     .max_queue_wait_ms
                     .map(std::time::Duration::from_millis),
+                priority: class.priority.unwrap_or(0),
+                max_engine_waiting: class.max_engine_waiting,
+                max_kv_usage: class.max_kv_usage,
             })
             .collect())
     }

@@ -182,6 +182,9 @@ pub struct RouterConfig {
     pub session_store: SessionStoreConfig,
     /// Queue admission classes (docs/routing-contract.md §8), in file order.
     pub policy_classes: Vec<PolicyClassConfig>,
+    /// How many requests the admission queues hold together (`max_queued_requests`); `None` =
+    /// the core's default (`router_core::admission::DEFAULT_MAX_QUEUED`).
+    pub max_queued_requests: Option<usize>,
     /// Opaque settings for the replay simulator (a JSON object), not validated here.
     pub engine: Option<serde_json::Value>,
     /// The engines `router-host serve` routes to, in file order (ids unique); empty when the
@@ -212,6 +215,7 @@ impl Default for RouterConfig {
             session_affinity: None,
             session_store: SessionStoreConfig::Memory,
             policy_classes: Vec::new(),
+            max_queued_requests: None,
             engine: None,
             workers: Vec::new(),
             workers_file: None,
@@ -364,6 +368,8 @@ struct RawConfig {
     session_affinity: Option<RawSessionAffinity>,
     #[serde(default)]
     policy_classes: Option<Vec<RawPolicyClass>>,
+    #[serde(default, deserialize_with = "numbers::de_max_queued")]
+    max_queued_requests: Option<u64>,
     #[serde(default)]
     engine: Option<serde_yaml::Value>,
     #[serde(default)]
@@ -518,6 +524,9 @@ impl Builder<'_> {
             session_affinity,
             session_store,
             policy_classes,
+            max_queued_requests: raw
+                .max_queued_requests
+                .and_then(|n| usize::try_from(n).ok()),
             engine,
             workers,
             workers_file,

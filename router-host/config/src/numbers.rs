@@ -162,6 +162,31 @@ pub(super) fn de_queue_wait_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option
     de_uint(d, 1, MAX_QUEUE_WAIT_MS)
 }
 
+/// The most `max_queued_requests` may be: far above any useful backlog, and still a bound.
+pub const MAX_QUEUED_REQUESTS: u64 = 1 << 20;
+
+pub(super) fn de_max_queued<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 1, MAX_QUEUED_REQUESTS)
+}
+
+pub(super) fn de_engine_waiting<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 0, u64::MAX)
+}
+
+/// A fraction of the KV cache: a finite number from 0 to 1.
+pub(super) fn de_kv_usage<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    d.deserialize_any(FloatVisitor {
+        min: 0.0,
+        exclusive: false,
+        max: Some(1.0),
+    })
+}
+
+/// A class priority: any integer (higher = more important).
+pub(super) fn de_priority<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    <Option<i64> as serde::Deserialize>::deserialize(d)
+}
+
 pub(super) fn de_busy_threshold<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 0, u64::MAX)
 }
@@ -176,6 +201,8 @@ pub(super) fn narrow_or<T: TryFrom<u64>>(value: Option<u64>, default: T) -> T {
 struct FloatVisitor {
     min: f64,
     exclusive: bool,
+    /// An inclusive upper bound, when there is one.
+    max: Option<f64>,
 }
 
 impl FloatVisitor {
@@ -185,6 +212,7 @@ impl FloatVisitor {
         } else {
             v >= self.min
         };
+        let in_range = in_range && self.max.is_none_or(|max| v <= max);
         if v.is_finite() && in_range {
             Ok(Some(v))
         } else {
@@ -198,6 +226,9 @@ impl FloatVisitor {
 
 impl fmt::Display for FloatVisitor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(max) = self.max {
+            return write!(f, "a finite number from {} to {max}", self.min);
+        }
         let op = if self.exclusive { ">" } else { ">=" };
         write!(f, "a finite number {op} {}", self.min)
     }
@@ -252,6 +283,7 @@ pub(super) fn de_weight<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, 
     d.deserialize_any(FloatVisitor {
         min: 0.0,
         exclusive: false,
+        max: None,
     })
 }
 
@@ -259,6 +291,7 @@ pub(super) fn de_busy_frac<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64
     d.deserialize_any(FloatVisitor {
         min: 0.0,
         exclusive: true,
+        max: None,
     })
 }
 

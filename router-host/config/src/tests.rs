@@ -215,6 +215,9 @@ fn full_config_parses() {
                 prefill_busy_threshold_frac: None,
                 admission: AdmissionMode::ChosenRow,
                 max_queue_wait: None,
+                priority: 0,
+                max_engine_waiting: None,
+                max_kv_usage: None,
             },
             PolicyClassConfig {
                 name: "batch".to_owned(),
@@ -222,6 +225,9 @@ fn full_config_parses() {
                 prefill_busy_threshold_frac: Some(1.5),
                 admission: AdmissionMode::AnyEligible,
                 max_queue_wait: None,
+                priority: 0,
+                max_engine_waiting: None,
+                max_kv_usage: None,
             },
             PolicyClassConfig {
                 name: "default".to_owned(),
@@ -229,6 +235,9 @@ fn full_config_parses() {
                 prefill_busy_threshold_frac: Some(0.5),
                 admission: AdmissionMode::AnyEligible,
                 max_queue_wait: None,
+                priority: 0,
+                max_engine_waiting: None,
+                max_kv_usage: None,
             },
         ]
     );
@@ -745,4 +754,55 @@ fn a_worker_drains_only_when_it_says_so() {
     assert_eq!(draining, [(1, false), (2, true)]);
     let err = parse_err("workers:\n  - {id: 1, url: 'http://127.0.0.1:8101', draining: yes}\n");
     assert!(err.contains("workers[0].draining"), "{err}");
+}
+
+#[test]
+fn overload_keys_parse_and_bad_values_name_the_key() {
+    let config = parse(
+        "max_queued_requests: 64\n\
+         policy_classes:\n\
+         - {name: batch, prefill_busy_threshold: 1}\n\
+         - {name: chat, priority: 10, max_engine_waiting: 4, max_kv_usage: 0.9}\n",
+    );
+    assert_eq!(config.max_queued_requests, Some(64));
+    let (batch, chat) = (&config.policy_classes[0], &config.policy_classes[1]);
+    assert_eq!(
+        (batch.priority, batch.max_engine_waiting, batch.max_kv_usage),
+        (0, None, None)
+    );
+    // Engine limits alone are a busy rule.
+    assert_eq!(
+        (chat.priority, chat.max_engine_waiting, chat.max_kv_usage),
+        (10, Some(4), Some(0.9))
+    );
+    assert_eq!(parse("block_size: 16").max_queued_requests, None);
+    for (text, expected) in [
+        (
+            "max_queued_requests: 0",
+            "max_queued_requests: invalid value: integer `0` is out of range, expected an integer from 1 to 1048576",
+        ),
+        (
+            "policy_classes: [{name: a, max_kv_usage: 1.5}]",
+            "policy_classes[0].max_kv_usage: invalid value: 1.5, expected a finite number from 0 to 1",
+        ),
+        (
+            "policy_classes: [{name: a, max_kv_usage: -0.1}]",
+            "policy_classes[0].max_kv_usage: invalid value: -0.1, expected a finite number from 0 to 1",
+        ),
+        (
+            "policy_classes: [{name: a, max_engine_waiting: -1}]",
+            "policy_classes[0].max_engine_waiting: invalid value: integer `-1` is out of range",
+        ),
+        (
+            "policy_classes: [{name: a, prefill_busy_threshold: 1, priority: high}]",
+            "policy_classes[0].priority: invalid type: string \"high\", expected i64",
+        ),
+        (
+            "policy_classes: [{name: a, priority: 1}]",
+            "policy_classes[0]",
+        ),
+    ] {
+        let message = parse_err(text);
+        assert!(message.contains(expected), "{text}: {message}");
+    }
 }

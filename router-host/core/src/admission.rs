@@ -33,8 +33,8 @@ crate::spelled_enum! {
     }
 }
 
-/// One policy class: its busy rule and how long its requests may wait.
-#[derive(Debug, Clone, PartialEq)]
+/// One policy class: its busy rule, its priority and how long its requests may wait.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ClassSpec {
     pub name: String,
     /// Busy when a row's pending prefill tokens exceed this.
@@ -46,6 +46,34 @@ pub struct ClassSpec {
     /// A request queued longer than this fails with [`RouteError::QueueTimeout`] and books
     /// nothing; `None` = waits until admitted or cancelled.
     pub max_wait: Option<Duration>,
+    /// Higher = more important: when the queues are full, a queued request of a lower
+    /// priority is shed to make room (docs/admission.md, "Overload").
+    pub priority: i64,
+    /// Prefill-saturated: a row whose engine reports more waiting requests than this is busy.
+    pub max_engine_waiting: Option<u64>,
+    /// Decode-saturated: a row whose engine reports a KV-cache usage (0..1) over this is busy.
+    pub max_kv_usage: Option<f64>,
+}
+
+/// What a row's engine last reported about itself (its `/metrics`); `None` = not known (no
+/// scrape yet, or the engine does not export it), which never saturates a row.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineSignals {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: Option<u64>,
+    /// `vllm:kv_cache_usage_perc`, 0..1.
+    pub kv_usage: Option<f64>,
+}
+
+crate::spelled_enum! {
+    /// Which engine limit a saturated row is over.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum Saturation {
+        /// Waiting requests over `max_engine_waiting`.
+        Prefill = "prefill",
+        /// KV-cache usage over `max_kv_usage`.
+        Decode = "decode",
+    }
 }
 
 impl ClassSpec {
@@ -58,7 +86,33 @@ impl ClassSpec {
                 _ => false,
             }
     }
+
+    /// Whether the class reads engine signals at all (configs without the limits never do).
+    pub fn uses_engine_signals(&self) -> bool {
+        self.max_engine_waiting.is_some() || self.max_kv_usage.is_some()
+    }
+
+    /// The limit `signals` are over, if any. Strict comparisons; an unknown signal is under.
+    pub fn saturation(&self, signals: EngineSignals) -> Option<Saturation> {
+        if let (Some(limit), Some(waiting)) = (self.max_engine_waiting, signals.waiting) {
+            if waiting > limit {
+                return Some(Saturation::Prefill);
+            }
+        }
+        if let (Some(limit), Some(usage)) = (self.max_kv_usage, signals.kv_usage) {
+            if usage > limit {
+                return Some(Saturation::Decode);
+            }
+        }
+        None
+    }
 }
+
+/// How many requests the admission queues hold together when the configuration sets no
+/// `max_queued_requests`. Each queued request holds its prompt's block hashes (a 128k-token
+/// prompt is 64 KiB of them), so this bounds the queues' memory to tens of MiB, and a backlog
+/// this deep already waits longer than any useful queue deadline.
+pub const DEFAULT_MAX_QUEUED: usize = 1024;
 
 /// Identifies a queued request.
 pub type TicketId = u64;
@@ -77,6 +131,11 @@ pub struct AdmissionStats {
     /// Lane heads whose evaluation ran past the stall limit (a hung policy call), after which
     /// their lane moved on without them.
     pub stalled: u64,
+    /// Queued requests shed to make room for a request of a higher priority.
+    pub shed: u64,
+    /// Requests refused a place because the queues were full of requests of their priority or
+    /// higher.
+    pub refused: u64,
 }
 
 enum TicketState {
@@ -133,6 +192,11 @@ impl Ticket {
 
     pub fn id(&self) -> TicketId {
         self.shared.id
+    }
+
+    /// Whether nobody but the queue holds this ticket (the caller reads outcomes from `drain`).
+    pub(crate) fn is_orphan(&self) -> bool {
+        Arc::strong_count(&self.shared) == 1
     }
 
     /// Whether the request left its queue (dispatched, failed, expired or cancelled).
@@ -311,10 +375,21 @@ pub(crate) struct Lanes {
     drains: u64,
     next_token: u64,
     stall: Duration,
+    /// How many requests all lanes hold together, heads being evaluated included.
+    max_queued: usize,
+    /// Requests shed whose caller dropped its ticket: the next `drain` returns their outcome
+    /// (at most one per shed since the last drain).
+    pub shed_unread: Vec<(TicketId, crate::routed::RouteError)>,
+}
+
+/// Why a request found no place in the queues.
+pub(crate) enum NoRoom {
+    /// Full of requests of its priority or higher.
+    Full { limit: usize },
 }
 
 impl Lanes {
-    pub fn new(stall: Duration) -> Lanes {
+    pub fn new(stall: Duration, max_queued: usize) -> Lanes {
         Lanes {
             lanes: BTreeMap::new(),
             next_ticket: 0,
@@ -323,6 +398,53 @@ impl Lanes {
             drains: 0,
             next_token: 0,
             stall,
+            max_queued,
+            shed_unread: Vec::new(),
+        }
+    }
+
+    /// Requests queued now, counting heads out for re-evaluation (they may come back).
+    fn occupied(&self) -> usize {
+        usize::try_from(self.stats.waiting).unwrap_or(usize::MAX) + self.marks.len()
+    }
+
+    /// Whether the queues hold their bound.
+    pub fn is_full(&self) -> bool {
+        self.occupied() >= self.max_queued
+    }
+
+    /// Make room for a request of `class` when the queues are full: take out the queued request
+    /// of the lowest priority below `class`'s (the newest among equals) and return it, the
+    /// caller's to fail as shed; or say there is no room. `Ok(None)`: there is room.
+    pub fn make_room(
+        &mut self,
+        class: usize,
+        classes: &[ClassSpec],
+    ) -> Result<Option<Queued>, NoRoom> {
+        if self.occupied() < self.max_queued {
+            return Ok(None);
+        }
+        let priority = |class: usize| classes.get(class).map_or(0, |c| c.priority);
+        let newcomer = priority(class);
+        // Lowest priority first; among equals the newest (the highest ticket id) goes.
+        let victim = self
+            .lanes
+            .iter()
+            .flat_map(|(key, lane)| lane.iter().map(move |e| (priority(key.0), e.ticket.id())))
+            .filter(|(p, _)| *p < newcomer)
+            .min_by_key(|(p, id)| (*p, std::cmp::Reverse(*id)))
+            .map(|(_, id)| id);
+        match victim.and_then(|id| self.remove(id)) {
+            Some(entry) => {
+                self.stats.shed += 1;
+                Ok(Some(entry))
+            }
+            None => {
+                self.stats.refused += 1;
+                Err(NoRoom::Full {
+                    limit: self.max_queued,
+                })
+            }
         }
     }
 
@@ -484,7 +606,7 @@ mod tests {
     const LANE: LaneKey = (0, None);
 
     fn lanes_with(n: usize, stall: Duration) -> (Lanes, Vec<Ticket>) {
-        let mut lanes = Lanes::new(stall);
+        let mut lanes = Lanes::new(stall, DEFAULT_MAX_QUEUED);
         let tickets = (0..n)
             .map(|_| lanes.enqueue(LANE, Request::default(), Duration::ZERO))
             .collect();

@@ -45,6 +45,15 @@ pub enum RouteError {
     },
     #[error("cancelled while queued; nothing was booked")]
     Cancelled,
+    #[error("the admission queues hold their limit of {limit} requests (max_queued_requests), none of a lower priority than policy class `{class}`; nothing was booked")]
+    QueueFull { class: String, limit: usize },
+    #[error("shed from the queue of policy class `{class}` (priority {priority}) to make room for a request of class `{by_class}` (priority {by_priority}); nothing was booked")]
+    Shed {
+        class: String,
+        priority: i64,
+        by_class: String,
+        by_priority: i64,
+    },
     #[error("the queued request was still being re-evaluated {stall_ms} ms after its wait ended (a policy call hung); it was given up, and whatever it gets is released")]
     EvaluationStalled { stall_ms: u64 },
 }

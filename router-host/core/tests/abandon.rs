@@ -86,6 +86,7 @@ fn a_wait_given_up_during_a_stuck_evaluation_returns_and_a_late_booking_is_relea
             prefill_busy_threshold_frac: None,
             mode: AdmissionMode::AnyEligible,
             max_wait: None,
+            ..ClassSpec::default()
         }],
         drain_stall: Some(Duration::from_millis(50)),
         ..CoreSettings::default()

@@ -70,6 +70,8 @@ fn setup(decode_booking: DecodeBooking) -> Setup {
             sessions: Some(table.clone() as Arc<dyn SessionStore>),
             classes: vec![default_class(BUSY_TOKENS, None)],
             decode_booking,
+            // Every request must be accounted for: a bound would refuse some (tests/overload.rs).
+            max_queued: Some(usize::MAX),
             ..CoreSettings::default()
         },
     );

@@ -68,7 +68,9 @@ pub struct Server {
     max_connections: u64,
 }
 
-/// An [`ApiError`] as an HTTP response: its status, `retry-after` when it has one, its JSON body.
+/// An [`ApiError`] as an HTTP response: its status, `retry-after` when it has one,
+/// `x-router-rejected-reason` (the body's `code`) when it was refused for lack of capacity, its
+/// JSON body.
 pub fn json_error(err: ApiError) -> Response {
     let mut response = (err.status, err.body().to_string()).into_response();
     let headers = response.headers_mut();
@@ -78,6 +80,9 @@ pub fn json_error(err: ApiError) -> Response {
     );
     if let Some(secs) = err.retry_after_secs() {
         headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if let Some(reason) = err.rejected_reason() {
+        headers.insert("x-router-rejected-reason", HeaderValue::from_static(reason));
     }
     response
 }

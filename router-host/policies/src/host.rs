@@ -161,6 +161,7 @@ impl Host {
             id_tag,
             drain_stall: Some(router.longest_hang_after()),
             decode_booking: config.booking.decode,
+            max_queued: config.max_queued_requests,
         };
         let core = RoutingCore::new(router.clone(), cluster, settings);
         Host {
@@ -278,6 +279,9 @@ pub fn class_spec(config: &PolicyClassConfig) -> ClassSpec {
         prefill_busy_threshold_frac: config.prefill_busy_threshold_frac,
         mode: config.admission,
         max_wait: config.max_queue_wait,
+        priority: config.priority,
+        max_engine_waiting: config.max_engine_waiting,
+        max_kv_usage: config.max_kv_usage,
     }
 }
 

@@ -106,12 +106,17 @@ impl ApiError {
     }
 
     pub fn queue_timeout(message: impl Into<String>, retry_after: Duration) -> Self {
+        ApiError::shed("queue_timeout", message, retry_after)
+    }
+
+    /// 429: admission refused or shed the request (`code` is its `x-router-rejected-reason`).
+    pub fn shed(code: &'static str, message: impl Into<String>, retry_after: Duration) -> Self {
         ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             kind: ErrorKind::RateLimited,
             message: message.into(),
             param: None,
-            code: "queue_timeout",
+            code,
             retry_after: Some(retry_after),
         }
     }
@@ -153,7 +158,8 @@ impl ApiError {
     pub fn outcome(&self) -> &'static str {
         match self.kind {
             ErrorKind::InvalidRequest | ErrorKind::TooLarge => "rejected",
-            ErrorKind::RateLimited => "queue_timeout",
+            ErrorKind::RateLimited if self.code == "queue_timeout" => "queue_timeout",
+            ErrorKind::RateLimited => "shed",
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Upstream => "failed",
             ErrorKind::Internal => "error",
@@ -189,6 +195,12 @@ impl From<TokenizeError> for ApiError {
 }
 
 impl ApiError {
+    /// The `x-router-rejected-reason` header's value: the body's `code`, for a request the
+    /// router refused for lack of capacity (`429`, `503`).
+    pub fn rejected_reason(&self) -> Option<&'static str> {
+        matches!(self.kind, ErrorKind::RateLimited | ErrorKind::Unavailable).then_some(self.code)
+    }
+
     /// Seconds for the `retry-after` header, when the error has one (at least 1).
     pub fn retry_after_secs(&self) -> Option<u64> {
         self.retry_after

@@ -16,6 +16,7 @@ use std::time::Duration;
 use super::engine_calls::{call_engine, AnswerError, HEALTH_ANSWER_LIMIT, METRICS_ANSWER_LIMIT};
 use super::metrics::Metrics;
 use super::state::{LoadedConfig, Upstream};
+use router_core::admission::EngineSignals;
 use router_core::model::RowId;
 
 #[derive(Debug, Clone)]
@@ -184,6 +185,8 @@ pub fn mark(
 pub struct EngineMetrics {
     /// `vllm:num_requests_running` + `vllm:num_requests_waiting`.
     pub load: HashMap<u32, u64>,
+    /// `vllm:num_requests_waiting` alone: prefill saturation (`max_engine_waiting`).
+    pub waiting: HashMap<u32, u64>,
     /// `vllm:kv_cache_usage_perc`, or the older `vllm:gpu_cache_usage_perc` when the engine has
     /// no new one (0..1).
     pub kv_usage: HashMap<u32, f64>,
@@ -235,6 +238,9 @@ pub fn parse_engine_metrics(text: &str) -> EngineMetrics {
                 if value.is_finite() && value >= 0.0 =>
             {
                 *out.load.entry(rank).or_default() += value as u64;
+                if name == "vllm:num_requests_waiting" {
+                    *out.waiting.entry(rank).or_default() += value as u64;
+                }
             }
             "vllm:kv_cache_usage_perc" if value.is_finite() => {
                 out.kv_usage.insert(rank, value.clamp(0.0, 1.0));
@@ -424,6 +430,15 @@ pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, loaded: 
                         dp_rank: rank,
                     };
                     core.observe_load(row, Some(by_rank.get(&rank).copied().unwrap_or(0)));
+                    // Only what the engine exports: a missing metric stays unknown (never
+                    // saturated, and counted in router_engine_saturation_unknown_rows).
+                    core.observe_engine(
+                        row,
+                        EngineSignals {
+                            waiting: metrics.waiting.get(&rank).copied(),
+                            kv_usage: metrics.kv_usage.get(&rank).copied(),
+                        },
+                    );
                 }
             }
             None => {
@@ -434,6 +449,7 @@ pub async fn probe_round(table: &HealthTable, router_metrics: &Metrics, loaded: 
                         dp_rank: rank,
                     };
                     core.observe_load(row, None);
+                    core.observe_engine(row, EngineSignals::default());
                 }
             }
         }
@@ -538,6 +554,17 @@ vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0
 vllm:num_requests_waiting_by_reason{engine=\"0\",reason=\"x\"} 9.0
 vllm:num_requests_running_total 7
 ";
+        let waiting = parse_engine_metrics(text).waiting;
+        assert_eq!(
+            waiting.get(&0),
+            Some(&2),
+            "waiting alone, not waiting_by_reason"
+        );
+        assert_eq!(
+            waiting.get(&1),
+            None,
+            "a rank that reports none is unknown, not 0"
+        );
         let load = parse_engine_load(text);
         assert_eq!(load.get(&0), Some(&5));
         assert_eq!(load.get(&1), Some(&1));

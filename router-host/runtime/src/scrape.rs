@@ -147,6 +147,40 @@ impl Collector for StateCollector {
             MetricType::Gauge,
             std::iter::once((Labels::new(), ConstGauge::new(admission.waiting as i64))),
         )?;
+        // Only the signals some class limits: an operator sees when a limit has nothing to read.
+        let classes = core.classes();
+        let limited = [
+            (
+                "waiting",
+                classes.iter().any(|c| c.max_engine_waiting.is_some()),
+            ),
+            ("kv_usage", classes.iter().any(|c| c.max_kv_usage.is_some())),
+        ];
+        family(
+            &mut encoder,
+            "router_engine_saturation_unknown_rows",
+            "Rows whose engine has not reported a signal a policy class limits (max_engine_waiting: waiting, max_kv_usage: kv_usage); such a row is never saturated",
+            MetricType::Gauge,
+            limited
+                .into_iter()
+                .filter(|(_, used)| *used)
+                .map(|(signal, _)| {
+                    let unknown = rows
+                        .iter()
+                        .filter(|r| {
+                            let seen = core.engine_signals(**r);
+                            match signal {
+                                "waiting" => seen.waiting.is_none(),
+                                _ => seen.kv_usage.is_none(),
+                            }
+                        })
+                        .count();
+                    (
+                        vec![("signal", signal.to_owned())],
+                        ConstGauge::new(unknown as i64),
+                    )
+                }),
+        )?;
         family(
             &mut encoder,
             "router_queue_stalled",

@@ -13,7 +13,7 @@ use super::{
     lock, shard_of_slot, Booking, RequestId, RouteError, Routed, RoutingCore, SessionOutcome,
     Shard, DRAWN_ID_BIT,
 };
-use crate::admission::{AdmissionMode, LaneKey, Ticket};
+use crate::admission::{AdmissionMode, LaneKey, NoRoom, Ticket};
 use crate::eligibility::{check_pin, eligible_rows};
 use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{OverlapSource, Request, RowId};
@@ -82,6 +82,12 @@ fn with_buffer<T: Default, R>(
         Some(f) => f(&mut T::default()),
         None => unreachable!("the closure ran but returned no result"),
     }
+}
+
+/// The class index of a queued request (0 for one whose class is gone, which cannot happen:
+/// the classes are fixed for the core's life).
+fn entry_class_index(core: &RoutingCore, request: &Request) -> usize {
+    core.class_of(request).ok().flatten().unwrap_or(0)
 }
 
 /// Run `f` with this thread's KV-walk buffers.
@@ -162,7 +168,7 @@ impl RoutingCore {
     ) -> Result<Submitted, RouteError> {
         match self.with_topology(|topology| self.admit(topology, &request, source, explain))? {
             Admitted::Now(routed) => Ok(Submitted::Dispatched(routed)),
-            Admitted::Queue(lane) => Ok(self.enqueue(lane, request)),
+            Admitted::Queue(lane) => self.enqueue(lane, request),
         }
     }
 
@@ -177,7 +183,7 @@ impl RoutingCore {
         })?;
         match admitted {
             Admitted::Now(routed) => Ok(Submitted::Dispatched(routed)),
-            Admitted::Queue(lane) => Ok(self.enqueue(lane, request)),
+            Admitted::Queue(lane) => self.enqueue(lane, request),
         }
     }
 
@@ -211,9 +217,54 @@ impl RoutingCore {
         )
     }
 
-    fn enqueue(&self, lane: LaneKey, request: Request) -> Submitted {
+    /// Queue `request` in `lane`; at the queues' bound, shed the lowest priority below the
+    /// request's to make room, or refuse it (docs/routing-contract.md §8).
+    fn enqueue(&self, lane: LaneKey, request: Request) -> Result<Submitted, RouteError> {
+        // Overdue requests leave a full queue first: nobody is shed for room they hold.
+        if lock(&self.queues).is_full() {
+            self.expire_queued();
+        }
         let since = self.clock.now();
-        Submitted::Queued(lock(&self.queues).enqueue(lane, request, since))
+        let (ticket, shed) = {
+            let mut queues = lock(&self.queues);
+            match queues.make_room(lane.0, &self.classes) {
+                Ok(shed) => (queues.enqueue(lane, request, since), shed),
+                Err(NoRoom::Full { limit }) => {
+                    return Err(RouteError::QueueFull {
+                        class: self.class_name(lane.0),
+                        limit,
+                    })
+                }
+            }
+        };
+        // Told outside the queue lock: a waiting caller wakes at once.
+        if let Some(entry) = shed {
+            let class = self.classes.get(entry_class_index(self, &entry.request));
+            let by = self.classes.get(lane.0);
+            let err = RouteError::Shed {
+                class: class.map(|c| c.name.clone()).unwrap_or_default(),
+                priority: class.map_or(0, |c| c.priority),
+                by_class: by.map(|c| c.name.clone()).unwrap_or_default(),
+                by_priority: by.map_or(0, |c| c.priority),
+            };
+            tracing::debug!(ticket = entry.ticket.id(), "{err}");
+            if entry.ticket.is_orphan() {
+                // Its caller reads outcomes from `drain` (`select`, `replay`).
+                lock(&self.queues)
+                    .shed_unread
+                    .push((entry.ticket.id(), err));
+            } else {
+                entry.ticket.finish(&Err(err));
+            }
+        }
+        Ok(Submitted::Queued(ticket))
+    }
+
+    fn class_name(&self, class: usize) -> String {
+        self.classes
+            .get(class)
+            .map(|c| c.name.clone())
+            .unwrap_or_default()
     }
 
     pub(super) fn class_of(&self, request: &Request) -> Result<Option<usize>, RouteError> {
@@ -290,7 +341,10 @@ impl RoutingCore {
             .cluster()
             .worker(row.worker_id)
             .and_then(|w| w.max_num_batched_tokens);
-        self.classes[class].is_busy(signals.load(row), batch)
+        let spec = &self.classes[class];
+        // Engine saturation only for classes that set its limits: others decide as before.
+        spec.is_busy(signals.load(row), batch)
+            || (spec.uses_engine_signals() && spec.saturation(self.engine_signals(row)).is_some())
     }
 
     /// Session lookup: the pin and advisory target this request routes with.

@@ -43,7 +43,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use crate::admission::{AdmissionStats, ClassSpec, Lanes};
+use crate::admission::{AdmissionStats, ClassSpec, EngineSignals, Lanes, DEFAULT_MAX_QUEUED};
 use crate::fast_hash::FastMap;
 use crate::kv_index::trust::RowTrust;
 use crate::kv_index::KvIndex;
@@ -83,6 +83,9 @@ pub struct CoreSettings {
     pub drain_stall: Option<Duration>,
     /// How prompts are booked as KV blocks (`decode_blocks`, docs/routing-contract.md §7).
     pub decode_booking: DecodeBooking,
+    /// How many requests the admission queues hold together ([`DEFAULT_MAX_QUEUED`] when
+    /// `None`); past it the lowest priority is shed (docs/routing-contract.md §8).
+    pub max_queued: Option<usize>,
 }
 
 /// The watchdog's default hang limit (router-host's `hang_after_ms`).
@@ -150,6 +153,9 @@ pub struct RoutingCore {
     generation: AtomicU64,
     clock: Arc<dyn Clock>,
     decode_booking: DecodeBooking,
+    /// What each row's engine last reported about its saturation (`observe_engine`); read only
+    /// by classes that set engine limits. Holds registered rows only.
+    engine: std::sync::RwLock<FastMap<RowId, EngineSignals>>,
 }
 
 /// Topology publications, numbered across the process so that a thread's cached snapshot can
@@ -190,6 +196,7 @@ impl RoutingCore {
             classes: settings.classes,
             queues: Mutex::new(Lanes::new(
                 settings.drain_stall.unwrap_or(DEFAULT_DRAIN_STALL),
+                settings.max_queued.unwrap_or(DEFAULT_MAX_QUEUED).max(1),
             )),
             inflight: std::array::from_fn(|_| {
                 CachePadded::new(Mutex::new(Shard {
@@ -201,7 +208,36 @@ impl RoutingCore {
             generation: AtomicU64::new(generation),
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
             decode_booking: settings.decode_booking,
+            engine: std::sync::RwLock::new(FastMap::default()),
         }
+    }
+
+    /// Report what `row`'s engine says about its saturation (waiting requests, KV-cache usage);
+    /// all `None` forgets it. Returns whether the row is registered (others are not kept).
+    pub fn observe_engine(&self, row: RowId, signals: EngineSignals) -> bool {
+        let topology = self.topology.load();
+        let registered = topology.slot(row).is_some();
+        let mut engine = self.engine.write().unwrap_or_else(PoisonError::into_inner);
+        if !registered || signals == EngineSignals::default() {
+            engine.remove(&row);
+        } else {
+            engine.insert(row, signals);
+        }
+        // Rows removed since are dropped here, so the table never outgrows the topology.
+        if engine.len() > topology.slot_bound() {
+            engine.retain(|row, _| topology.slot(*row).is_some());
+        }
+        registered
+    }
+
+    /// What `row`'s engine last reported (all unknown when nothing was).
+    pub fn engine_signals(&self, row: RowId) -> EngineSignals {
+        self.engine
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&row)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// The current cluster and slots (a snapshot: later changes do not show in it).

@@ -30,7 +30,8 @@ impl RoutingCore {
     /// called is evaluated once more, so capacity freed meanwhile is not missed. A head whose
     /// evaluation runs past the core's `drain_stall` (its policy call hung) stops holding its
     /// lane, so one stuck call never stops a queue (docs/routing-contract.md §8). The return
-    /// value holds this call's outcomes; every outcome also reaches its ticket.
+    /// value holds this call's outcomes, and those of requests shed since the last drain whose
+    /// caller dropped its ticket; every outcome also reaches its ticket.
     pub fn drain(&self, explain: bool) -> Vec<Drained> {
         self.drain_inner(explain, &mut |_, request, f| {
             with_overlap_buffers(|buffers| {
@@ -56,7 +57,15 @@ impl RoutingCore {
 
     fn drain_inner(&self, explain: bool, with_source: &mut WithSource<'_>) -> Vec<Drained> {
         let mut out = Vec::new();
-        lock(&self.queues).drain_called();
+        let shed = {
+            let mut queues = lock(&self.queues);
+            queues.drain_called();
+            std::mem::take(&mut queues.shed_unread)
+        };
+        out.extend(shed.into_iter().map(|(ticket, err)| Drained {
+            ticket,
+            result: Err(err),
+        }));
         for (entry, waited) in self.take_expired() {
             let class = entry_class(&entry, self);
             self.deliver(entry, Err(self.timeout_error(&class, waited)), &mut out);

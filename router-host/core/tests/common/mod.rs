@@ -186,6 +186,7 @@ pub fn default_class(prefill_busy_threshold: u64, max_wait: Option<Duration>) ->
         prefill_busy_threshold_frac: None,
         mode: AdmissionMode::AnyEligible,
         max_wait,
+        ..ClassSpec::default()
     }
 }
 

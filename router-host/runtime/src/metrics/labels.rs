@@ -40,6 +40,13 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// `router_admission_rejected_total`'s labels: the policy class and why.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectedLabels {
+    pub class: String,
+    pub reason: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabels {
     pub worker: String,

@@ -15,8 +15,8 @@ mod labels;
 pub use kv::KvMetrics;
 pub use labels::{
     ConnectionLabels, DecisionLabels, EngineAnswerLabels, KvKindLabels, OpLabels, OutcomeLabels,
-    ReasonLabels, RequestLabels, RowLabels, RowStateLabels, RowTierLabels, RowTierReasonLabels,
-    RowTransitionLabels, StageLabels, UpstreamLabels,
+    ReasonLabels, RejectedLabels, RequestLabels, RowLabels, RowStateLabels, RowTierLabels,
+    RowTierReasonLabels, RowTransitionLabels, StageLabels, UpstreamLabels,
 };
 
 use prometheus_client::metrics::counter::Counter;
@@ -54,6 +54,8 @@ pub struct Metrics {
     pub decisions: Family<DecisionLabels, Counter>,
     pub queue_wait: Histogram,
     pub queue: Family<OutcomeLabels, Counter>,
+    /// Requests refused or shed by admission, by class and reason (`x-router-rejected-reason`).
+    pub admission_rejected: Family<RejectedLabels, Counter>,
     pub sessions: Family<OutcomeLabels, Counter>,
     pub retries: Counter,
     pub upstream_errors: Family<UpstreamLabels, Counter>,
@@ -141,6 +143,13 @@ impl Metrics {
             "router_queue",
             "Queued requests by how they left the queue: admitted, timeout, cancelled, failed",
             queue.clone(),
+        );
+        let admission_rejected = Family::<RejectedLabels, Counter>::default();
+        registry.register(
+            "router_admission_rejected",
+            "Requests admission refused or shed, by policy class and reason: queue_full, \
+             shed_for_higher_priority, queue_timeout",
+            admission_rejected.clone(),
         );
         let sessions = Family::<OutcomeLabels, Counter>::default();
         registry.register(
@@ -278,6 +287,7 @@ impl Metrics {
             decisions,
             queue_wait,
             queue,
+            admission_rejected,
             sessions,
             retries,
             upstream_errors,
@@ -375,6 +385,16 @@ impl Metrics {
 
     pub fn queue_outcome(&self, outcome: &str) {
         self.queue.get_or_create(&labels(outcome)).inc();
+    }
+
+    /// A request admission refused or shed (`reason` is its `x-router-rejected-reason`).
+    pub fn admission_rejected(&self, class: &str, reason: &str) {
+        self.admission_rejected
+            .get_or_create(&RejectedLabels {
+                class: class.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     pub fn session(&self, outcome: &str) {

@@ -17,6 +17,41 @@ use router_core::model::Request;
 use router_policies::host::{RouteError, Routed, Submitted};
 use router_policies::policy_set::SelectError;
 
+/// The request header naming its policy class (its priority); absent = the class `default`.
+pub const PRIORITY_CLASS_HEADER: &str = "x-router-priority-class";
+
+/// How long a client refused or shed by admission is told to wait (`retry-after`).
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The policy class a request names in [`PRIORITY_CLASS_HEADER`] (checked against the
+/// configured classes when it is routed: an unknown one is a `400`).
+pub fn priority_class(headers: &hyper::http::HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(PRIORITY_CLASS_HEADER) else {
+        return Ok(None);
+    };
+    match value.to_str().map(str::trim) {
+        Ok("") => Ok(None),
+        Ok(name) if name.len() <= 128 => Ok(Some(name.to_owned())),
+        _ => Err(ApiError::bad_request(
+            "unknown_policy_class",
+            format!(
+                "the `{PRIORITY_CLASS_HEADER}` header must name a policy class (visible ASCII, \
+                 at most 128 bytes)"
+            ),
+        )),
+    }
+}
+
+/// The `x-router-rejected-reason` of a request admission refused or shed, if it was.
+fn rejected_reason(err: &RouteError) -> Option<&'static str> {
+    match err {
+        RouteError::QueueFull { .. } => Some("queue_full"),
+        RouteError::Shed { .. } => Some("shed_for_higher_priority"),
+        RouteError::QueueTimeout { .. } => Some("queue_timeout"),
+        _ => None,
+    }
+}
+
 /// Why a request was not routed, as the client is told.
 pub fn route_error(err: RouteError) -> ApiError {
     match err {
@@ -38,8 +73,14 @@ pub fn route_error(err: RouteError) -> ApiError {
         RouteError::Session(e) => {
             ApiError::bad_request("invalid_session_id", format!("session: {e}"))
         }
-        e @ RouteError::QueueTimeout { .. } => {
-            ApiError::queue_timeout(e.to_string(), Duration::from_secs(1))
+        e @ (RouteError::QueueTimeout { .. }
+        | RouteError::QueueFull { .. }
+        | RouteError::Shed { .. }) => {
+            let code = rejected_reason(&e).unwrap_or("queue_timeout");
+            ApiError::shed(code, e.to_string(), RETRY_AFTER)
+        }
+        e @ RouteError::UnknownClass { .. } => {
+            ApiError::bad_request("unknown_policy_class", e.to_string())
         }
         e @ RouteError::WorkerRemoved { .. } => {
             ApiError::unavailable("worker_removed", e.to_string())
@@ -60,11 +101,22 @@ pub async fn admit(
     endpoint: Endpoint,
 ) -> Result<Routed, ApiError> {
     let core = loaded.host.core();
+    let class = request
+        .policy_class
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
     let wait = loaded
         .config
-        .policy_class(request.policy_class.as_deref().unwrap_or("default"))
+        .policy_class(&class)
         .and_then(|c| c.max_queue_wait)
         .unwrap_or(loaded.serve.timeouts.queue);
+    let refused = |err: RouteError| {
+        if let Some(reason) = rejected_reason(&err) {
+            app.metrics.admission_rejected(&class, reason);
+            tracing::debug!(class = %class, reason, "{err}");
+        }
+        route_error(err)
+    };
     // The decision may wait: on a shared session store (a network round trip), or on a policy
     // that hangs (the watchdog takes the instance out of service, but cannot give its thread
     // back). `decider.rs` decides where it runs so that one stuck call never stops the server
@@ -76,7 +128,7 @@ pub async fn admit(
     let ticket = match submitted {
         Ok(Submitted::Dispatched(routed)) => return Ok(routed),
         Ok(Submitted::Queued(ticket)) => ticket,
-        Err(err) => return Err(route_error(err)),
+        Err(err) => return Err(refused(err)),
     };
     let started = Instant::now();
     let mut queued = Queued::new(app.clone(), loaded.clone(), ticket, endpoint.label());
@@ -88,6 +140,7 @@ pub async fn admit(
         Ok(outcome) => outcome,
         Err(_elapsed) if queued.cancel() => {
             app.metrics.queue_outcome("timeout");
+            app.metrics.admission_rejected(&class, "queue_timeout");
             app.metrics
                 .queue_wait
                 .observe(started.elapsed().as_secs_f64());
@@ -96,7 +149,7 @@ pub async fn admit(
                     "waited {} ms in the admission queue without a free row; retry later",
                     wait.as_millis()
                 ),
-                Duration::from_secs(1),
+                RETRY_AFTER,
             ));
         }
         // Being dispatched at this moment: its outcome is moments away, unless the policy call
@@ -134,10 +187,12 @@ pub async fn admit(
             Ok(routed)
         }
         Some(Err(err)) => {
-            let timeout = matches!(err, RouteError::QueueTimeout { .. });
-            app.metrics
-                .queue_outcome(if timeout { "timeout" } else { "failed" });
-            Err(route_error(err))
+            app.metrics.queue_outcome(match err {
+                RouteError::QueueTimeout { .. } => "timeout",
+                RouteError::Shed { .. } => "shed",
+                _ => "failed",
+            });
+            Err(refused(err))
         }
         None => Err(ApiError::internal("the queued request's outcome was lost")),
     }

@@ -44,6 +44,7 @@ pub async fn route<'a>(
         session_id: inbound.session.clone(),
         allowed_worker_ids: allowed,
         expected_output_tokens: prepared.expected_output_tokens,
+        policy_class: super::admit::priority_class(&inbound.headers)?,
         ..Request::default()
     };
     let decide_started = Instant::now();
