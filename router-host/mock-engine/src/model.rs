@@ -208,8 +208,12 @@ impl Model {
             prompt_tokens: tokens.len() as u64,
             output,
             start: Tokenizer::first_word(&tokens),
-            ids: (request.body.get("return_token_ids").and_then(Value::as_bool) == Some(true))
-                .then_some(tokens),
+            ids: (request
+                .body
+                .get("return_token_ids")
+                .and_then(Value::as_bool)
+                == Some(true))
+            .then_some(tokens),
         };
         let mut response = if request.stream {
             stream(

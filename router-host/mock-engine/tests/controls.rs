@@ -389,7 +389,10 @@ async fn the_model_returns_token_ids_and_continues_from_them() {
                 json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
             )
         } else {
-            ("/v1/completions", json!({"model": "tiny", "prompt": "hello"}))
+            (
+                "/v1/completions",
+                json!({"model": "tiny", "prompt": "hello"}),
+            )
         };
         body["stream"] = json!(true);
         body["max_tokens"] = json!(N);
@@ -415,8 +418,10 @@ async fn the_model_returns_token_ids_and_continues_from_them() {
         };
         assert_eq!(first_prompt, json!(engine_prompt), "{asked:?}");
         // Only the first chunk carries the prompt's ids.
-        assert!(asked[1..].iter().all(|e| e["prompt_token_ids"].is_null()
-            && e["choices"][0]["prompt_token_ids"].is_null()));
+        assert!(asked[1..]
+            .iter()
+            .all(|e| e["prompt_token_ids"].is_null()
+                && e["choices"][0]["prompt_token_ids"].is_null()));
         let mut ids = Vec::new();
         let mut text = String::new();
         for event in &asked {
