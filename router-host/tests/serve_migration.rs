@@ -2,7 +2,8 @@
 //! every next token is a function of the whole token prefix, so a stream continued on another
 //! engine from the prompt plus the tokens already generated must equal an uninterrupted run,
 //! token for token and byte for byte in text. One engine dies after K tokens
-//! (`die_after_tokens`: its connection is cut).
+//! (`die_after_tokens`: its connection is cut). The last test kills a `router-host mock-engine`
+//! process (the engine model, as the chaos test runs it) mid-stream.
 
 mod common;
 
@@ -494,4 +495,104 @@ async fn garbage_token_ids_end_the_stream_with_an_error_event() {
     assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
     router.stop().await;
     task.abort();
+}
+
+/// `router-host mock-engine` (the engine model, as the chaos test runs it) killed with SIGKILL
+/// mid-stream: the stream, completion and chat, reaches the client whole from the other engine:
+/// the uninterrupted answer's text, its length in chunks and in usage, one id, `[DONE]`, no
+/// error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_model_engine_stream_finishes_on_the_other() {
+    use common::mock::Mock;
+    // Paced at 60 ms a token: about 3 s of stream, far longer than reading its first chunks.
+    const N: u64 = 48;
+    const PACED: &[&str] = &[
+        "--block-size",
+        "4",
+        "--step-overhead-ms",
+        "0",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-seq",
+        "60",
+    ];
+    let expected: String = (0..N).map(mock_engine::Tokenizer::word).collect();
+    let http = client();
+    for chat in [false, true] {
+        let mut mocks = [Mock::start(PACED), Mock::start(PACED)];
+        let mut yaml = format!(
+            "block_size: 4\n{ROUND_ROBIN}serve:\n  tokenizer: remote\n  health:\n    \
+             interval_ms: 200\nworkers:\n"
+        );
+        for (i, mock) in mocks.iter().enumerate() {
+            yaml.push_str(&format!("  - id: {}\n    url: {}\n", i + 1, mock.url("")));
+        }
+        let router = TestRouter::start("serve_migration_killed", &yaml).await;
+        // Both engines probed healthy: the continuation has somewhere to go.
+        let healthy = |w: u32| router.metric(&format!("router_engine_healthy{{worker=\"{w}\""));
+        assert!(
+            eventually(Duration::from_secs(20), || healthy(1) == 1.0
+                && healthy(2) == 1.0)
+            .await,
+            "the engines never probed healthy: {} {}",
+            healthy(1),
+            healthy(2),
+        );
+
+        let body = request(chat, true, N, true);
+        let mut response = http
+            .post(router.url(path(chat)))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("the request is answered");
+        assert_eq!(response.status(), 200, "{:?}", response.text().await);
+        let worker: usize = header(&response, "x-router-worker")
+            .parse()
+            .expect("a worker id");
+        let mut text = String::new();
+        let read = async {
+            // A few tokens first, then the engine dies.
+            while text.matches("\n\n").count() < 4 {
+                let chunk = response.chunk().await.expect("reads").expect("more");
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            mocks[worker - 1].kill();
+            while let Some(chunk) = response.chunk().await.expect("the stream reads whole") {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), read)
+            .await
+            .expect("the stream ends in time");
+        let (got, finish) = content(chat, true, &text);
+        assert_eq!(got, expected, "chat {chat}: {text}");
+        assert_eq!(finish.as_deref(), Some("length"));
+        let (chunks, done) = events(&text);
+        assert!(done, "{text}");
+        let pieces = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array().and_then(|c| c.first()))
+            .filter(|c| {
+                let piece = if chat {
+                    &c["delta"]["content"]
+                } else {
+                    &c["text"]
+                };
+                piece.as_str().is_some_and(|p| !p.is_empty())
+            })
+            .count();
+        assert_eq!(pieces as u64, N, "{text}");
+        assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]), "{text}");
+        let usages: Vec<&Value> = chunks.iter().filter_map(|c| c.get("usage")).collect();
+        assert_eq!(usages.len(), 1, "{text}");
+        assert_eq!(usages[0]["completion_tokens"], N, "{text}");
+        assert!(!text.contains("\"token_ids\":["), "{text}");
+        assert_eq!(
+            router.metric("router_migrations_total{outcome=\"continued\"}"),
+            1.0
+        );
+        router.stop().await;
+    }
 }

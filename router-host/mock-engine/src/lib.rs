@@ -53,7 +53,7 @@ pub use generated::{generate, token_text, Generator};
 pub use request::Prompt;
 pub use router_sim::replay::engine::EngineParams;
 pub use scripted::stream_chunks;
-pub use tokens::{FileTokenizer, Tokenizer, TokenizerError};
+pub use tokens::{FileTokenizer, Tokenizer, TokenizerError, WORD_IDS};
 
 /// Why the engine cannot start.
 #[derive(Debug, thiserror::Error)]

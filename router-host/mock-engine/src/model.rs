@@ -207,6 +207,13 @@ impl Model {
             created: state.created,
             prompt_tokens: tokens.len() as u64,
             output,
+            start: Tokenizer::first_word(&tokens),
+            ids: (request
+                .body
+                .get("return_token_ids")
+                .and_then(Value::as_bool)
+                == Some(true))
+            .then_some(tokens),
         };
         let mut response = if request.stream {
             stream(
@@ -374,6 +381,12 @@ struct Answer {
     created: u64,
     prompt_tokens: u64,
     output: u64,
+    /// Where the answer starts in the cycle of words ([`Tokenizer::first_word`]).
+    start: u64,
+    /// The prompt's ids when the request asked for token ids (`return_token_ids`), as vLLM
+    /// answers it: the prompt's ids in the first chunk, each chunk's generated ids; `None`:
+    /// those fields are `null`.
+    ids: Option<Vec<u32>>,
 }
 
 impl Answer {
@@ -391,22 +404,57 @@ impl Answer {
                "prompt_tokens_details": {"cached_tokens": cached}})
     }
 
-    /// One streamed chunk: `text` (None: the role-only first chat chunk), `last` sets the
-    /// finish reason.
-    fn chunk(&self, text: Option<&str>, last: bool) -> Bytes {
+    /// The prompt's ids, or `null` when not asked for.
+    fn prompt_ids(&self) -> Value {
+        self.ids.as_ref().map_or(Value::Null, |ids| json!(ids))
+    }
+
+    /// The ids of generated tokens `from..to`, or `null` when not asked for.
+    fn token_ids(&self, from: u64, to: u64) -> Value {
+        match self.ids {
+            Some(_) => (from..to)
+                .map(|i| Value::from(Tokenizer::word_id(self.start + i)))
+                .collect(),
+            None => Value::Null,
+        }
+    }
+
+    /// One streamed chunk: generated token `token` (None: the role-only first chat chunk,
+    /// which carries the prompt's ids), `last` sets the finish reason. A completion's first
+    /// token carries the prompt's ids.
+    fn chunk(&self, token: Option<u64>, last: bool) -> Bytes {
         let finish = if last { json!("length") } else { Value::Null };
-        let choice = if self.chat {
+        let text = token.map(|i| Tokenizer::word(self.start + i));
+        let ids = token.map_or(Value::Null, |i| self.token_ids(i, i + 1));
+        let mut value = if self.chat {
             let delta = match text {
                 None => json!({"role": "assistant", "content": ""}),
                 Some(t) => json!({"content": t}),
             };
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            let choice = json!({"index": 0, "delta": delta, "logprobs": null,
+                                "finish_reason": finish, "token_ids": ids});
+            json!({"id": self.id, "object": self.object(true), "created": self.created,
+                   "model": self.model, "choices": [choice]})
         } else {
-            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null,
-                   "finish_reason": finish, "stop_reason": null})
+            let prompt = if token == Some(0) {
+                self.prompt_ids()
+            } else {
+                Value::Null
+            };
+            let choice = json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                                "finish_reason": finish, "stop_reason": null,
+                                "prompt_token_ids": prompt, "token_ids": ids});
+            json!({"id": self.id, "object": self.object(true), "created": self.created,
+                   "model": self.model, "choices": [choice]})
         };
-        let value = json!({"id": self.id, "object": self.object(true), "created": self.created,
-                           "model": self.model, "choices": [choice]});
+        if self.chat {
+            let prompt = if token.is_none() {
+                self.prompt_ids()
+            } else {
+                Value::Null
+            };
+            value["prompt_token_ids"] = prompt;
+        }
         Bytes::from(format!("data: {value}\n\n"))
     }
 
@@ -417,7 +465,9 @@ impl Answer {
     }
 
     fn text(&self) -> String {
-        (0..self.output).map(Tokenizer::word).collect()
+        (0..self.output)
+            .map(|i| Tokenizer::word(self.start + i))
+            .collect()
     }
 }
 
@@ -446,16 +496,24 @@ async fn whole(answer: Answer, mut progress: mpsc::UnboundedReceiver<Progress>) 
         return gone();
     };
     let text = answer.text();
-    let choice = if answer.chat {
-        json!({"index": 0, "message": {"role": "assistant", "content": text},
-               "logprobs": null, "finish_reason": "length"})
+    let ids = answer.token_ids(0, answer.output);
+    let (choice, chat_prompt) = if answer.chat {
+        let choice = json!({"index": 0, "message": {"role": "assistant", "content": text},
+                            "logprobs": null, "finish_reason": "length", "token_ids": ids});
+        (choice, answer.prompt_ids())
     } else {
-        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
-               "stop_reason": null})
+        let choice = json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+                            "stop_reason": null, "token_ids": ids,
+                            "prompt_token_ids": answer.prompt_ids()});
+        (choice, Value::Null)
     };
-    json_response(&json!({"id": answer.id, "object": answer.object(false),
-                          "created": answer.created, "model": answer.model,
-                          "choices": [choice], "usage": answer.usage(cached)}))
+    let mut value = json!({"id": answer.id, "object": answer.object(false),
+                           "created": answer.created, "model": answer.model,
+                           "choices": [choice], "usage": answer.usage(cached)});
+    if answer.chat {
+        value["prompt_token_ids"] = chat_prompt;
+    }
+    json_response(&value)
 }
 
 /// Stream the answer: the first token when the model finishes the prefill, the following ones
@@ -486,7 +544,7 @@ fn stream(
         }
         let mut sent = 0u64;
         while sent + 1 < answer.output && !finished {
-            if !send(answer.chunk(Some(Tokenizer::word(sent)), false)).await {
+            if !send(answer.chunk(Some(sent), false)).await {
                 return;
             }
             sent += 1;
@@ -513,12 +571,12 @@ fn stream(
             return;
         }
         while sent + 1 < answer.output {
-            if !send(answer.chunk(Some(Tokenizer::word(sent)), false)).await {
+            if !send(answer.chunk(Some(sent), false)).await {
                 return;
             }
             sent += 1;
         }
-        if !send(answer.chunk(Some(Tokenizer::word(sent)), true)).await {
+        if !send(answer.chunk(Some(sent), true)).await {
             return;
         }
         if usage && !send(answer.usage_chunk(cached)).await {

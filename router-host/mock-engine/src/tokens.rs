@@ -159,12 +159,36 @@ impl Tokenizer {
 
     /// The text of generated token `i` (the model answers the same words to everyone).
     pub fn word(i: u64) -> &'static str {
-        const WORDS: [&str; 8] = [
-            " the", " cache", " is", " warm", " and", " the", " router", " knows",
-        ];
         WORDS[(i % WORDS.len() as u64) as usize]
     }
+
+    /// The id of generated token `i`: its place in the cycle of [`WORDS`], above [`WORD_IDS`].
+    pub fn word_id(i: u64) -> u32 {
+        WORD_IDS + (i % WORDS.len() as u64) as u32
+    }
+
+    /// Where an answer to `prompt` starts in the cycle of words: right after the word the
+    /// prompt's last token is, else at the first. A prompt that ends in generated tokens (a
+    /// router continuing a stream from the prompt's ids plus the ids generated so far) thus
+    /// gets the words the first engine would have gone on with.
+    pub fn first_word(prompt: &[u32]) -> u64 {
+        match prompt.last() {
+            Some(&id) if (WORD_IDS..WORD_IDS + WORDS.len() as u32).contains(&id) => {
+                u64::from(id - WORD_IDS) + 1
+            }
+            _ => 0,
+        }
+    }
 }
+
+/// The words the engine model generates, in a cycle.
+const WORDS: [&str; 8] = [
+    " the", " cache", " is", " warm", " and", " the", " router", " knows",
+];
+
+/// The first generated token's id. Above every vocabulary in use (the largest are about 260k
+/// ids) and above a byte: no tokenizer gives one, so only generated tokens end a prompt in one.
+pub const WORD_IDS: u32 = 1 << 24;
 
 impl FileTokenizer {
     fn tokenize(&self, prompt: &Prompt, add_generation_prompt: bool) -> Result<Vec<u32>, String> {
@@ -272,6 +296,19 @@ mod tests {
         assert_eq!(t.tokenize_request(&text).unwrap(), vec![97, 98]);
         let ids = read(false, br#"{"model":"m","prompt":[7,8]}"#).unwrap();
         assert_eq!(t.tokenize_request(&ids).unwrap(), vec![7, 8]);
+    }
+
+    #[test]
+    fn a_prompt_ending_in_generated_tokens_goes_on_with_the_next_word() {
+        assert_eq!(Tokenizer::first_word(&[]), 0);
+        assert_eq!(Tokenizer::first_word(&[97, 98]), 0);
+        assert_eq!(Tokenizer::first_word(&[WORD_IDS - 1]), 0);
+        assert_eq!(Tokenizer::first_word(&[WORD_IDS + 8]), 0);
+        for i in 0..20u64 {
+            let next = Tokenizer::first_word(&[97, Tokenizer::word_id(i)]);
+            assert_eq!(Tokenizer::word(next), Tokenizer::word(i + 1));
+            assert_eq!(Tokenizer::word_id(next), Tokenizer::word_id(i + 1));
+        }
     }
 
     #[test]

@@ -362,3 +362,131 @@ async fn generated_answers_return_token_ids_and_die_on_demand() {
     assert_eq!(events(&got).len(), 2, "two tokens came first: {got}");
     assert!(eventually(|| engine.state.seen.streams_cut.load(Ordering::SeqCst) == 1).await);
 }
+
+/// The engine model answers like vLLM for a router's failover: `return_token_ids` puts the
+/// prompt's ids in the first chunk (per choice for a completion, at the top level for a chat)
+/// and each chunk's generated ids in `choices[0].token_ids` (`null` unless asked), takes a
+/// prompt of token ids as those ids, and a prompt ending in generated ids goes on with the
+/// words the first answer would have had: a stream continued elsewhere reads as one answer of
+/// the requested length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_returns_token_ids_and_continues_from_them() {
+    let engine = instant_model().await;
+    let events = |text: &str| -> Vec<Value> {
+        text.split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).expect("JSON"))
+            .collect()
+    };
+    const N: u64 = 11;
+    let whole_text: String = (0..N).map(Tokenizer::word).collect();
+    let word_ids: Vec<u64> = (0..N).map(|i| u64::from(Tokenizer::word_id(i))).collect();
+    for chat in [false, true] {
+        let (path, mut body) = if chat {
+            (
+                "/v1/chat/completions",
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+            )
+        } else {
+            (
+                "/v1/completions",
+                json!({"model": "tiny", "prompt": "hello"}),
+            )
+        };
+        body["stream"] = json!(true);
+        body["max_tokens"] = json!(N);
+        let plain = events(&post(&engine, path, &body).await.text().await.expect("body"));
+        assert!(
+            plain.iter().all(|e| {
+                let c = &e["choices"][0];
+                c["token_ids"].is_null()
+                    && c["prompt_token_ids"].is_null()
+                    && e["prompt_token_ids"].is_null()
+            }),
+            "{plain:?}"
+        );
+        body["return_token_ids"] = json!(true);
+        let asked = events(&post(&engine, path, &body).await.text().await.expect("body"));
+        let engine_prompt = engine.state.tokenize(&body).expect("tokenizes");
+        let first_prompt = if chat {
+            assert!(asked[0]["choices"][0]["prompt_token_ids"].is_null());
+            asked[0]["prompt_token_ids"].clone()
+        } else {
+            assert!(asked[0].get("prompt_token_ids").is_none());
+            asked[0]["choices"][0]["prompt_token_ids"].clone()
+        };
+        assert_eq!(first_prompt, json!(engine_prompt), "{asked:?}");
+        // Only the first chunk carries the prompt's ids.
+        assert!(asked[1..]
+            .iter()
+            .all(|e| e["prompt_token_ids"].is_null()
+                && e["choices"][0]["prompt_token_ids"].is_null()));
+        let mut ids = Vec::new();
+        let mut text = String::new();
+        for event in &asked {
+            let c = &event["choices"][0];
+            let piece = if chat {
+                c["delta"]["content"].as_str()
+            } else {
+                c["text"].as_str()
+            };
+            let piece = piece.unwrap_or("");
+            let these: Vec<u64> = c["token_ids"]
+                .as_array()
+                .map(|l| l.iter().map(|i| i.as_u64().expect("an id")).collect())
+                .unwrap_or_default();
+            // One id for every chunk with text, none for the chat role chunk.
+            assert_eq!(these.len(), usize::from(!piece.is_empty()), "{event}");
+            ids.extend(these);
+            text.push_str(piece);
+        }
+        assert_eq!(ids, word_ids);
+        assert_eq!(text, whole_text);
+
+        // The prompt's ids plus the first K generated, as a completion for the rest: the
+        // concatenation is the uninterrupted answer.
+        for k in [1usize, 5, 8] {
+            let mut prefix: Vec<u64> = engine_prompt.iter().map(|&t| u64::from(t)).collect();
+            prefix.extend_from_slice(&ids[..k]);
+            let rest = json!({"model": "tiny", "prompt": prefix, "max_tokens": N - k as u64,
+                              "stream": true, "return_token_ids": true,
+                              "stream_options": {"include_usage": true}});
+            let got = events(
+                &post(&engine, "/v1/completions", &rest)
+                    .await
+                    .text()
+                    .await
+                    .expect("body"),
+            );
+            assert_eq!(got[0]["choices"][0]["prompt_token_ids"], json!(prefix));
+            let more: String = got
+                .iter()
+                .filter_map(|e| e["choices"][0]["text"].as_str())
+                .collect();
+            let head: String = (0..k as u64).map(Tokenizer::word).collect();
+            assert_eq!(format!("{head}{more}"), whole_text, "continued after {k}");
+            let more_ids: Vec<u64> = got
+                .iter()
+                .filter_map(|e| e["choices"][0]["token_ids"].as_array())
+                .flatten()
+                .map(|i| i.as_u64().expect("an id"))
+                .collect();
+            assert_eq!(more_ids, word_ids[k..]);
+            let usage = &got.last().expect("a usage chunk")["usage"];
+            assert_eq!(usage["completion_tokens"], N - k as u64);
+            assert_eq!(usage["prompt_tokens"], prefix.len());
+        }
+    }
+    // A whole answer carries them too.
+    let body = json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3,
+                      "return_token_ids": true});
+    let answer = json_of(post(&engine, "/v1/completions", &body).await).await;
+    assert_eq!(answer["choices"][0]["prompt_token_ids"], json!([1, 2, 3]));
+    assert_eq!(answer["choices"][0]["token_ids"], json!(word_ids[..3]));
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                      "max_tokens": 2});
+    let answer = json_of(post(&engine, "/v1/chat/completions", &body).await).await;
+    assert!(answer["prompt_token_ids"].is_null() && answer["choices"][0]["token_ids"].is_null());
+    assert_eq!(answer["choices"][0]["message"]["content"], " the cache");
+}

@@ -1223,6 +1223,7 @@ def main() -> int:
             report["per_config_counters_summed"] = {
                 name: chaos.earlier_configs[name] + msum(final, name) for name in PER_CONFIG_COUNTERS}
             report["migrations_total"] = msum(final, MIGRATIONS) if has_metric(final, MIGRATIONS) else "n/a"
+            report["migrations"] = {k.removeprefix("outcome="): v for k, v in by_labels(final, MIGRATIONS).items()}
             report["router_requests_total"] = msum(final, "router_requests_total")
             report["configurations"] = int(msum(final, "router_config_generation"))
         else:
@@ -1360,7 +1361,10 @@ def markdown(r: dict) -> str:
             lines.append(f"| {k} | {c.get('completed', 0)} | {c.get('failed_clear', 0)} | {c.get('lost', 0)} |")
         t = req["total"]
         lines.append(f"| **all** | **{t['completed']}** | **{t['failed_clear']}** | **{t['lost']}** |")
-        lines += ["", f"Migrated (`{MIGRATIONS}`): {r.get('migrations_total')}. "
+        migrations = r.get("migrations") or {}
+        by_outcome = ", ".join(f"{o} {v:g}" for o, v in sorted(migrations.items()))
+        lines += ["", f"Migrated (`{MIGRATIONS}`): {r.get('migrations_total')}"
+                  + (f" ({by_outcome})" if by_outcome else "") + ". "
                   f"Requests with a session: {req['with_session']}; `x-router-session` on them: "
                   f"{req['x_router_session']}. Per worker (`x-router-worker`): {req['x_router_worker']}. "
                   f"The router counted {r.get('router_requests_total', 'n/a')} requests "
