@@ -596,3 +596,79 @@ async fn a_killed_model_engine_stream_finishes_on_the_other() {
         router.stop().await;
     }
 }
+
+/// An engine that fails after its response head, before its first event (the window in which a
+/// stream has no prompt ids yet): nothing reached the client, so the request starts again, as it
+/// came, on another row, and the client gets that row's whole answer with no error. The raw
+/// engine answers every completion so; round-robin sends one of the two requests there first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_engine_fails_before_its_first_event_starts_again_elsewhere() {
+    use common::engine::{raw_full, raw_stream, serve_raw};
+    let failed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = failed.clone();
+    let (addr, task) = serve_raw(move |_method, path, _body| {
+        let counted = counted.clone();
+        async move {
+            if path != "/v1/completions" {
+                return raw_full(200, &[], r#"{"count":1,"max_model_len":100,"tokens":[1]}"#);
+            }
+            counted.fetch_add(1, Ordering::SeqCst);
+            // The head goes out (hyper flushes it while the body is pending), then the body
+            // fails: hyper cuts the connection.
+            let mut response = raw_stream(futures_util::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Err(std::io::Error::other("the engine died"))
+            }));
+            response
+                .headers_mut()
+                .insert("content-type", "text/event-stream".parse().expect("header"));
+            response
+        }
+    })
+    .await;
+    let good = engine(2).await;
+    let yaml = format!(
+        "block_size: 4\n{ROUND_ROBIN}serve:\n  health:\n    interval_ms: 60000\nworkers:\n  \
+         - id: 1\n    url: http://{addr}\n  - id: 2\n    url: {}\n",
+        good.url()
+    );
+    let router = TestRouter::start("serve_migration_restart", &yaml).await;
+    let http = client();
+    let body = request(false, true, 6, true);
+    let (_, want) = expected_text(&good, &body, 6);
+    for _ in 0..2 {
+        let (status, _, text) = send(&http, &router.url("/v1/completions"), &body, &[]).await;
+        assert_eq!(status, 200, "{text}");
+        let (got, finish) = content(false, true, &text);
+        assert_eq!(got, want, "{text}");
+        assert_eq!(finish.as_deref(), Some("length"), "{text}");
+        let (chunks, done) = events(&text);
+        assert!(done, "{text}");
+        let usage = chunks
+            .last()
+            .map(|c| c["usage"]["completion_tokens"].clone());
+        assert_eq!(usage, Some(json!(6)), "{text}");
+        assert!(
+            !text.contains("prompt_token_ids\":["),
+            "the ids the client did not ask for stay null: {text}"
+        );
+    }
+    // Each request the failing engine took started again on the good one.
+    let failed = failed.load(Ordering::SeqCst);
+    assert!(
+        failed >= 1,
+        "round-robin sent a request to the failing engine"
+    );
+    assert_eq!(
+        router.metric("router_migrations_total{outcome=\"continued\"}"),
+        failed as f64
+    );
+    assert_eq!(
+        router.metric("router_migrations_total{outcome=\"unmovable\"}"),
+        0.0
+    );
+    assert_eq!(good.state.seen.completions.load(Ordering::SeqCst), 2);
+    assert!(eventually(Duration::from_secs(5), || router.in_flight() == (0, 0)).await);
+    router.stop().await;
+    task.abort();
+}

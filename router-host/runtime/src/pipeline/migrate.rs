@@ -305,6 +305,8 @@ pub struct Tracker {
     pub finished: bool,
     /// Tracking was given up (the stream is relayed as it comes): why.
     pub lost: Option<String>,
+    /// Some bytes of this stream reached the client.
+    relayed: bool,
 }
 
 impl Tracker {
@@ -332,6 +334,7 @@ impl Tracker {
             usage_sent: false,
             finished: false,
             lost: None,
+            relayed: false,
         }
     }
 
@@ -353,6 +356,7 @@ impl Tracker {
         if !rest.is_empty() && self.leg == Leg::First {
             self.relay_first(&rest, &mut out);
         }
+        self.relayed |= !out.is_empty();
         Bytes::from(out)
     }
 
@@ -365,6 +369,18 @@ impl Tracker {
             return Err("the engine failed before it sent the prompt's token ids".into());
         }
         Ok(())
+    }
+
+    /// Nothing of the stream reached the client yet (the engine failed after its response
+    /// head, before its first event): the request can start again elsewhere, as it came.
+    pub fn untouched(&self) -> bool {
+        !self.relayed && self.leg == Leg::First && self.lost.is_none()
+    }
+
+    /// The request starts again on another row: its stream is a first leg again.
+    pub fn restart(&mut self) {
+        self.buffer.clear();
+        self.scanned = 0;
     }
 
     /// A new leg's stream follows (a continuation): what is buffered of the failed one is
@@ -407,6 +423,7 @@ impl Tracker {
                 "the engine sent a server-sent event of over {EVENT_LIMIT} bytes"
             )));
         }
+        self.relayed |= !out.is_empty();
         Ok(Bytes::from(out))
     }
 

@@ -200,6 +200,7 @@ pub async fn run_moving(
                 app: app.clone(),
                 loaded: loaded.clone(),
                 tracker: migrate::Tracker::new(inbound.endpoint, &inbound.parsed, &plan),
+                first_body: body.clone(),
                 inbound: inbound.clone(),
                 left: plan.limit,
                 tried: Vec::new(),

@@ -52,6 +52,9 @@ pub struct Moving {
     pub loaded: Arc<LoadedConfig>,
     pub inbound: Arc<Inbound>,
     pub tracker: Tracker,
+    /// The first leg's body: sent again, unchanged, when the engine fails before anything
+    /// reached the client.
+    pub first_body: Bytes,
     /// Further legs allowed.
     pub left: u32,
     /// Workers a failed leg was on.
@@ -178,10 +181,13 @@ impl Relay {
             return Some(self.fail(kind, message));
         };
         let metrics = &moving.app.metrics;
-        if let Err(why) = moving.tracker.movable() {
-            metrics.migration("unmovable");
-            tracing::info!(reason = %why, "the stream cannot move to another row");
-            return Some(self.fail(kind, message));
+        let restart = moving.tracker.untouched();
+        if !restart {
+            if let Err(why) = moving.tracker.movable() {
+                metrics.migration("unmovable");
+                tracing::info!(reason = %why, "the stream cannot move to another row");
+                return Some(self.fail(kind, message));
+            }
         }
         let Some(flight) = self.flight.take() else {
             return Some(Poll::Ready(None));
@@ -208,21 +214,33 @@ impl Relay {
         }
         flight.migrated(&message);
         moving.tried.push(worker);
-        moving.tracker.next_leg();
+        if restart {
+            moving.tracker.restart();
+        } else {
+            moving.tracker.next_leg();
+        }
         self.inner = None;
-        self.next = Some(next_leg(moving));
+        self.next = Some(next_leg(moving, restart));
         None
     }
 }
 
-/// The next leg of a request that moves: routed on a row no failed leg was on, sent as a
-/// completion of the prompt's ids plus the generated ids, tried while `left` allows. Gives the
-/// answer (a 2xx SSE stream) or why there is none, the workers tried, and the legs used.
-fn next_leg(moving: &Moving) -> NextLeg {
+/// The next leg of a request that moves: routed on a row no failed leg was on, tried while
+/// `left` allows; sent as a completion of the prompt's ids plus the generated ids, or, with
+/// `restart` (nothing reached the client), as the first leg's request again. Gives the answer
+/// (a 2xx SSE stream) or why there is none, the workers tried, and the legs used.
+fn next_leg(moving: &Moving, restart: bool) -> NextLeg {
     let app = moving.app.clone();
     let loaded = moving.loaded.clone();
     let inbound = moving.inbound.clone();
-    let body = migrate::continuation(&inbound.parsed, &moving.tracker);
+    let (endpoint, body) = if restart {
+        (inbound.endpoint, moving.first_body.clone())
+    } else {
+        (
+            Endpoint::Completions,
+            migrate::continuation(&inbound.parsed, &moving.tracker),
+        )
+    };
     let prompt = moving.tracker.prompt();
     let mut ids = Vec::with_capacity(prompt.len() + moving.tracker.generated.len());
     ids.extend_from_slice(prompt);
@@ -231,11 +249,26 @@ fn next_leg(moving: &Moving) -> NextLeg {
     let mut tried = moving.tried.clone();
     let left = moving.left;
     Box::pin(async move {
-        let prepared = Prepared {
-            isl_tokens: ids.len() as u64,
-            blocks: blocks(&loaded, &inbound.parsed, &ids).unwrap_or_default(),
-            ids: vec![ids],
-            expected_output_tokens,
+        let prepared = if restart {
+            // The failure path only: the prompt is tokenized again rather than kept per stream.
+            match super::prepare(&app, &loaded, &inbound.parsed).await {
+                Ok(prepared) => prepared,
+                Err(err) => {
+                    app.metrics.migration("exhausted");
+                    return (
+                        Err(format!("could not prepare the request again: {err}")),
+                        tried,
+                        0,
+                    );
+                }
+            }
+        } else {
+            Prepared {
+                isl_tokens: ids.len() as u64,
+                blocks: blocks(&loaded, &inbound.parsed, &ids).unwrap_or_default(),
+                ids: vec![ids],
+                expected_output_tokens,
+            }
         };
         let mut used = 0;
         let mut last = String::from("no row is left to continue on");
@@ -258,14 +291,7 @@ fn next_leg(moving: &Moving) -> NextLeg {
                 }
             };
             let worker = leg.flight.info.row.worker_id;
-            let sent = legs::send(
-                &loaded,
-                &leg,
-                Endpoint::Completions,
-                &inbound.headers,
-                body.clone(),
-            )
-            .await;
+            let sent = legs::send(&loaded, &leg, endpoint, &inbound.headers, body.clone()).await;
             match sent {
                 Ok(response) if response.status.is_success() && is_sse(&response.headers) => {
                     app.metrics.upstream_connection(response.connection);
