@@ -162,7 +162,7 @@ impl Tokenizer {
         WORDS[(i % WORDS.len() as u64) as usize]
     }
 
-    /// The id of generated token `i`: its place in the cycle of [`WORDS`], above [`WORD_IDS`].
+    /// The id of generated token `i`: its place in the cycle of `WORDS`, above [`WORD_IDS`].
     pub fn word_id(i: u64) -> u32 {
         WORD_IDS + (i % WORDS.len() as u64) as u32
     }
