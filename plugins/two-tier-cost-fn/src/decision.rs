@@ -590,7 +590,10 @@ pub fn decide(
             && !cols.over_kv_capacity(all.row, request_blocks, limit)
             && cols.worth_moving(kept.row, all.row, request_blocks, limit, w)
     });
+    // A target row whose KV index is not current has no known overlap, which is no evidence
+    // that the other row caches more: the gate needs both rows' overlap to release a session.
     let uncached = params.soft_affinity_cache_gate
+        && cols.trust.trusted(kept.row)
         && cols.effective_overlap(all.row, w) > cols.effective_overlap(kept.row, w);
     let (row, soft_affinity) = if released {
         (all.row, SoftAffinity::ReleasedByGate)
