@@ -74,6 +74,9 @@ class RouterSpec:
     # router-host two-tier only: the instance's parameters; None is DEFAULT_TWO_TIER_PARAMETERS
     # (a `two_tier_parameters` given to start_router wins over both).
     two_tier_parameters: dict | None = None
+    # Route to the first N engines only (None: all): what a router that piles every request onto
+    # one engine costs and saves, with the rest of its configuration unchanged.
+    first_engines: int | None = None
 
 
 ALL_ROUTERS: list[RouterSpec] = [
@@ -107,6 +110,13 @@ TWO_TIER_NO_CAPACITY_LIMIT = RouterSpec(
     two_tier_parameters={"respect_soft_affinity": True, "soft_affinity_load_gate": True},
 )
 
+# Two-tier at its defaults in front of the first engine only: every request on one engine, as a
+# router that collapses does, so the KV family can tell what the collapse itself does to TTFT
+# on a machine whose engines share its cores with the router and the client.
+TWO_TIER_DEFAULTS_ONE_ENGINE = RouterSpec(
+    "router-host", "two-tier-defaults", "router-host two-tier defaults, one engine", first_engines=1
+)
+
 # Behind a gateway (`--gateway` in run.sh): Envoy with a static round-robin route to the engines
 # (the floor), and Envoy asking `router-host epp` (ext_proc, the GIE endpoint-picker protocol)
 # which engine takes each request. The EPP row's CPU and memory are the picker's; Envoy's are
@@ -119,6 +129,7 @@ GATEWAY_ROUTERS: list[RouterSpec] = [ENVOY_STATIC, ENVOY_EPP_TWO_TIER, ENVOY_EPP
 # Routers a part may name in --routers beyond ALL_ROUTERS.
 EXTRA_ROUTERS: list[RouterSpec] = [
     TWO_TIER_REMOTE_TOKENIZER, ROUTER_HOST_DEFAULT, TWO_TIER_DEFAULTS, TWO_TIER_NO_CAPACITY_LIMIT,
+    TWO_TIER_DEFAULTS_ONE_ENGINE,
     *GATEWAY_ROUTERS,
 ]
 
@@ -476,6 +487,8 @@ def start_router(
         raise BenchError(
             f"{spec.name}: unknown policy `{spec.policy}` (known: {', '.join(POLICIES[spec.name])})"
         )
+    if spec.first_engines is not None:
+        engines = engines[: spec.first_engines]
     if not engines:
         raise BenchError(f"{spec.label}: no engines to route to")
     log_dir = Path(log_dir)
