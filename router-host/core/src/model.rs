@@ -176,6 +176,11 @@ pub struct Request {
     /// Queue-admission class (`policy_classes[].name`); `None` = the class named `default`, if
     /// configured, else no admission control.
     pub policy_class: Option<String>,
+    /// A further leg of a request admission already let in (a retry after a leg that failed, a
+    /// stream continuing on another row): in full queues it outranks every class, so it sheds
+    /// the lowest-priority queued request rather than being refused, and is never shed itself.
+    /// Turning it away would throw away work under way for a request not yet started.
+    pub continues: bool,
 }
 
 /// [`Role`] with a `Default` (aggregated), so requests can be built with `..Default::default()`.

@@ -475,8 +475,15 @@ impl Exchange {
         let prepared = pipeline::prepare(&self.app, loaded, &inbound.parsed)
             .await
             .map_err(|err| err.into_api_error(endpoint))?;
-        let leg =
-            pipeline::legs::route(&self.app, loaded, &inbound, &prepared, allowed.clone()).await?;
+        let leg = pipeline::legs::route(
+            &self.app,
+            loaded,
+            &inbound,
+            &prepared,
+            allowed.clone(),
+            pipeline::legs::LegKind::First,
+        )
+        .await?;
         let Some(picked) = host_port(&leg.upstream.base) else {
             let worker = leg.upstream.id;
             leg.flight.release_uncounted(CompletionCode::FAILED);

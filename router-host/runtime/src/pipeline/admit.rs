@@ -47,6 +47,7 @@ fn rejected_reason(err: &RouteError) -> Option<&'static str> {
     match err {
         RouteError::QueueFull { .. } => Some("queue_full"),
         RouteError::Shed { .. } => Some("shed_for_higher_priority"),
+        RouteError::ShedForRequestUnderWay { .. } => Some("shed_for_request_under_way"),
         RouteError::QueueTimeout { .. } => Some("queue_timeout"),
         _ => None,
     }
@@ -75,7 +76,8 @@ pub fn route_error(err: RouteError) -> ApiError {
         }
         e @ (RouteError::QueueTimeout { .. }
         | RouteError::QueueFull { .. }
-        | RouteError::Shed { .. }) => {
+        | RouteError::Shed { .. }
+        | RouteError::ShedForRequestUnderWay { .. }) => {
             let code = rejected_reason(&e).unwrap_or("queue_timeout");
             ApiError::shed(code, e.to_string(), RETRY_AFTER)
         }
@@ -110,8 +112,11 @@ pub async fn admit(
         .policy_class(&class)
         .and_then(|c| c.max_queue_wait)
         .unwrap_or(loaded.serve.timeouts.queue);
+    // Counted per request turned away: a further leg of a request under way that admission
+    // refuses is its request's failure, counted where the retry or migration ends.
+    let counted = !request.continues;
     let refused = |err: RouteError| {
-        if let Some(reason) = rejected_reason(&err) {
+        if let Some(reason) = rejected_reason(&err).filter(|_| counted) {
             app.metrics.admission_rejected(&class, reason);
             tracing::debug!(class = %class, reason, "{err}");
         }
@@ -140,7 +145,9 @@ pub async fn admit(
         Ok(outcome) => outcome,
         Err(_elapsed) if queued.cancel() => {
             app.metrics.queue_outcome("timeout");
-            app.metrics.admission_rejected(&class, "queue_timeout");
+            if counted {
+                app.metrics.admission_rejected(&class, "queue_timeout");
+            }
             app.metrics
                 .queue_wait
                 .observe(started.elapsed().as_secs_f64());
@@ -189,7 +196,7 @@ pub async fn admit(
         Some(Err(err)) => {
             app.metrics.queue_outcome(match err {
                 RouteError::QueueTimeout { .. } => "timeout",
-                RouteError::Shed { .. } => "shed",
+                RouteError::Shed { .. } | RouteError::ShedForRequestUnderWay { .. } => "shed",
                 _ => "failed",
             });
             Err(refused(err))

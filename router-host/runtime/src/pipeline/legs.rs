@@ -29,6 +29,16 @@ pub struct Leg<'a> {
     pub upstream: &'a Upstream,
 }
 
+/// Whether a leg starts its request or carries on one that admission already let in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegKind {
+    /// The request's first leg: admitted, queued, shed or refused by its class.
+    First,
+    /// A retry after a failed leg, or a stream continuing on another row: it outranks every
+    /// class in full queues (`router_core::model::Request::continues`).
+    Further,
+}
+
 /// Route one leg: admission and the policy (the core), then the booking. `allowed` limits the
 /// rows (after failed legs); `None` allows every row.
 pub async fn route<'a>(
@@ -37,6 +47,7 @@ pub async fn route<'a>(
     inbound: &Inbound,
     prepared: &Prepared,
     allowed: Option<Vec<u64>>,
+    kind: LegKind,
 ) -> Result<Leg<'a>, ApiError> {
     let request = Request {
         blocks: prepared.blocks.clone(),
@@ -45,6 +56,7 @@ pub async fn route<'a>(
         allowed_worker_ids: allowed,
         expected_output_tokens: prepared.expected_output_tokens,
         policy_class: super::admit::priority_class(&inbound.headers)?,
+        continues: kind == LegKind::Further,
         ..Request::default()
     };
     let decide_started = Instant::now();
@@ -165,6 +177,14 @@ impl Retries {
             left: retries,
             excluded: Vec::new(),
             last_failure: None,
+        }
+    }
+
+    /// The next leg's kind: further once a leg failed.
+    pub fn next_kind(&self) -> LegKind {
+        match self.excluded.is_empty() {
+            true => LegKind::First,
+            false => LegKind::Further,
         }
     }
 

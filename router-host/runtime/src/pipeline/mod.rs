@@ -113,7 +113,8 @@ async fn answered(
 ) -> Result<Answer, ApiError> {
     loop {
         let allowed = retries.allowed(loaded);
-        let leg = match legs::route(app, loaded, inbound, prepared, allowed).await {
+        let kind = retries.next_kind();
+        let leg = match legs::route(app, loaded, inbound, prepared, allowed, kind).await {
             Ok(leg) => leg,
             Err(err) => return Err(retries.refused(err)),
         };

@@ -283,7 +283,16 @@ fn next_leg(moving: &Moving, restart: bool) -> NextLeg {
                 break;
             }
             used += 1;
-            let leg = match legs::route(&app, &loaded, &inbound, &prepared, Some(allowed)).await {
+            let leg = match legs::route(
+                &app,
+                &loaded,
+                &inbound,
+                &prepared,
+                Some(allowed),
+                legs::LegKind::Further,
+            )
+            .await
+            {
                 Ok(leg) => leg,
                 Err(err) => {
                     last = format!("no row to continue on: {}", err.message);

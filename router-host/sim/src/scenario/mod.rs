@@ -444,6 +444,8 @@ impl Scenario {
                     expected_output_tokens: r.expected_output_tokens,
                     priority: r.priority,
                     policy_class: r.policy_class,
+                    // A scenario's requests are all first legs (no engines fail in `select`).
+                    continues: false,
                 },
                 rows,
                 complete: r.complete,
