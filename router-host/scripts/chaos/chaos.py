@@ -44,6 +44,19 @@ import yaml  # PyYAML: run.sh makes sure it is importable (system or its own ven
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 BASE_CONFIG = REPO / "examples" / "two-tier-soft-affinity.yaml"
+# `--over-capacity`: the overlay that makes the router shed (merged before `--config-overlay`),
+# the engines' batch limit, the clients' default number and the classes they name (share of the
+# requests each; `default` is sent without the header, as a client that names no class).
+OVER_CAPACITY_OVERLAY = HERE / "over-capacity.yaml"
+OVER_CAPACITY_MAX_NUM_SEQS = 2
+OVER_CAPACITY_CONCURRENCY = 24
+OVER_CAPACITY_CLASSES = [("interactive", 0.3), ("default", 0.4), ("batch", 0.3)]
+# What the router answers when it turns a request away (docs/admission.md, docs/serve.md): each
+# carries `x-router-rejected-reason`, equal to the body's `error.code`; a 429 also `retry-after`.
+REFUSAL_STATUSES = (429, 503)
+# The reasons admission turns a request away with (a 429; docs/admission.md).
+ADMISSION_REASONS = ("queue_full", "shed_for_higher_priority", "queue_timeout")
+RETRY_AFTER_MAX_S = 5.0  # the longest a client honours a 429's `retry-after`
 MODEL = "chaos"
 BLOCK_SIZE = 16
 
@@ -83,6 +96,7 @@ REPORTED_COUNTERS = [
     "router_client_connections_shed_total",
     "router_local_resource_errors_total",
     "router_queue_total",
+    "router_admission_rejected_total",
 ]
 MIGRATIONS = "router_migrations_total"
 # Counters of the configuration serving now, which start again from 0 at every reload: the
@@ -325,7 +339,7 @@ class Relay:
 
 
 class Engine:
-    def __init__(self, wid: int, binary: Path, dp_size: int, logs: Path):
+    def __init__(self, wid: int, binary: Path, dp_size: int, logs: Path, max_num_seqs: int | None = None):
         self.id = wid
         self.dp_size = dp_size
         self.http_port = free_port()
@@ -336,6 +350,8 @@ class Engine:
                 "--block-size", str(BLOCK_SIZE), "--dp-size", str(dp_size),
                 "--kv-events", f"tcp://127.0.0.1:{self.kv_port}",
                 "--replay-endpoint", f"tcp://127.0.0.1:{self.replay_port}"]
+        if max_num_seqs is not None:
+            argv += ["--max-num-seqs", str(max_num_seqs)]
         self.proc = Proc(f"engine-{wid}", argv, logs / f"engine-{wid}.log")
         self.dead_since: float | None = None
 
@@ -548,10 +564,22 @@ class Results:
         self.workers = collections.Counter()  # x-router-worker values seen
         self.latency = {k: [] for k in KINDS}
         self.crashes: list[str] = []  # load clients that stopped on an error of the driver
+        self.refusals = collections.Counter()  # (status, x-router-rejected-reason, class) -> n
+        self.refusal_problems = collections.Counter()  # what refusal_problem said -> n
+        self.refusal_problem_examples: list[dict] = []
+        self.classes = collections.Counter()  # (class, outcome) -> n
 
     def record(self, kind: str, outcome: str, detail: str, session: bool, example: dict, latency: float,
-               headers: dict) -> None:
+               headers: dict, policy_class: str = "default") -> None:
         with self.lock:
+            self.classes[(policy_class, outcome)] += 1
+            if example.get("status") in REFUSAL_STATUSES:
+                self.refusals[(example["status"], headers.get("x-router-rejected-reason") or "-", policy_class)] += 1
+                problem = refusal_problem(example)
+                if problem:
+                    self.refusal_problems[problem] += 1
+                    if len(self.refusal_problem_examples) < EXAMPLES_PER_CASE:
+                        self.refusal_problem_examples.append({**example, "problem": problem})
             self.counts[kind][outcome] += 1
             self.details[(outcome, detail)] += 1
             self.details_by_kind[(kind, outcome, detail)] += 1
@@ -586,6 +614,23 @@ def is_openai_error(value) -> str | None:
         return None
     code = err.get("code")
     return str(code if code not in (None, "") else err.get("type", "error"))
+
+
+def refusal_problem(ex: dict) -> str | None:
+    """What is wrong with a refusal (a 429 or 503 answer), None when it carries its reason: the
+    `x-router-rejected-reason` header, equal to the body's `error.code`, and on a 429 a
+    `retry-after`."""
+    if ex.get("status") not in REFUSAL_STATUSES:
+        return None
+    headers = ex.get("headers") or {}
+    reason = headers.get("x-router-rejected-reason")
+    if not reason:
+        return "no x-router-rejected-reason header"
+    if reason != ex.get("error_code"):
+        return f"x-router-rejected-reason {reason!r} but error.code {ex.get('error_code')!r}"
+    if ex["status"] == 429 and not headers.get("retry-after"):
+        return "a 429 without retry-after"
+    return None
 
 
 class Lines:
@@ -638,7 +683,8 @@ class Request:
             conn.request("POST", self.path, json.dumps(self.body), {"content-type": "application/json",
                                                                      **self.headers})
             resp = conn.getresponse()
-            rheaders = {k.lower(): v for k, v in resp.getheaders() if k.lower().startswith("x-router-")}
+            rheaders = {k.lower(): v for k, v in resp.getheaders()
+                        if k.lower().startswith("x-router-") or k.lower() == "retry-after"}
             ex["status"] = resp.status
             ex["headers"] = rheaders
             if resp.status != 200:
@@ -648,6 +694,7 @@ class Request:
                     code = is_openai_error(json.loads(raw))
                 except ValueError:
                     code = None
+                ex["error_code"] = code
                 if code is None:
                     return "lost", f"http_{resp.status}_without_openai_error_body", ex, rheaders, ""
                 return "failed_clear", f"http_{resp.status}_{code}", ex, rheaders, ""
@@ -768,10 +815,22 @@ class Request:
         return "completed", "ok", ex, rheaders, "".join(text)
 
 
+def pick_class(rng: random.Random, classes: list[tuple[str, float]] | None) -> str:
+    """The request's priority class: `default` (no header) without `--over-capacity`."""
+    if not classes:
+        return "default"
+    x = rng.random()
+    for name, share in classes:
+        if x < share:
+            return name
+        x -= share
+    return classes[-1][0]
+
+
 def load_thread(i: int, seed: int, port: int, stop: threading.Event, results: Results, t0: float,
-                session_share: float) -> None:
+                session_share: float, classes: list[tuple[str, float]] | None = None) -> None:
     try:
-        _load(i, seed, port, stop, results, t0, session_share)
+        _load(i, seed, port, stop, results, t0, session_share, classes)
     except Exception as e:  # noqa: BLE001
         with results.lock:
             results.crashes.append(f"load client {i}: {type(e).__name__}: {e}")
@@ -779,14 +838,18 @@ def load_thread(i: int, seed: int, port: int, stop: threading.Event, results: Re
 
 
 def _load(i: int, seed: int, port: int, stop: threading.Event, results: Results, t0: float,
-          session_share: float) -> None:
+          session_share: float, classes: list[tuple[str, float]] | None) -> None:
     rng = random.Random(f"{seed}-load-{i}")
+    class_rng = random.Random(f"{seed}-class-{i}")  # its own, so the load is the same without classes
     conversations: list[Conversation] = []
     n_sessions = 0
     while not stop.is_set():
         kind = rng.choice(KINDS)
         max_tokens = rng.randint(8, 64)
         headers = {}
+        policy_class = pick_class(class_rng, classes)
+        if policy_class != "default":
+            headers["x-router-priority-class"] = policy_class
         convo = None
         if rng.random() < session_share:
             if len(conversations) < 3 or rng.random() < 0.1:
@@ -814,7 +877,15 @@ def _load(i: int, seed: int, port: int, stop: threading.Event, results: Results,
         req = Request(kind, body, headers, max_tokens)
         started = time.monotonic()
         outcome, detail, ex, rheaders, text = req.run(port, t0)
-        results.record(kind, outcome, detail, convo is not None, ex, time.monotonic() - started, rheaders)
+        results.record(kind, outcome, detail, convo is not None, ex, time.monotonic() - started, rheaders,
+                       policy_class)
+        if ex.get("status") == 429:
+            # As a well-behaved client does: wait what `retry-after` says (bounded) before the next.
+            try:
+                wait = float(rheaders.get("retry-after", "1"))
+            except ValueError:
+                wait = 1.0
+            stop.wait(min(max(wait, 0.0), RETRY_AFTER_MAX_S))
         if convo is not None:
             if outcome == "completed":
                 convo.turns.append((question, text[:400]))
@@ -835,6 +906,8 @@ def self_test() -> int:
     chunk = json.dumps({"choices": [{"index": 0, "text": "a"}]})
     usage = json.dumps({"choices": [], "usage": {"completion_tokens": 2}})
     err = json.dumps({"error": {"message": "engine gone", "type": "upstream_error", "code": "upstream_error"}})
+    shed = json.dumps({"error": {"message": "queues full", "type": "rate_limit_error", "code": "queue_full"}})
+    reason = {"x-router-rejected-reason": "queue_full"}
     whole = lambda n: json.dumps({"choices": [{"text": "ab"}], "usage": {"completion_tokens": n}}).encode()  # noqa: E731
     cases = {
         # path: (kind, what the server does, outcome, detail)
@@ -845,6 +918,16 @@ def self_test() -> int:
         "/error-event-then-cut": ("completions+stream", ("chunked", sse(chunk, err), False), "failed_clear",
                                   "stream_error_event_upstream_error"),
         "/503-json": ("completions", ("json", 503, err.encode()), "failed_clear", "http_503_upstream_error"),
+        "/503-with-reason": ("completions", ("json", 503, err.encode(), {"x-router-rejected-reason": "upstream_error"}),
+                             "failed_clear", "http_503_upstream_error"),
+        "/503-mismatch": ("completions", ("json", 503, err.encode(), reason), "failed_clear",
+                          "http_503_upstream_error"),
+        "/429-shed": ("completions+stream", ("json", 429, shed.encode(), {**reason, "retry-after": "1"}),
+                      "failed_clear", "http_429_queue_full"),
+        "/429-no-reason": ("completions", ("json", 429, shed.encode(), {"retry-after": "1"}), "failed_clear",
+                           "http_429_queue_full"),
+        "/429-no-retry-after": ("completions", ("json", 429, shed.encode(), reason), "failed_clear",
+                                "http_429_queue_full"),
         "/cut-stream": ("completions+stream", ("chunked", sse(chunk), False), "lost", "stream_cut_without_error_event"),
         "/no-done": ("completions+stream", ("chunked", sse(chunk, chunk, usage), True), "lost",
                      "stream_ended_without_done"),
@@ -860,6 +943,9 @@ def self_test() -> int:
         "/hang": ("completions", ("hang",), "lost", "client_timeout"),
         "/reset": ("completions", ("reset",), "lost", "connection_error_RemoteDisconnected"),
     }
+    # Refusals: whether refusal_problem must find something wrong.
+    refusal_wrong = {"/503-json": True, "/503-with-reason": False, "/503-mismatch": True, "/429-shed": False,
+                     "/429-no-reason": True, "/429-no-retry-after": True}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -888,6 +974,8 @@ def self_test() -> int:
                 return
             body = what[2]
             self.send_response(what[1])
+            for name, value in (what[3] if len(what) > 3 else {}).items():
+                self.send_header(name, value)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body) + (10 if what[0] == "cut" else 0)))
             self.end_headers()
@@ -906,6 +994,10 @@ def self_test() -> int:
             got = req.run(port, time.monotonic())
             if (got[0], got[1]) != (outcome, detail):
                 wrong.append(f"{path}: classified {got[0]}/{got[1]}, expected {outcome}/{detail}")
+            problem = refusal_problem(got[2])
+            if path in refusal_wrong and bool(problem) != refusal_wrong[path]:
+                wrong.append(f"{path}: refusal check said {problem!r}, expected "
+                             f"{'a problem' if refusal_wrong[path] else 'none'}")
     finally:
         server.shutdown()
     for w in wrong:
@@ -1071,10 +1163,19 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--config-overlay", type=Path, help="YAML merged into the generated serve config")
     p.add_argument("--expect-no-stream-failures", action="store_true",
-                   help="also fail on any streamed request that failed (with mid-stream migration on)")
+                   help="also fail on any streamed request that failed (with mid-stream migration on); "
+                        "requests turned away by admission (429) are not stream failures")
+    p.add_argument("--over-capacity", action="store_true",
+                   help=f"drive the router over capacity: merge {OVER_CAPACITY_OVERLAY.name} (priority classes, "
+                        f"a small queue bound, engine saturation), engines with --max-num-seqs "
+                        f"{OVER_CAPACITY_MAX_NUM_SEQS}, {OVER_CAPACITY_CONCURRENCY} clients unless --concurrency "
+                        f"says otherwise, requests of the classes "
+                        + ", ".join(f"{n} {w:.0%}" for n, w in OVER_CAPACITY_CLASSES)
+                        + "; the run then also fails unless some requests were shed")
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--dp-size", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=None,
+                   help=f"closed-loop clients (default 8; {OVER_CAPACITY_CONCURRENCY} with --over-capacity)")
     p.add_argument("--session-share", type=float, default=0.5, help="share of requests carrying a session id")
     p.add_argument("--retries", type=int, default=2, help="serve.retries at start (a reload toggles 2 and 3)")
     p.add_argument("--min-gap", type=float, default=3.0, help="shortest wait between two chaos events, s")
@@ -1101,14 +1202,22 @@ def main() -> int:
     # This run's logs only (the processes append across their restarts within a run).
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
+    if a.concurrency is None:
+        a.concurrency = OVER_CAPACITY_CONCURRENCY if a.over_capacity else 8
     overlay = {}
-    if a.config_overlay:
+    for flag, path in (("--over-capacity", OVER_CAPACITY_OVERLAY if a.over_capacity else None),
+                       ("--config-overlay", a.config_overlay)):
+        if path is None:
+            continue
         try:
-            overlay = yaml.safe_load(a.config_overlay.read_text()) or {}
+            layer = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
-            sys.exit(f"--config-overlay {a.config_overlay}: {e}")
-        if not isinstance(overlay, dict):
-            sys.exit(f"--config-overlay {a.config_overlay}: must be a YAML mapping, got {type(overlay).__name__}")
+            sys.exit(f"{flag} {path}: {e}")
+        if not isinstance(layer, dict):
+            sys.exit(f"{flag} {path}: must be a YAML mapping, got {type(layer).__name__}")
+        deep_merge(overlay, layer)
+    classes = OVER_CAPACITY_CLASSES if a.over_capacity else None
+    max_num_seqs = OVER_CAPACITY_MAX_NUM_SEQS if a.over_capacity else None
 
     t0 = time.monotonic()
     LOG.t0 = t0
@@ -1121,7 +1230,7 @@ def main() -> int:
                     "command": a.command, "failures": []}
     failures: list[str] = report["failures"]
     try:
-        engines = [Engine(i + 1, a.router_host, a.dp_size, logs) for i in range(a.engines)]
+        engines = [Engine(i + 1, a.router_host, a.dp_size, logs, max_num_seqs) for i in range(a.engines)]
         for e in engines:
             e.start()
         redis = Redis(logs)
@@ -1144,6 +1253,7 @@ def main() -> int:
             f"redis on {redis.port}; load for {a.duration:.0f} s, seed {a.seed}")
         report["setup"] = {
             "engines": a.engines, "dp_size": a.dp_size, "concurrency": a.concurrency, "retries": a.retries,
+            "over_capacity": a.over_capacity, "classes": classes, "engine_max_num_seqs": max_num_seqs,
             "session_share": a.session_share, "client_timeout_s": CLIENT_TIMEOUT_S,
             "router_timeouts_ms": ROUTER_TIMEOUTS, "base_config": str(BASE_CONFIG.relative_to(REPO)),
             "overlay": overlay, "config": router.config(),
@@ -1165,7 +1275,7 @@ def main() -> int:
         threading.Thread(target=sampler, daemon=True).start()
         load_start = time.monotonic()
         threads = [threading.Thread(target=load_thread, daemon=True,
-                                    args=(i, a.seed, router.port, stop, results, t0, a.session_share))
+                                    args=(i, a.seed, router.port, stop, results, t0, a.session_share, classes))
                    for i in range(a.concurrency)]
         for t in threads:
             t.start()
@@ -1254,8 +1364,33 @@ def main() -> int:
         if lost:
             failures.append(f"{lost} requests lost (no answer and no clear error): "
                             + ", ".join(f"{d}: {n}" for (o, d), n in sorted(results.details.items()) if o == "lost"))
-        stream_failed = sum(results.counts[k].get("failed_clear", 0) for k in KINDS if k.endswith("+stream"))
+        # Turned away by admission before the stream began: over capacity, not a failed stream.
+        stream_failed = sum(n for (k, o, d), n in results.details_by_kind.items()
+                            if k.endswith("+stream") and o == "failed_clear" and not d.startswith("http_429_"))
         report["stream_failed_clear"] = stream_failed
+        report["refusals"] = [{"status": st, "reason": r, "class": c, "n": n}
+                              for (st, r, c), n in sorted(results.refusals.items())]
+        report["refusal_problems"] = dict(results.refusal_problems)
+        report["refusal_problem_examples"] = results.refusal_problem_examples
+        report["by_class"] = [{"class": c, "outcome": o, "n": n} for (c, o), n in sorted(results.classes.items())]
+        if results.refusal_problems:
+            failures.append(f"{sum(results.refusal_problems.values())} refusals (429/503) without their reason: "
+                            + ", ".join(f"{p}: {n}" for p, n in sorted(results.refusal_problems.items())))
+        shed = sum(n for (st, _r, _c), n in results.refusals.items() if st == 429)
+        report["shed_429"] = shed
+        # Operator truth: the router counts every refusal the clients saw, by class and reason.
+        if router_alive and "metrics" in report:
+            counted = {k: v for k, v in report["metrics"].get("router_admission_rejected_total", {}).items()
+                       if v and k.rsplit("reason=", 1)[-1] in ADMISSION_REASONS}
+            seen = collections.Counter()
+            for (st, reason, c), n in results.refusals.items():
+                if st == 429 and reason in ADMISSION_REASONS:
+                    seen[f"class={c},reason={reason}"] += n
+            if counted != {k: float(v) for k, v in seen.items()}:
+                failures.append(f"router_admission_rejected_total {counted} differs from the 429s the clients got "
+                                f"{dict(seen)}")
+        if a.over_capacity and not shed:
+            failures.append("--over-capacity: no request was turned away (429): the load never went over capacity")
         if a.expect_no_stream_failures and stream_failed:
             failures.append(f"--expect-no-stream-failures: {stream_failed} streamed requests failed")
         if sum(totals.values()) == 0:
@@ -1350,6 +1485,12 @@ def markdown(r: dict) -> str:
                   f"session store, `serve.retries` {s['retries']} (reloads toggle 2 and 3) and timeouts "
                   f"({timeouts}); {s['concurrency']} closed-loop clients, {s['session_share']:.0%} of the requests "
                   f"in conversations with an `x-session-id`, client timeout {s['client_timeout_s']:.0f} s."]
+        if s.get("over_capacity"):
+            lines += ["", f"Over capacity (`--over-capacity`): engines with `--max-num-seqs "
+                      f"{s['engine_max_num_seqs']}`, requests of the classes "
+                      + ", ".join(f"`{n}` {w:.0%}" for n, w in s["classes"])
+                      + f" (`x-router-priority-class`; `default` without the header), the overlay "
+                      f"`{OVER_CAPACITY_OVERLAY.name}`."]
         if s.get("overlay"):
             lines += ["", f"Config overlay: `{json.dumps(s['overlay'])}`"]
     if r["failures"]:
@@ -1373,6 +1514,20 @@ def markdown(r: dict) -> str:
         for d in req["details_by_kind"]:
             if d["outcome"] != "completed":
                 lines.append(f"| {d['kind']} | {d['outcome']} | `{d['detail']}` | {d['n']} |")
+        refusals = r.get("refusals") or []
+        if refusals:
+            problems = r.get("refusal_problems") or {}
+            lines += ["", "### Turned away (429 and 503), by `x-router-rejected-reason`", "",
+                      f"{sum(x['n'] for x in refusals)} refusals; without their reason (the header, equal to "
+                      f"`error.code`, and `retry-after` on a 429): {sum(problems.values())}"
+                      + (" (" + ", ".join(f"{p}: {n}" for p, n in sorted(problems.items())) + ")" if problems else "")
+                      + ".", "", "| status | reason | class | n |", "|---:|---|---|---:|"]
+            lines += [f"| {x['status']} | `{x['reason']}` | {x['class']} | {x['n']} |" for x in refusals]
+        by_class = r.get("by_class") or []
+        if len({x["class"] for x in by_class}) > 1:
+            lines += ["", "Outcomes per class: " + "; ".join(
+                f"{c}: " + ", ".join(f"{x['outcome']} {x['n']}" for x in by_class if x["class"] == c)
+                for c in sorted({x["class"] for x in by_class}))]
         lines += ["", "Completed latency (s): " + "; ".join(
             f"{k} p50 {v.get('p50')} p99 {v.get('p99')}" for k, v in req["latency_completed_s"].items() if v)]
         if req["examples"]:

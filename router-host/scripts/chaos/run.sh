@@ -4,7 +4,7 @@
 # random (seeded), on 127.0.0.1. README.md beside this file says what is checked.
 #
 #   router-host/scripts/chaos/run.sh [--duration S] [--seed N] [--out DIR] [--config-overlay FILE]
-#                                    [--expect-no-stream-failures] [-- DRIVER-FLAGS...]
+#                                    [--expect-no-stream-failures] [--over-capacity] [-- DRIVER-FLAGS...]
 #
 #   --duration S                 seconds of load (default 600)
 #   --seed N                     seeds the load and the chaos (default 1)
@@ -14,6 +14,9 @@
 #                                (e.g. `serve: {migration_limit: 1}`)
 #   --expect-no-stream-failures  also fail when any streamed request failed, even with a clear
 #                                error (for when mid-stream migration is on)
+#   --over-capacity              drive the router over capacity (over-capacity.yaml: priority
+#                                classes, a queue bound of 8, saturated engines) and check that
+#                                it sheds, each refusal with its reason
 #   -- DRIVER-FLAGS              passed to chaos.py as they are (`python3 chaos.py --help`)
 #
 # Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad usage.
@@ -32,7 +35,7 @@ PYYAML_VERSION=6.0.2
 
 log() { printf '[chaos %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "FAILED: $*"; exit 1; }
-usage() { log "$*"; sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { log "$*"; sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 DURATION=600
 SEED=1
@@ -46,8 +49,9 @@ while [ $# -gt 0 ]; do
     --out) [ $# -ge 2 ] || usage "--out needs a directory"; OUT="$2"; shift ;;
     --config-overlay) [ $# -ge 2 ] || usage "--config-overlay needs a file"; OVERLAY="$2"; shift ;;
     --expect-no-stream-failures) EXTRA+=(--expect-no-stream-failures) ;;
+    --over-capacity) EXTRA+=(--over-capacity) ;;
     --) shift; EXTRA+=("$@"); break ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) usage "unknown argument \`$1\`" ;;
   esac
   shift
@@ -103,7 +107,7 @@ log "build took $((SECONDS - t0)) s"
 
 COMMAND="router-host/scripts/chaos/run.sh --duration $DURATION --seed $SEED"
 [ -z "$OVERLAY" ] || COMMAND+=" --config-overlay $(basename "$OVERLAY")"
-for x in "${EXTRA[@]}"; do case "$x" in --expect-no-stream-failures) COMMAND+=" $x" ;; esac; done
+for x in "${EXTRA[@]}"; do case "$x" in --expect-no-stream-failures|--over-capacity) COMMAND+=" $x" ;; esac; done
 
 # exec: a signal to this script reaches the driver, which stops every process it started.
 exec "$PYTHON" "$HERE/chaos.py" --router-host "$BIN" --plugin "$PLUGIN" --duration "$DURATION" \
