@@ -65,6 +65,28 @@ fn host_overlap_and_the_soft_affinity_cache_gate_read_it_as_zero_too() {
 }
 
 #[test]
+fn the_cache_gate_keeps_a_target_whose_own_index_is_not_current() {
+    // Target A's row restarted (or lost its event stream): its overlap reads as zero, B caches
+    // 6 blocks. Unknown is no evidence that B caches more: the session stays on A.
+    let rows = [row(A, 0.0, 0.0, 0), row(B, 6.0, 0.0, 0)];
+    let request = request().target(A, None);
+    let gate = policy(r#"{"respect_soft_affinity": true}"#);
+    let current = with_states(&rows, &[KvIndexState::Current; 2]);
+    let e = current.explain(&gate, &request).unwrap();
+    assert_eq!(
+        (current.row(e.row), e.get_label("soft_affinity")),
+        (at(B, 0), Some("released_by_cache")),
+        "with A's index current, B's cache wins the gate"
+    );
+    for state in NOT_CURRENT {
+        let rows = with_states(&rows, &[state, KvIndexState::Current]);
+        let e = rows.explain(&gate, &request).unwrap();
+        assert_eq!(rows.row(e.row), at(A, 0), "{state}: the target is kept");
+        assert_eq!(e.get_label("soft_affinity"), Some("kept"), "{state}");
+    }
+}
+
+#[test]
 fn all_rows_current_decide_exactly_as_without_the_column() {
     // Every row shape of the conformance-style cases, every row order: same pick, same
     // explanation.
