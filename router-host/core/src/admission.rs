@@ -414,30 +414,28 @@ impl Lanes {
     }
 
     /// Make room for a request of `class` when the queues are full: take out the queued request
-    /// of the lowest rank below the newcomer's (the newest among equals) and return it, the
-    /// caller's to fail as shed; or say there is no room. `Ok(None)`: there is room. A request's
-    /// rank is its class's priority, above every priority when it [continues](Request::continues).
+    /// of the lowest priority below `class`'s (the newest among equals) and return it, the
+    /// caller's to fail as shed; or say there is no room. `Ok(None)`: there is room. A leg that
+    /// [continues](Request::continues) a request always has room and is never taken out.
     pub fn make_room(
         &mut self,
         class: usize,
         continues: bool,
         classes: &[ClassSpec],
     ) -> Result<Option<Queued>, NoRoom> {
-        if self.occupied() < self.max_queued {
+        if continues || self.occupied() < self.max_queued {
             return Ok(None);
         }
-        let rank = |class: usize, continues: bool| match continues {
-            true => i64::MAX,
-            false => classes.get(class).map_or(0, |c| c.priority),
-        };
-        let newcomer = rank(class, continues);
-        // Lowest rank first; among equals the newest (the highest ticket id) goes.
+        let priority = |class: usize| classes.get(class).map_or(0, |c| c.priority);
+        let newcomer = priority(class);
+        // Lowest priority first; among equals the newest (the highest ticket id) goes.
         let victim = self
             .lanes
             .iter()
             .flat_map(|(key, lane)| {
                 lane.iter()
-                    .map(move |e| (rank(key.0, e.request.continues), e.ticket.id()))
+                    .filter(|e| !e.request.continues)
+                    .map(move |e| (priority(key.0), e.ticket.id()))
             })
             .filter(|(p, _)| *p < newcomer)
             .min_by_key(|(p, id)| (*p, std::cmp::Reverse(*id)))

@@ -177,9 +177,9 @@ pub struct Request {
     /// configured, else no admission control.
     pub policy_class: Option<String>,
     /// A further leg of a request admission already let in (a retry after a leg that failed, a
-    /// stream continuing on another row): in full queues it outranks every class, so it sheds
-    /// the lowest-priority queued request rather than being refused, and is never shed itself.
-    /// Turning it away would throw away work under way for a request not yet started.
+    /// stream continuing on another row): it queues even past the queues' bound and is never
+    /// shed, so work under way is not thrown away for requests not yet started. The bound still
+    /// holds for first legs, and such legs are at most one per request in flight.
     pub continues: bool,
 }
 

@@ -37,12 +37,6 @@ pub enum RouteError {
         "worker {worker_id} was removed while the request was being decided; nothing was booked"
     )]
     WorkerRemoved { worker_id: u64 },
-    #[error("shed from the queue of policy class `{class}` (priority {priority}) to make room for a request of class `{by_class}` already under way (a retry after a failed leg, or a stream continuing on another row), which outranks every queued request; nothing was booked")]
-    ShedForRequestUnderWay {
-        class: String,
-        priority: i64,
-        by_class: String,
-    },
     #[error("waited {waited_ms} ms in the queue of policy class `{class}`, over its max_wait of {max_wait_ms} ms; nothing was booked")]
     QueueTimeout {
         class: String,

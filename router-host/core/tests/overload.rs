@@ -1,6 +1,6 @@
 //! Overload control in the core: the queues' bound, shedding the lowest priority first (the
 //! newest among equals), refusing a newcomer nobody ranks below, a leg of a request under way
-//! outranking every class, overdue requests leaving a
+//! queuing past the bound, never shed, overdue requests leaving a
 //! full queue before anyone is shed, and engine saturation (waiting requests, KV usage) making
 //! a row busy only for classes that limit it.
 
@@ -130,62 +130,45 @@ fn a_full_queue_sheds_the_lowest_priority_newest_first_and_refuses_when_none_ran
     assert_eq!(core.booked(row(1, 0)), RowLoad::default());
 }
 
-fn continuing(class: &str) -> Request {
-    Request {
+#[test]
+fn a_leg_of_a_request_under_way_queues_past_the_bound_and_is_never_shed() {
+    let core = core(Arc::new(ManualClock::default()), None);
+    let busy = fill(&core);
+    let low_a = queued(&core, "low");
+    let under_way = queued_continuing(&core, "low");
+    let low_b = queued(&core, "low");
+    // Full (3): another continuing leg still queues, and sheds nobody.
+    let under_way_2 = queued_continuing(&core, "low");
+    assert!(!low_a.is_done() && !low_b.is_done());
+    assert_eq!(core.admission_stats().waiting, 4);
+    // First legs still meet the bound: `high` sheds the newest `low` first leg, never a
+    // continuing one, and then nothing is left below it.
+    let high = queued(&core, "high");
+    assert_eq!(shed_by(&low_b), ("low".into(), "high".into()));
+    let _high_2 = queued(&core, "high");
+    assert_eq!(shed_by(&low_a), ("low".into(), "high".into()));
+    assert_eq!(
+        core.submit(req("high", 10), &NoOverlap, false).unwrap_err(),
+        RouteError::QueueFull {
+            class: "high".into(),
+            limit: 3
+        }
+    );
+    assert!(!under_way.is_done() && !under_way_2.is_done() && !high.is_done());
+    let stats = core.admission_stats();
+    assert_eq!((stats.waiting, stats.shed, stats.refused), (4, 2, 1));
+    // Capacity frees: the continuing legs are dispatched like any other queued request.
+    assert!(core.complete(busy));
+    let drained = core.drain(false);
+    assert!(drained.iter().any(|d| d.ticket == under_way.id()));
+}
+
+fn queued_continuing(core: &RoutingCore, class: &str) -> Ticket {
+    let request = Request {
         continues: true,
         ..req(class, 10)
-    }
-}
-
-#[test]
-fn a_leg_of_a_request_under_way_outranks_every_class_and_is_never_shed() {
-    let core = core(Arc::new(ManualClock::default()), None);
-    fill(&core);
-    let high_a = queued(&core, "high");
-    let low_b = queued(&core, "low");
-    let high_c = queued(&core, "high");
-    // Full of two `high` and a `low`: a continuing `low` takes the `low` one's place.
-    let under_way = match core.submit(continuing("low"), &NoOverlap, false) {
-        Ok(Submitted::Queued(ticket)) => ticket,
-        other => panic!("expected the continuing leg to queue, got {other:?}"),
     };
-    match low_b.try_take() {
-        Some(Err(RouteError::ShedForRequestUnderWay {
-            class, by_class, ..
-        })) => assert_eq!((class.as_str(), by_class.as_str()), ("low", "low")),
-        other => {
-            panic!("expected the queued low request shed for the leg under way, got {other:?}")
-        }
-    }
-    // Then the `high` ones go, newest first, and never the continuing leg.
-    let _second = queued_continuing(&core);
-    assert!(matches!(
-        high_c.try_take(),
-        Some(Err(RouteError::ShedForRequestUnderWay { .. }))
-    ));
-    let _third = queued_continuing(&core);
-    assert!(matches!(
-        high_a.try_take(),
-        Some(Err(RouteError::ShedForRequestUnderWay { .. }))
-    ));
-    // Full of continuing legs: a first leg of any class is refused, and so is another continuing
-    // leg (nothing ranks below it); the queued ones stay.
-    for request in [req("high", 10), continuing("high")] {
-        assert_eq!(
-            core.submit(request, &NoOverlap, false).unwrap_err(),
-            RouteError::QueueFull {
-                class: "high".into(),
-                limit: 3
-            }
-        );
-    }
-    assert!(!under_way.is_done());
-    let stats = core.admission_stats();
-    assert_eq!((stats.waiting, stats.shed, stats.refused), (3, 3, 2));
-}
-
-fn queued_continuing(core: &RoutingCore) -> Ticket {
-    match core.submit(continuing("mid"), &NoOverlap, false) {
+    match core.submit(request, &NoOverlap, false) {
         Ok(Submitted::Queued(ticket)) => ticket,
         other => panic!("expected the continuing leg to queue, got {other:?}"),
     }

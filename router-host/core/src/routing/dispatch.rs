@@ -225,10 +225,9 @@ impl RoutingCore {
             self.expire_queued();
         }
         let since = self.clock.now();
-        let continues = request.continues;
         let (ticket, shed) = {
             let mut queues = lock(&self.queues);
-            match queues.make_room(lane.0, continues, &self.classes) {
+            match queues.make_room(lane.0, request.continues, &self.classes) {
                 Ok(shed) => (queues.enqueue(lane, request, since), shed),
                 Err(NoRoom::Full { limit }) => {
                     return Err(RouteError::QueueFull {
@@ -242,24 +241,11 @@ impl RoutingCore {
         if let Some(entry) = shed {
             let class = self.classes.get(entry_class_index(self, &entry.request));
             let by = self.classes.get(lane.0);
-            let (class, priority) = (
-                class.map(|c| c.name.clone()).unwrap_or_default(),
-                class.map_or(0, |c| c.priority),
-            );
-            let by_class = by.map(|c| c.name.clone()).unwrap_or_default();
-            let err = if continues {
-                RouteError::ShedForRequestUnderWay {
-                    class,
-                    priority,
-                    by_class,
-                }
-            } else {
-                RouteError::Shed {
-                    class,
-                    priority,
-                    by_class,
-                    by_priority: by.map_or(0, |c| c.priority),
-                }
+            let err = RouteError::Shed {
+                class: class.map(|c| c.name.clone()).unwrap_or_default(),
+                priority: class.map_or(0, |c| c.priority),
+                by_class: by.map(|c| c.name.clone()).unwrap_or_default(),
+                by_priority: by.map_or(0, |c| c.priority),
             };
             tracing::debug!(ticket = entry.ticket.id(), "{err}");
             if entry.ticket.is_orphan() {

@@ -47,7 +47,6 @@ fn rejected_reason(err: &RouteError) -> Option<&'static str> {
     match err {
         RouteError::QueueFull { .. } => Some("queue_full"),
         RouteError::Shed { .. } => Some("shed_for_higher_priority"),
-        RouteError::ShedForRequestUnderWay { .. } => Some("shed_for_request_under_way"),
         RouteError::QueueTimeout { .. } => Some("queue_timeout"),
         _ => None,
     }
@@ -76,8 +75,7 @@ pub fn route_error(err: RouteError) -> ApiError {
         }
         e @ (RouteError::QueueTimeout { .. }
         | RouteError::QueueFull { .. }
-        | RouteError::Shed { .. }
-        | RouteError::ShedForRequestUnderWay { .. }) => {
+        | RouteError::Shed { .. }) => {
             let code = rejected_reason(&e).unwrap_or("queue_timeout");
             ApiError::shed(code, e.to_string(), RETRY_AFTER)
         }
@@ -101,6 +99,7 @@ pub async fn admit(
     loaded: &Arc<LoadedConfig>,
     request: Request,
     endpoint: Endpoint,
+    kind: super::legs::LegKind,
 ) -> Result<Routed, ApiError> {
     let core = loaded.host.core();
     let class = request
@@ -112,9 +111,9 @@ pub async fn admit(
         .policy_class(&class)
         .and_then(|c| c.max_queue_wait)
         .unwrap_or(loaded.serve.timeouts.queue);
-    // Counted per request turned away: a further leg of a request under way that admission
-    // refuses is its request's failure, counted where the retry or migration ends.
-    let counted = !request.continues;
+    // Counted per request answered `429`: a continuation turned away ends its stream with an
+    // error event instead, counted where the migration ends (`router_migrations_total`).
+    let counted = kind.refusal_is_the_answer();
     let refused = |err: RouteError| {
         if let Some(reason) = rejected_reason(&err).filter(|_| counted) {
             app.metrics.admission_rejected(&class, reason);
@@ -196,7 +195,7 @@ pub async fn admit(
         Some(Err(err)) => {
             app.metrics.queue_outcome(match err {
                 RouteError::QueueTimeout { .. } => "timeout",
-                RouteError::Shed { .. } | RouteError::ShedForRequestUnderWay { .. } => "shed",
+                RouteError::Shed { .. } => "shed",
                 _ => "failed",
             });
             Err(refused(err))

@@ -29,14 +29,25 @@ pub struct Leg<'a> {
     pub upstream: &'a Upstream,
 }
 
-/// Whether a leg starts its request or carries on one that admission already let in.
+/// Whether a leg starts its request or carries on one that admission already let in. Further
+/// legs queue past the queues' bound and are never shed (`router_core::model::Request::continues`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LegKind {
     /// The request's first leg: admitted, queued, shed or refused by its class.
     First,
-    /// A retry after a failed leg, or a stream continuing on another row: it outranks every
-    /// class in full queues (`router_core::model::Request::continues`).
-    Further,
+    /// A retry after a leg failed before its first byte: a refusal is the client's answer.
+    Retry,
+    /// A stream continuing on another row (`serve.migration_limit`): a refusal ends the stream
+    /// with its error event.
+    Continuation,
+}
+
+impl LegKind {
+    /// Whether admission turning this leg away is answered to the client as such (a `429`),
+    /// and so counted in `router_admission_rejected_total`.
+    pub fn refusal_is_the_answer(self) -> bool {
+        self != LegKind::Continuation
+    }
 }
 
 /// Route one leg: admission and the policy (the core), then the booking. `allowed` limits the
@@ -56,11 +67,11 @@ pub async fn route<'a>(
         allowed_worker_ids: allowed,
         expected_output_tokens: prepared.expected_output_tokens,
         policy_class: super::admit::priority_class(&inbound.headers)?,
-        continues: kind == LegKind::Further,
+        continues: kind != LegKind::First,
         ..Request::default()
     };
     let decide_started = Instant::now();
-    let routed = admit(app, loaded, request, inbound.endpoint).await?;
+    let routed = admit(app, loaded, request, inbound.endpoint, kind).await?;
     let decide_time = decide_started.elapsed().saturating_sub(routed.queued_for);
     app.metrics.stage("decide", decide_time.as_secs_f64());
     let flight = book(app, loaded, &routed, inbound.endpoint, inbound.received);
@@ -180,11 +191,11 @@ impl Retries {
         }
     }
 
-    /// The next leg's kind: further once a leg failed.
+    /// The next leg's kind: a retry once a leg failed.
     pub fn next_kind(&self) -> LegKind {
         match self.excluded.is_empty() {
             true => LegKind::First,
-            false => LegKind::Further,
+            false => LegKind::Retry,
         }
     }
 

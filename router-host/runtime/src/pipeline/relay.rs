@@ -289,7 +289,7 @@ fn next_leg(moving: &Moving, restart: bool) -> NextLeg {
                 &inbound,
                 &prepared,
                 Some(allowed),
-                legs::LegKind::Further,
+                legs::LegKind::Continuation,
             )
             .await
             {
