@@ -55,6 +55,19 @@ pub struct ReplayArgs {
     pub dp_size: u32,
     #[command(flatten)]
     pub engine: crate::engine_flags::EngineFlags,
+    /// Time vLLM's API server spends on a request before its engine sees it: each request
+    /// joins its engine's queue this long after the router dispatched it [default: 0].
+    #[arg(long, value_name = "MS")]
+    pub api_overhead_ms: Option<f64>,
+    /// Cache the full blocks a request's generated tokens complete, under the trace's
+    /// `output_hash_ids`, as vLLM does [default: true].
+    #[arg(long, value_name = "true|false")]
+    pub cache_generated: Option<bool>,
+    /// Every request arrives at its `timestamp`, also in a trace whose requests name the one
+    /// they follow (`after`): the arrivals a closed-loop client made with the recorded
+    /// engines, instead of when the simulated ones let it.
+    #[arg(long)]
+    pub open_loop: bool,
     /// Write the report as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -146,7 +159,11 @@ impl ReplayArgs {
     }
 
     fn engine_spec(&self) -> EngineSpec {
-        self.engine.spec(None)
+        EngineSpec {
+            api_overhead_ms: self.api_overhead_ms,
+            cache_generated: self.cache_generated,
+            ..self.engine.spec(None)
+        }
     }
 }
 
@@ -172,6 +189,9 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(f) = args.time_scale {
         workload.scale_time(f).context("--time-scale")?;
+    }
+    if args.open_loop {
+        workload.open_loop();
     }
     if workload.requests.is_empty() {
         anyhow::bail!("the workload has no requests");
