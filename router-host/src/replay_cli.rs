@@ -63,11 +63,11 @@ pub struct ReplayArgs {
     /// `output_hash_ids`, as vLLM does [default: true].
     #[arg(long, value_name = "true|false")]
     pub cache_generated: Option<bool>,
-    /// Every request arrives at its `timestamp`, also in a trace whose requests name the one
-    /// they follow (`after`): the arrivals a closed-loop client made with the recorded
-    /// engines, instead of when the simulated ones let it.
+    /// A trace line that names the request it follows (`after`) arrives its `gap_ms` after
+    /// that one ends in the simulation, as a closed-loop client sends it. Without this flag
+    /// every request arrives at its `timestamp`.
     #[arg(long)]
-    pub open_loop: bool,
+    pub closed_loop: bool,
     /// Write the report as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -190,14 +190,15 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     if let Some(f) = args.time_scale {
         workload.scale_time(f).context("--time-scale")?;
     }
-    if args.open_loop {
-        workload.open_loop();
-    }
     if workload.requests.is_empty() {
         anyhow::bail!("the workload has no requests");
     }
     if let Some(path) = &args.write_workload {
         write_file(path, |out| workload.write_jsonl(out))?;
+    }
+    // Written with its links either way: the file replays the same with the same flag.
+    if !args.closed_loop {
+        workload.open_loop();
     }
     let setup = Setup {
         shape: router_host::replay::Shape {

@@ -434,7 +434,7 @@ impl Report {
         if w.closed_loop_requests > 0 {
             let _ = writeln!(
                 s,
-                "  closed loop: {} requests arrive their client's gap after the request they follow ends (--open-loop: at their timestamps)",
+                "  closed loop: {} requests arrive their client's gap after the request they follow ends",
                 w.closed_loop_requests
             );
         }

@@ -136,7 +136,8 @@ impl Workload {
         self.links.iter().any(|l| l.after.is_some())
     }
 
-    /// Drop the `after` links: every request arrives at its `timestamp` (`--open-loop`).
+    /// Drop the `after` links: every request arrives at its `timestamp` (replay without
+    /// `--closed-loop`).
     pub fn open_loop(&mut self) {
         for l in &mut self.links {
             l.after = None;
