@@ -201,8 +201,8 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
         other = {(r["session"], r["turn"]): r.get("text") or "" for r in json.loads(path.read_text())}
         reply_diffs[slug] = sum(1 for k, v in replies.items() if other.get(k) != v)
     convs = live.conversations(wl, words, replies)
-    # The timestamps leave the client's gap out, as this script always has: `--open-loop`
-    # replays exactly that; the closed loop puts the gap after each request's simulated end.
+    # The timestamps leave the client's gap out, as this script always has, and replay uses
+    # them; `--closed-loop` puts the gap after the simulated end of the request before.
     at, after = arrivals(recs, wl.concurrency)
     check = router_log_arrivals(run.dir / base_slug / f"router-{base_slug}.log")
     gap = client_gap_ms(check, at, wl.concurrency)

@@ -32,7 +32,7 @@ pub struct WorkloadReport {
     pub sessions: usize,
     pub duration_s: f64,
     /// Requests that arrive their client's gap after another request ends (the trace's
-    /// `after`); 0 for an open-loop workload.
+    /// `after`, with `--closed-loop`); 0 for an open-loop replay.
     pub closed_loop_requests: usize,
 }
 
@@ -462,7 +462,11 @@ impl Report {
                     s,
                     "  api overhead {} ms per request; generated blocks {}",
                     e.api_overhead_ms,
-                    if e.cache_generated { "cached" } else { "not cached" }
+                    if e.cache_generated {
+                        "cached"
+                    } else {
+                        "not cached"
+                    }
                 );
             }
             if same {

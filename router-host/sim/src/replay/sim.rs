@@ -208,14 +208,8 @@ pub fn run(
         let links = workload.links(i);
         let output_ids = links.map_or(&[][..], |l| &l.output_hash_ids[..]);
         sim.jobs.push(
-            Job::new(
-                i as u32,
-                r,
-                workload.block_size,
-                r.arrival_ns,
-                r.arrival_ns,
-            )
-            .with_output_hash_ids(output_ids),
+            Job::new(i as u32, r, workload.block_size, r.arrival_ns, r.arrival_ns)
+                .with_output_hash_ids(output_ids),
         );
         match links.and_then(|l| l.after) {
             Some((earlier, _)) if (earlier as usize) < i => {
@@ -272,8 +266,7 @@ pub fn run(
     if never_arrived > 0 {
         *sim.errors
             .entry(
-                "never arrived: the request it follows in the closed loop never ended"
-                    .to_string(),
+                "never arrived: the request it follows in the closed loop never ended".to_string(),
             )
             .or_default() += never_arrived as u64;
     }

@@ -359,7 +359,10 @@ impl Workload {
         };
         let mut followed = vec![false; self.links.len()];
         for l in &self.links {
-            if let Some(f) = l.after.and_then(|(earlier, _)| followed.get_mut(earlier as usize)) {
+            if let Some(f) = l
+                .after
+                .and_then(|(earlier, _)| followed.get_mut(earlier as usize))
+            {
                 *f = true;
             }
         }
@@ -518,25 +521,24 @@ fn parse_line(text: &str, block_size: u32) -> Result<(WorkloadRequest, RawLinks)
     let session_id = name("session_id", line.session_id)?;
     let id = name("id", line.id)?;
     let after = name("after", line.after)?;
-    let gap_ns = match line.gap_ms {
-        None => 0,
-        Some(_) if after.is_none() => {
-            return Err((
+    let gap_ns =
+        match line.gap_ms {
+            None => 0,
+            Some(_) if after.is_none() => return Err((
                 Some("gap_ms"),
                 "given without `after`: it is the gap after the end of the request `after` names"
                     .to_string(),
-            ))
-        }
-        Some(gap) if gap.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&gap) => {
-            (gap * 1e6).round() as u64
-        }
-        Some(gap) => {
-            return Err((
-                Some("gap_ms"),
-                format!("must be a number of milliseconds from 0 to 1e12, got {gap}"),
-            ))
-        }
-    };
+            )),
+            Some(gap) if gap.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&gap) => {
+                (gap * 1e6).round() as u64
+            }
+            Some(gap) => {
+                return Err((
+                    Some("gap_ms"),
+                    format!("must be a number of milliseconds from 0 to 1e12, got {gap}"),
+                ))
+            }
+        };
     if !(line.timestamp.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&line.timestamp)) {
         return Err((
             Some("timestamp"),
@@ -929,7 +931,10 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(
-            w.requests.iter().map(|r| r.arrival_ns / 1_000_000).collect::<Vec<_>>(),
+            w.requests
+                .iter()
+                .map(|r| r.arrival_ns / 1_000_000)
+                .collect::<Vec<_>>(),
             [0, 5, 9]
         );
         assert!(w.is_closed_loop());
@@ -953,21 +958,60 @@ mod tests {
     fn a_bad_link_names_its_line_and_field() {
         let first = format!("{{\"timestamp\": 5, {A}, \"id\": 1}}");
         for (bad, field, says) in [
-            (format!("{{\"timestamp\": 6, {A}, \"after\": 2}}"), "after", "`2` is not the id of an earlier line"),
-            (format!("{{\"timestamp\": 6, {A}, \"id\": \"1\"}}"), "id", "`1` is already the id of line 1"),
-            (format!("{{\"timestamp\": 4, {A}, \"after\": 1}}"), "timestamp", "before the timestamp of line 1"),
-            (format!("{{\"timestamp\": 6, {A}, \"gap_ms\": 3}}"), "gap_ms", "given without `after`"),
-            (format!("{{\"timestamp\": 6, {A}, \"after\": 1, \"gap_ms\": -3}}"), "gap_ms", "from 0 to 1e12"),
-            (format!("{{\"timestamp\": 6, {A}, \"after\": 1, \"gap_ms\": \"3\"}}"), "gap_ms", "expected a number"),
-            (format!("{{\"timestamp\": 6, {A}, \"after\": [1]}}"), "after", "expected a string"),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": 2}}"),
+                "after",
+                "`2` is not the id of an earlier line",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"id\": \"1\"}}"),
+                "id",
+                "`1` is already the id of line 1",
+            ),
+            (
+                format!("{{\"timestamp\": 4, {A}, \"after\": 1}}"),
+                "timestamp",
+                "before the timestamp of line 1",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"gap_ms\": 3}}"),
+                "gap_ms",
+                "given without `after`",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": 1, \"gap_ms\": -3}}"),
+                "gap_ms",
+                "from 0 to 1e12",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": 1, \"gap_ms\": \"3\"}}"),
+                "gap_ms",
+                "expected a number",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": [1]}}"),
+                "after",
+                "expected a string",
+            ),
             // 6 + 7 - 1 = 12 tokens computed: blocks 2 and 3 past the prompt's 1 full block.
-            (format!("{{\"timestamp\": 6, {A}, \"output_hash_ids\": [1, 2, 3]}}"), "output_hash_ids", "at most 2 blocks"),
-            (format!("{{\"timestamp\": 6, {A}, \"output_hash_ids\": [\"x\"]}}"), "output_hash_ids", "entry 0"),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"output_hash_ids\": [1, 2, 3]}}"),
+                "output_hash_ids",
+                "at most 2 blocks",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"output_hash_ids\": [\"x\"]}}"),
+                "output_hash_ids",
+                "entry 0",
+            ),
         ] {
             let err = parse(&format!("{first}\n{bad}\n")).unwrap_err();
-            assert_eq!((err.line, err.field.as_deref()), (Some(2), Some(field)), "{err}");
+            assert_eq!(
+                (err.line, err.field.as_deref()),
+                (Some(2), Some(field)),
+                "{err}"
+            );
             assert!(err.to_string().contains(says), "{err}");
         }
     }
-
 }

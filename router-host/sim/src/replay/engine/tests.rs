@@ -218,7 +218,9 @@ fn blocks_completed_by_generated_tokens_are_hit_by_the_next_turn() {
         jobs[0] = jobs[0].clone().with_output_hash_ids(&[10, 11]);
         let mut engine = Engine::new(0, p, 4);
         let mut out = Outbox::default();
-        engine.enqueue(0, 0, &mut jobs, &requests, &mut out).unwrap();
+        engine
+            .enqueue(0, 0, &mut jobs, &requests, &mut out)
+            .unwrap();
         while let Some(w) = engine.wake() {
             engine.on_wake(w, &mut jobs, &requests, &mut out);
         }
@@ -239,7 +241,12 @@ fn blocks_completed_by_generated_tokens_are_hit_by_the_next_turn() {
         // nothing stays in use once the request is done.
         assert_eq!(engine.kv_blocks_in_use(), 0);
         let now = 1_000_000_000;
-        engine.enqueue(1, now, &mut jobs, &requests, &mut out).unwrap();
-        assert_eq!(jobs[1].hit_blocks, hits, "cache_generated {cache_generated}");
+        engine
+            .enqueue(1, now, &mut jobs, &requests, &mut out)
+            .unwrap();
+        assert_eq!(
+            jobs[1].hit_blocks, hits,
+            "cache_generated {cache_generated}"
+        );
     }
 }
