@@ -40,6 +40,8 @@ impl EngineFlags {
             step_overhead_ms: self.step_overhead_ms,
             decode_ms_per_seq: self.decode_ms_per_seq,
             prefill_ms_per_token: self.prefill_ms_per_token,
+            // Replay's own engine-model flags (`replay_cli`) fill the rest.
+            ..EngineSpec::default()
         }
     }
 }

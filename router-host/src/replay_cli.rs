@@ -55,6 +55,19 @@ pub struct ReplayArgs {
     pub dp_size: u32,
     #[command(flatten)]
     pub engine: crate::engine_flags::EngineFlags,
+    /// Time vLLM's API server spends on a request before its engine sees it: each request
+    /// joins its engine's queue this long after the router dispatched it [default: 0].
+    #[arg(long, value_name = "MS")]
+    pub api_overhead_ms: Option<f64>,
+    /// Cache the full blocks a request's generated tokens complete, under the trace's
+    /// `output_hash_ids`, as vLLM does [default: true].
+    #[arg(long, value_name = "true|false")]
+    pub cache_generated: Option<bool>,
+    /// A trace line that names the request it follows (`after`) arrives its `gap_ms` after
+    /// that one ends in the simulation, as a closed-loop client sends it. Without this flag
+    /// every request arrives at its `timestamp`.
+    #[arg(long)]
+    pub closed_loop: bool,
     /// Write the report as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -146,7 +159,11 @@ impl ReplayArgs {
     }
 
     fn engine_spec(&self) -> EngineSpec {
-        self.engine.spec(None)
+        EngineSpec {
+            api_overhead_ms: self.api_overhead_ms,
+            cache_generated: self.cache_generated,
+            ..self.engine.spec(None)
+        }
     }
 }
 
@@ -178,6 +195,10 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(path) = &args.write_workload {
         write_file(path, |out| workload.write_jsonl(out))?;
+    }
+    // Written with its links either way: the file replays the same with the same flag.
+    if !args.closed_loop {
+        workload.open_loop();
     }
     let setup = Setup {
         shape: router_host::replay::Shape {

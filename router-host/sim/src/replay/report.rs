@@ -31,6 +31,9 @@ pub struct WorkloadReport {
     pub output_tokens: u64,
     pub sessions: usize,
     pub duration_s: f64,
+    /// Requests that arrive their client's gap after another request ends (the trace's
+    /// `after`, with `--closed-loop`); 0 for an open-loop replay.
+    pub closed_loop_requests: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -237,6 +240,7 @@ impl WorkloadReport {
             output_tokens: stats.output_tokens,
             sessions: stats.sessions,
             duration_s: round(stats.duration_s, 3),
+            closed_loop_requests: workload.links.iter().filter(|l| l.after.is_some()).count(),
         }
     }
 }
@@ -427,6 +431,13 @@ impl Report {
             w.ideal_hit_rate
         );
         let c = &self.cluster;
+        if w.closed_loop_requests > 0 {
+            let _ = writeln!(
+                s,
+                "  closed loop: {} requests arrive their client's gap after the request they follow ends",
+                w.closed_loop_requests
+            );
+        }
         let _ = writeln!(
             s,
             "cluster: {} workers x {} rank(s) = {} simulated engines",
@@ -446,6 +457,18 @@ impl Report {
                 e.decode_ms_per_seq,
                 e.prefill_ms_per_token
             );
+            if e.api_overhead_ms > 0.0 || !e.cache_generated {
+                let _ = writeln!(
+                    s,
+                    "  api overhead {} ms per request; generated blocks {}",
+                    e.api_overhead_ms,
+                    if e.cache_generated {
+                        "cached"
+                    } else {
+                        "not cached"
+                    }
+                );
+            }
             if same {
                 let r = &first.pooled_lru_reference;
                 let blocks = r

@@ -107,6 +107,14 @@ struct Sim<'w> {
     reached: Vec<bool>,
     out: Outbox,
     heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
+    /// Requests due to arrive: `(time, index)`. In a closed loop a request is added when the
+    /// one it follows ends.
+    arrivals: BinaryHeap<Reverse<(u64, u32)>>,
+    /// `followers[i]`: the requests that arrive after request `i` ends.
+    followers: Vec<Vec<u32>>,
+    /// Dispatched requests on their way to the engine (`api_overhead_ms`): `(time, job)`.
+    to_engine: BinaryHeap<Reverse<(u64, u32)>>,
+    arrived: usize,
     scheduled: Vec<Option<u64>>,
     versions: Vec<u64>,
     tickets: FastMap<TicketId, u32>,
@@ -119,6 +127,7 @@ struct Sim<'w> {
     timeline: Timeline,
     next_sample_ns: u64,
     now: u64,
+    api_overhead_ns: u64,
 }
 
 /// Run `workload` through one config.
@@ -186,17 +195,29 @@ pub fn run(
         },
         next_sample_ns: workload.requests.first().map_or(0, |r| r.arrival_ns),
         now: 0,
+        arrivals: BinaryHeap::with_capacity(workload.requests.len()),
+        followers: Vec::new(),
+        to_engine: BinaryHeap::new(),
+        arrived: 0,
+        api_overhead_ns: config.engine.api_overhead_ns(),
     };
-    for (i, r) in workload.requests.iter().enumerate() {
-        sim.jobs.push(Job::new(
-            i as u32,
-            r,
-            workload.block_size,
-            r.arrival_ns,
-            r.arrival_ns,
-        ));
+    if workload.is_closed_loop() {
+        sim.followers = vec![Vec::new(); workload.requests.len()];
     }
-    let mut next = 0usize;
+    for (i, r) in workload.requests.iter().enumerate() {
+        let links = workload.links(i);
+        let output_ids = links.map_or(&[][..], |l| &l.output_hash_ids[..]);
+        sim.jobs.push(
+            Job::new(i as u32, r, workload.block_size, r.arrival_ns, r.arrival_ns)
+                .with_output_hash_ids(output_ids),
+        );
+        match links.and_then(|l| l.after) {
+            Some((earlier, _)) if (earlier as usize) < i => {
+                sim.followers[earlier as usize].push(i as u32);
+            }
+            _ => sim.arrivals.push(Reverse((r.arrival_ns, i as u32))),
+        }
+    }
     loop {
         while let Some(&Reverse((_, e, v))) = sim.heap.peek() {
             if sim.versions[e as usize] == v {
@@ -205,24 +226,49 @@ pub fn run(
             sim.heap.pop();
         }
         let engine_at = sim.heap.peek().map(|Reverse((t, e, _))| (*t, *e));
-        let arrival_at = workload.requests.get(next).map(|r| r.arrival_ns);
-        let engine_first = match (engine_at, arrival_at) {
-            (None, None) => break,
-            (Some((t, _)), Some(a)) => t <= a,
-            (Some(_), None) => true,
-            (None, Some(_)) => false,
-        };
-        if let (true, Some((t, e))) = (engine_first, engine_at) {
-            sim.heap.pop();
-            sim.scheduled[e as usize] = None;
-            sim.advance(t);
-            sim.engine_event(e as usize);
-        } else if let Some(t) = arrival_at {
-            sim.advance(t);
-            sim.arrival(next);
-            next += 1;
-            progress(next);
+        let to_engine_at = sim.to_engine.peek().map(|Reverse((t, j))| (*t, *j));
+        let arrival_at = sim.arrivals.peek().map(|Reverse((t, i))| (*t, *i));
+        // At equal times: step ends, then requests reaching their engine, then arrivals.
+        let first = [
+            engine_at.map(|(t, _)| (t, 0u8)),
+            to_engine_at.map(|(t, _)| (t, 1u8)),
+            arrival_at.map(|(t, _)| (t, 2u8)),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        match (first, engine_at, to_engine_at, arrival_at) {
+            (None, ..) => break,
+            (Some((t, 0)), Some((_, e)), _, _) => {
+                sim.heap.pop();
+                sim.scheduled[e as usize] = None;
+                sim.advance(t);
+                sim.engine_event(e as usize);
+            }
+            (Some((t, 1)), _, Some((_, job)), _) => {
+                sim.to_engine.pop();
+                sim.advance(t);
+                sim.join_engine(job);
+                sim.deliver();
+            }
+            (Some((t, _)), _, _, Some((_, i))) => {
+                sim.arrivals.pop();
+                sim.advance(t);
+                sim.arrival(i as usize);
+                sim.arrived += 1;
+                progress(sim.arrived);
+            }
+            // Unreachable: `first` comes from one of the three.
+            (Some(_), ..) => break,
         }
+    }
+    let never_arrived = workload.requests.len() - sim.arrived;
+    if never_arrived > 0 {
+        *sim.errors
+            .entry(
+                "never arrived: the request it follows in the closed loop never ended".to_string(),
+            )
+            .or_default() += never_arrived as u64;
     }
     debug_assert!(
         sim.consistent(),
@@ -341,8 +387,10 @@ impl Sim<'_> {
             for &j in &self.out.first_tokens {
                 self.host.prefill_complete(self.jobs[j as usize].host_id);
             }
-            for &j in &self.out.finished {
+            for i in 0..self.out.finished.len() {
+                let j = self.out.finished[i];
                 self.host.complete(self.jobs[j as usize].host_id);
+                self.ended(j);
             }
             self.out.clear();
             if !freed || self.host.admission_stats().waiting == 0 {
@@ -370,7 +418,7 @@ impl Sim<'_> {
             };
             match d.result {
                 Ok(routed) => self.dispatched(job, routed),
-                Err(err) => self.failed(&err),
+                Err(err) => self.failed(job, &err),
             }
         }
     }
@@ -391,7 +439,7 @@ impl Sim<'_> {
             Ok(Submitted::Queued(ticket)) => {
                 self.tickets.insert(ticket.id(), i as u32);
             }
-            Err(err) => self.failed(&err),
+            Err(err) => self.failed(i as u32, &err),
         }
         self.deliver_events();
     }
@@ -402,8 +450,29 @@ impl Sim<'_> {
         self.out.events.clear();
     }
 
-    fn failed(&mut self, err: &RouteError) {
+    fn failed(&mut self, job: u32, err: &RouteError) {
         *self.errors.entry(err.to_string()).or_default() += 1;
+        self.ended(job);
+    }
+
+    /// Request `job` ended (finished or failed) now: the requests that follow it in a closed
+    /// loop arrive their client's gap later.
+    fn ended(&mut self, job: u32) {
+        let Some(followers) = self.followers.get_mut(job as usize) else {
+            return;
+        };
+        for f in std::mem::take(followers) {
+            let gap = self
+                .workload
+                .links(f as usize)
+                .and_then(|l| l.after)
+                .map_or(0, |(_, gap)| gap);
+            let at = self.now.saturating_add(gap);
+            let j = &mut self.jobs[f as usize];
+            j.arrival_ns = at;
+            j.dispatched_ns = at;
+            self.arrivals.push(Reverse((at, f)));
+        }
     }
 
     fn dispatched(&mut self, job: u32, routed: Routed) {
@@ -432,6 +501,7 @@ impl Sim<'_> {
                 .errors
                 .entry(format!("routed to unknown row {:?}", routed.decision.row))
                 .or_default() += 1;
+            self.ended(job);
             return;
         };
         self.requests_per_row[e] += 1;
@@ -439,6 +509,20 @@ impl Sim<'_> {
         j.engine = Some(e as u32);
         j.host_id = routed.id;
         j.dispatched_ns = self.now;
+        if self.api_overhead_ns > 0 {
+            let at = self.now.saturating_add(self.api_overhead_ns);
+            self.to_engine.push(Reverse((at, job)));
+        } else {
+            self.join_engine(job);
+        }
+    }
+
+    /// A dispatched request joins its engine's queue.
+    fn join_engine(&mut self, job: u32) {
+        let Some(e) = self.jobs[job as usize].engine.map(|e| e as usize) else {
+            return;
+        };
+        let host_id = self.jobs[job as usize].host_id;
         let now = self.now;
         match self.engines[e].enqueue(
             job,
@@ -452,7 +536,7 @@ impl Sim<'_> {
                 self.reschedule(e);
             }
             Err(too_large) => {
-                self.host.complete(routed.id);
+                self.host.complete(host_id);
                 *self
                     .errors
                     .entry(format!(
@@ -460,6 +544,7 @@ impl Sim<'_> {
                         too_large.capacity
                     ))
                     .or_default() += 1;
+                self.ended(job);
             }
         }
     }
@@ -467,4 +552,101 @@ impl Sim<'_> {
 
 fn elapsed_ns(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::{prepare_text, EngineSpec, Setup};
+
+    const CONFIG: &str = "block_size: 4\nworker_selection:\n  aggregated: default\n";
+
+    fn config(spec: EngineSpec) -> RunConfig {
+        let mut setup = Setup::new(1, 1);
+        setup.engine = EngineSpec {
+            max_num_batched_tokens: Some(8),
+            max_num_seqs: Some(4),
+            step_overhead_ms: Some(1.0),
+            decode_ms_per_seq: Some(0.5),
+            prefill_ms_per_token: Some(0.25),
+            ..spec
+        };
+        prepare_text("t.yaml", CONFIG, &setup, 4).unwrap()
+    }
+
+    fn workload(text: &str) -> Workload {
+        Workload::from_jsonl_reader(text.as_bytes(), "t.jsonl", 4).unwrap()
+    }
+
+    fn run_one(w: &Workload, spec: EngineSpec) -> RunOutput {
+        let shape = Shape {
+            workers: 1,
+            dp_size: 1,
+        };
+        run(w, shape, &config(spec), &mut |_| {}).unwrap()
+    }
+
+    /// A session of two turns, the second 250 ms (the client's gap) after the first ends; its
+    /// timestamp says 1 ms, where the recorded engines had answered the first.
+    const SESSION: &str = "\
+        {\"timestamp\": 0, \"input_length\": 8, \"output_length\": 3, \"hash_ids\": [1, 2], \"id\": \"a\"}\n\
+        {\"timestamp\": 1, \"input_length\": 12, \"output_length\": 1, \"hash_ids\": [1, 2, 3], \"after\": \"a\", \"gap_ms\": 250}\n";
+
+    #[test]
+    fn a_closed_loop_turn_arrives_its_gap_after_the_previous_one_ended() {
+        let w = workload(SESSION);
+        assert!(w.is_closed_loop());
+        let out = run_one(&w, EngineSpec::default());
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+        let first_end = out.jobs[0].finish_ns.unwrap();
+        // 8 prompt tokens in one 3 ms step, then two 1.5 ms decode steps.
+        assert_eq!(first_end, 6_000_000);
+        assert_eq!(out.jobs[1].arrival_ns, first_end + 250_000_000);
+        assert_eq!(out.jobs[1].hit_blocks, 2);
+        // Open loop: the timestamp, while the first turn still runs (its blocks are not free
+        // yet, but they are cached: the prefill stored them).
+        let mut open = w.clone();
+        open.open_loop();
+        let out = run_one(&open, EngineSpec::default());
+        assert_eq!(out.jobs[1].arrival_ns, 1_000_000);
+    }
+
+    #[test]
+    fn a_refused_request_still_lets_the_one_after_it_arrive() {
+        // The first request needs 5 blocks of an engine's 3: refused at once, which ends it, so
+        // the one after it arrives its gap after the refusal.
+        let w = workload(
+            "{\"timestamp\": 0, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [1, 2, 3, 4], \"id\": 7}\n\
+             {\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [5], \"after\": 7, \"gap_ms\": 250}\n",
+        );
+        let out = run_one(
+            &w,
+            EngineSpec {
+                kv_blocks: Some(crate::replay::KvCapacity::Blocks(3)),
+                ..EngineSpec::default()
+            },
+        );
+        assert_eq!(out.errors.values().sum::<u64>(), 1, "{:?}", out.errors);
+        assert_eq!(out.jobs[1].arrival_ns, 250_000_000);
+        assert!(out.jobs[1].finish_ns.is_some());
+    }
+
+    #[test]
+    fn the_api_overhead_delays_every_request_on_its_way_to_the_engine() {
+        let w = workload(
+            "{\"timestamp\": 0, \"input_length\": 8, \"output_length\": 1, \"hash_ids\": [1, 2]}\n",
+        );
+        let plain = run_one(&w, EngineSpec::default());
+        let slow = run_one(
+            &w,
+            EngineSpec {
+                api_overhead_ms: Some(65.0),
+                ..EngineSpec::default()
+            },
+        );
+        let ttft = |o: &RunOutput| o.jobs[0].first_token_ns.unwrap() - o.jobs[0].arrival_ns;
+        assert_eq!(ttft(&slow), ttft(&plain) + 65_000_000);
+        assert_eq!(slow.jobs[0].admitted_ns, Some(65_000_000));
+        assert_eq!(slow.jobs[0].dispatched_ns, 0);
+    }
 }

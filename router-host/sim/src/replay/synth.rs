@@ -187,6 +187,7 @@ pub fn generate(p: &SynthParams) -> Workload {
         block_size: p.block_size,
         requests,
         source: p.describe(),
+        links: Vec::new(),
     }
 }
 

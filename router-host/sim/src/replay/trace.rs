@@ -13,7 +13,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::scenario::strip_position;
-use router_core::fast_hash::FastSet;
+use router_core::fast_hash::{FastMap, FastSet};
 
 /// Tokens per `hash_ids` entry in the Mooncake traces (and the default `--trace-block-size`).
 pub const DEFAULT_TRACE_BLOCK_SIZE: u32 = 512;
@@ -43,6 +43,17 @@ pub struct WorkloadRequest {
     pub session_id: Option<String>,
 }
 
+/// What a request of a closed-loop trace adds to the Mooncake fields.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestLinks {
+    /// The request (index in [`Workload::requests`], always an earlier one) after whose end
+    /// this one arrives, and the client's gap in nanoseconds: the trace's `after` and `gap_ms`.
+    pub after: Option<(u32, u64)>,
+    /// Ids of the full blocks the generated tokens complete, past the prompt's full blocks (the
+    /// trace's `output_hash_ids`).
+    pub output_hash_ids: Vec<u64>,
+}
+
 /// Requests in arrival order, all cut into blocks of one size.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Workload {
@@ -52,6 +63,9 @@ pub struct Workload {
     pub requests: Vec<WorkloadRequest>,
     /// Where it came from, for the report (`trace PATH` or a synthetic description).
     pub source: String,
+    /// Closed-loop links and generated blocks: one per request, or empty when no request has
+    /// any (a plain Mooncake trace).
+    pub links: Vec<RequestLinks>,
 }
 
 /// Reuse statistics that do not depend on any policy.
@@ -105,9 +119,29 @@ impl Workload {
         }
     }
 
-    /// Keep only the first `n` requests (in arrival order).
+    /// Keep only the first `n` requests (in arrival order). A request only ever follows an
+    /// earlier one, so every link left points inside.
     pub fn truncate(&mut self, n: usize) {
         self.requests.truncate(n);
+        self.links.truncate(n);
+    }
+
+    /// Request `i`'s closed-loop link and generated blocks, if it has any.
+    pub fn links(&self, i: usize) -> Option<&RequestLinks> {
+        self.links.get(i)
+    }
+
+    /// Whether any request arrives after another one's end (`after`).
+    pub fn is_closed_loop(&self) -> bool {
+        self.links.iter().any(|l| l.after.is_some())
+    }
+
+    /// Drop the `after` links: every request arrives at its `timestamp` (replay without
+    /// `--closed-loop`).
+    pub fn open_loop(&mut self) {
+        for l in &mut self.links {
+            l.after = None;
+        }
     }
 
     /// Multiply every arrival time by `factor` (0.5 = the same requests twice as fast).
@@ -138,6 +172,13 @@ impl Workload {
         for r in &mut self.requests {
             // `min` only absorbs rounding: the check above keeps every product within the cap.
             r.arrival_ns = (r.arrival_ns as f64 * factor).round().min(MAX_ARRIVAL_NS) as u64;
+        }
+        // A client's gaps are part of its traffic: twice as fast is half the gap. A gap is at
+        // most the timestamp limit, so the product stays far inside u64 at any valid factor.
+        for l in &mut self.links {
+            if let Some((_, gap)) = &mut l.after {
+                *gap = (*gap as f64 * factor).round().min(MAX_ARRIVAL_NS) as u64;
+            }
         }
         Ok(())
     }
@@ -190,7 +231,10 @@ impl Workload {
                 message: "block size must be at least 1".to_string(),
             });
         }
-        let mut requests = Vec::new();
+        let mut requests: Vec<WorkloadRequest> = Vec::new();
+        let mut raw_links: Vec<RawLinks> = Vec::new();
+        // `id` -> (index of its request in file order, its line).
+        let mut ids: FastMap<String, (u32, usize)> = FastMap::default();
         let mut bytes = Vec::new();
         for number in 1.. {
             let bad = |field: Option<&str>, message: String| TraceError {
@@ -226,15 +270,79 @@ impl Workload {
             if text.is_empty() {
                 continue;
             }
-            let request = parse_line(text, block_size).map_err(|(f, m)| bad(f, m))?;
+            let (request, links) = parse_line(text, block_size).map_err(|(f, m)| bad(f, m))?;
+            let index = requests.len() as u32;
+            if let Some(after) = &links.after {
+                let Some(&(earlier, line)) = ids.get(after) else {
+                    return Err(bad(
+                        Some("after"),
+                        format!("`{after}` is not the id of an earlier line"),
+                    ));
+                };
+                let at = requests[earlier as usize].arrival_ns;
+                if request.arrival_ns < at {
+                    return Err(bad(
+                        Some("timestamp"),
+                        format!(
+                            "{} ms is before the timestamp of line {line} ({} ms), which it \
+                             comes after",
+                            request.arrival_ns as f64 / 1e6,
+                            at as f64 / 1e6
+                        ),
+                    ));
+                }
+            }
+            if let Some(id) = &links.id {
+                if let Some(&(_, line)) = ids.get(id) {
+                    return Err(bad(
+                        Some("id"),
+                        format!("`{id}` is already the id of line {line}"),
+                    ));
+                }
+                ids.insert(id.clone(), (index, number));
+            }
+            // Only a trace that has links keeps one per request.
+            if !links.is_empty() || !raw_links.is_empty() {
+                raw_links.resize_with(requests.len(), RawLinks::default);
+                raw_links.push(links);
+            }
             requests.push(request);
         }
-        // Replay in timestamp order; a stable sort keeps file order for equal timestamps.
-        requests.sort_by_key(|r: &WorkloadRequest| r.arrival_ns);
+        // Replay in timestamp order; a stable sort keeps file order for equal timestamps (and
+        // a request after the one it follows, which is earlier in the file and not later).
+        let mut order: Vec<u32> = (0..requests.len() as u32).collect();
+        order.sort_by_key(|&i| requests[i as usize].arrival_ns);
+        let links = if raw_links.is_empty() {
+            Vec::new()
+        } else {
+            let mut position = vec![0u32; order.len()];
+            for (new, &old) in order.iter().enumerate() {
+                position[old as usize] = new as u32;
+            }
+            order
+                .iter()
+                .map(|&old| {
+                    let raw = &mut raw_links[old as usize];
+                    RequestLinks {
+                        after: raw.after.as_ref().and_then(|a| {
+                            ids.get(a)
+                                .map(|&(earlier, _)| (position[earlier as usize], raw.gap_ns))
+                        }),
+                        output_hash_ids: std::mem::take(&mut raw.output_hash_ids),
+                    }
+                })
+                .collect()
+        };
+        let mut slots: Vec<Option<WorkloadRequest>> = requests.into_iter().map(Some).collect();
+        let requests = order
+            .iter()
+            .filter_map(|&old| slots[old as usize].take())
+            .collect();
         Ok(Workload {
             block_size,
             requests,
             source: format!("trace {file}"),
+            links,
         })
     }
 
@@ -242,20 +350,46 @@ impl Workload {
     /// first request is at 0).
     pub fn write_jsonl(&self, mut out: impl Write) -> std::io::Result<()> {
         let origin = self.requests.first().map_or(0, |r| r.arrival_ns);
-        for r in &self.requests {
-            let ns = r.arrival_ns - origin;
-            let ts = if ns.is_multiple_of(1_000_000) {
+        let millis = |ns: u64| {
+            if ns.is_multiple_of(1_000_000) {
                 serde_json::json!(ns / 1_000_000)
             } else {
                 serde_json::json!(ns as f64 / 1e6)
-            };
+            }
+        };
+        let mut followed = vec![false; self.links.len()];
+        for l in &self.links {
+            if let Some(f) = l
+                .after
+                .and_then(|(earlier, _)| followed.get_mut(earlier as usize))
+            {
+                *f = true;
+            }
+        }
+        for (i, r) in self.requests.iter().enumerate() {
             let mut line = serde_json::Map::new();
-            line.insert("timestamp".into(), ts);
+            line.insert("timestamp".into(), millis(r.arrival_ns - origin));
             line.insert("input_length".into(), r.input_length.into());
             line.insert("output_length".into(), r.output_length.into());
             line.insert("hash_ids".into(), serde_json::json!(r.hash_ids));
             if let Some(s) = &r.session_id {
                 line.insert("session_id".into(), s.clone().into());
+            }
+            if let Some(l) = self.links.get(i) {
+                // Ids are the requests' indices, written on the requests another one follows.
+                if followed.get(i).copied().unwrap_or(false) {
+                    line.insert("id".into(), i.into());
+                }
+                if let Some((earlier, gap)) = l.after {
+                    line.insert("after".into(), earlier.into());
+                    line.insert("gap_ms".into(), millis(gap));
+                }
+                if !l.output_hash_ids.is_empty() {
+                    line.insert(
+                        "output_hash_ids".into(),
+                        serde_json::json!(l.output_hash_ids),
+                    );
+                }
             }
             serde_json::to_writer(&mut out, &serde_json::Value::Object(line))?;
             out.write_all(b"\n")?;
@@ -346,21 +480,65 @@ struct Line {
     hash_ids: Vec<u64>,
     #[serde(default)]
     session_id: Option<serde_json::Value>,
+    #[serde(default)]
+    id: Option<serde_json::Value>,
+    #[serde(default)]
+    after: Option<serde_json::Value>,
+    #[serde(default)]
+    gap_ms: Option<f64>,
+    #[serde(default)]
+    output_hash_ids: Option<Vec<u64>>,
+}
+
+/// A line's closed-loop fields before `after` is resolved to a line.
+#[derive(Debug, Default)]
+struct RawLinks {
+    id: Option<String>,
+    after: Option<String>,
+    gap_ns: u64,
+    output_hash_ids: Vec<u64>,
+}
+
+impl RawLinks {
+    fn is_empty(&self) -> bool {
+        self.id.is_none() && self.after.is_none() && self.output_hash_ids.is_empty()
+    }
 }
 
 router_config::input::objects_only!(Line);
 
 type LineError = (Option<&'static str>, String);
 
-fn parse_line(text: &str, block_size: u32) -> Result<WorkloadRequest, LineError> {
+fn parse_line(text: &str, block_size: u32) -> Result<(WorkloadRequest, RawLinks), LineError> {
     let line: Line = match serde_json::from_str(text) {
         Ok(line) => line,
         Err(e) => return Err(diagnose(text, &e)),
     };
-    let session_id = match line.session_id {
-        None | Some(serde_json::Value::Null) => None,
-        Some(value) => Some(session_id(&value)?),
+    let name = |field: &'static str, value: Option<serde_json::Value>| match value {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(value) => name_value(field, &value).map(Some),
     };
+    let session_id = name("session_id", line.session_id)?;
+    let id = name("id", line.id)?;
+    let after = name("after", line.after)?;
+    let gap_ns =
+        match line.gap_ms {
+            None => 0,
+            Some(_) if after.is_none() => return Err((
+                Some("gap_ms"),
+                "given without `after`: it is the gap after the end of the request `after` names"
+                    .to_string(),
+            )),
+            Some(gap) if gap.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&gap) => {
+                (gap * 1e6).round() as u64
+            }
+            Some(gap) => {
+                return Err((
+                    Some("gap_ms"),
+                    format!("must be a number of milliseconds from 0 to 1e12, got {gap}"),
+                ))
+            }
+        };
     if !(line.timestamp.is_finite() && (0.0..=MAX_TIMESTAMP_MS).contains(&line.timestamp)) {
         return Err((
             Some("timestamp"),
@@ -395,22 +573,49 @@ fn parse_line(text: &str, block_size: u32) -> Result<WorkloadRequest, LineError>
             ),
         ));
     }
-    Ok(WorkloadRequest {
+    let output_hash_ids = line.output_hash_ids.unwrap_or_default();
+    // vLLM caches a block once its tokens are computed; the last generated token never is.
+    let bs = u64::from(block_size);
+    let computed = line.input_length + line.output_length.max(1) - 1;
+    let most = computed / bs - line.input_length / bs;
+    if output_hash_ids.len() as u64 > most {
+        return Err((
+            Some("output_hash_ids"),
+            format!(
+                "has {} entries, but input_length {} and output_length {} at {} tokens per \
+                 block complete at most {most} blocks past the prompt's full blocks",
+                output_hash_ids.len(),
+                line.input_length,
+                line.output_length,
+                block_size
+            ),
+        ));
+    }
+    let request = WorkloadRequest {
         arrival_ns: (line.timestamp * 1e6).round() as u64,
         input_length: line.input_length,
         output_length: line.output_length,
         hash_ids: line.hash_ids,
         session_id,
-    })
+    };
+    let links = RawLinks {
+        id,
+        after,
+        gap_ns,
+        output_hash_ids,
+    };
+    Ok((request, links))
 }
 
-fn session_id(value: &serde_json::Value) -> Result<String, LineError> {
+/// A `session_id`, `id` or `after`: a non-empty string, or a non-negative integer (its decimal
+/// string).
+fn name_value(field: &'static str, value: &serde_json::Value) -> Result<String, LineError> {
     match value {
         serde_json::Value::String(s) if !s.is_empty() => Ok(s.clone()),
-        serde_json::Value::String(_) => Err((Some("session_id"), "must not be empty".to_string())),
+        serde_json::Value::String(_) => Err((Some(field), "must not be empty".to_string())),
         serde_json::Value::Number(n) if n.is_u64() => Ok(n.to_string()),
         other => Err((
-            Some("session_id"),
+            Some(field),
             format!(
                 "expected a string or a non-negative integer, got {}",
                 describe(other)
@@ -420,12 +625,16 @@ fn session_id(value: &serde_json::Value) -> Result<String, LineError> {
 }
 
 /// The fields of [`Line`], as `'static` names for [`LineError`].
-const FIELDS: [&str; 5] = [
+const FIELDS: [&str; 9] = [
     "timestamp",
     "input_length",
     "output_length",
     "hash_ids",
     "session_id",
+    "id",
+    "after",
+    "gap_ms",
+    "output_hash_ids",
 ];
 
 /// The slow path: say which field is wrong. `fast` is the fast path's error, for what a parsed
@@ -471,34 +680,48 @@ fn diagnose(text: &str, fast: &serde_json::Error) -> LineError {
             Some(_) => {}
         }
     }
-    match map.get("hash_ids") {
-        None => return (Some("hash_ids"), "missing".to_string()),
-        Some(serde_json::Value::Array(ids)) => {
-            if let Some((i, v)) = ids.iter().enumerate().find(|(_, v)| !uint(v)) {
+    for field in ["hash_ids", "output_hash_ids"] {
+        match map.get(field) {
+            None if field == "hash_ids" => return (Some(field), "missing".to_string()),
+            None | Some(serde_json::Value::Null) if field == "output_hash_ids" => {}
+            Some(serde_json::Value::Array(ids)) => {
+                if let Some((i, v)) = ids.iter().enumerate().find(|(_, v)| !uint(v)) {
+                    return (
+                        Some(field),
+                        format!(
+                            "entry {i}: expected a non-negative integer, got {}",
+                            describe(v)
+                        ),
+                    );
+                }
+            }
+            Some(v) => {
                 return (
-                    Some("hash_ids"),
+                    Some(field),
                     format!(
-                        "entry {i}: expected a non-negative integer, got {}",
+                        "expected an array of non-negative integers, got {}",
                         describe(v)
                     ),
-                );
+                )
             }
-        }
-        Some(v) => {
-            return (
-                Some("hash_ids"),
-                format!(
-                    "expected an array of non-negative integers, got {}",
-                    describe(v)
-                ),
-            )
+            None => return (Some(field), "missing".to_string()),
         }
     }
-    if let Some(v) = map.get("session_id") {
-        if !v.is_null() {
-            if let Err(e) = session_id(v) {
-                return e;
+    for field in ["session_id", "id", "after"] {
+        if let Some(v) = map.get(field) {
+            if !v.is_null() {
+                if let Err(e) = name_value(field, v) {
+                    return e;
+                }
             }
+        }
+    }
+    if let Some(v) = map.get("gap_ms") {
+        if !v.is_number() && !v.is_null() {
+            return (
+                Some("gap_ms"),
+                format!("expected a number (milliseconds), got {}", describe(v)),
+            );
         }
     }
     let message = strip_position(&fast.to_string());
@@ -607,10 +830,15 @@ mod tests {
         let good =
             "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}";
         for field in FIELDS {
-            let value = if field == "hash_ids" { "[2]" } else { "3" };
+            let value = match field {
+                "hash_ids" | "output_hash_ids" => "[]",
+                _ => "3",
+            };
+            let value = if field == "hash_ids" { "[2]" } else { value };
             let bad = format!("{}, \"{field}\": {value}}}", &good[..good.len() - 1]);
-            let bad = if field == "session_id" {
-                format!("{}, \"session_id\": 4}}", &bad[..bad.len() - 1])
+            // A field the good line lacks is given twice.
+            let bad = if !good.contains(&format!("\"{field}\"")) {
+                format!("{}, \"{field}\": {value}}}", &bad[..bad.len() - 1])
             } else {
                 bad
             };
@@ -689,5 +917,101 @@ mod tests {
         assert_eq!(w, before, "a refused factor changes nothing");
         w.scale_time(max_factor).unwrap();
         assert_eq!(w.requests[0].arrival_ns, 1_000_000_000_000_000_000);
+    }
+
+    const A: &str = "\"input_length\": 6, \"output_length\": 7, \"hash_ids\": [1, 2]";
+
+    #[test]
+    fn closed_loop_links_resolve_across_the_sort_and_round_trip() {
+        // File order: a (t 5), b after a (t 9), c (t 0): sorted c, a, b.
+        let w = parse(&format!(
+            "{{\"timestamp\": 5, {A}, \"id\": \"a\", \"output_hash_ids\": [10, 11]}}\n\
+             {{\"timestamp\": 9, {A}, \"after\": \"a\", \"gap_ms\": 2.5}}\n\
+             {{\"timestamp\": 0, {A}}}\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            w.requests
+                .iter()
+                .map(|r| r.arrival_ns / 1_000_000)
+                .collect::<Vec<_>>(),
+            [0, 5, 9]
+        );
+        assert!(w.is_closed_loop());
+        assert_eq!(w.links[1].output_hash_ids, [10, 11]);
+        assert_eq!(w.links[2].after, Some((1, 2_500_000)));
+        assert_eq!(w.links[0], RequestLinks::default());
+        let mut out = Vec::new();
+        w.write_jsonl(&mut out).unwrap();
+        let again = Workload::from_jsonl_reader(out.as_slice(), "t.jsonl", 4).unwrap();
+        assert_eq!((&again.requests, &again.links), (&w.requests, &w.links));
+        let mut open = w.clone();
+        open.open_loop();
+        assert!(!open.is_closed_loop());
+        assert_eq!(open.links[1].output_hash_ids, [10, 11]);
+        // A plain trace has no links at all.
+        let plain = parse(&format!("{{\"timestamp\": 0, {A}}}\n")).unwrap();
+        assert!(plain.links.is_empty());
+    }
+
+    #[test]
+    fn a_bad_link_names_its_line_and_field() {
+        let first = format!("{{\"timestamp\": 5, {A}, \"id\": 1}}");
+        for (bad, field, says) in [
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": 2}}"),
+                "after",
+                "`2` is not the id of an earlier line",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"id\": \"1\"}}"),
+                "id",
+                "`1` is already the id of line 1",
+            ),
+            (
+                format!("{{\"timestamp\": 4, {A}, \"after\": 1}}"),
+                "timestamp",
+                "before the timestamp of line 1",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"gap_ms\": 3}}"),
+                "gap_ms",
+                "given without `after`",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": 1, \"gap_ms\": -3}}"),
+                "gap_ms",
+                "from 0 to 1e12",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": 1, \"gap_ms\": \"3\"}}"),
+                "gap_ms",
+                "expected a number",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"after\": [1]}}"),
+                "after",
+                "expected a string",
+            ),
+            // 6 + 7 - 1 = 12 tokens computed: blocks 2 and 3 past the prompt's 1 full block.
+            (
+                format!("{{\"timestamp\": 6, {A}, \"output_hash_ids\": [1, 2, 3]}}"),
+                "output_hash_ids",
+                "at most 2 blocks",
+            ),
+            (
+                format!("{{\"timestamp\": 6, {A}, \"output_hash_ids\": [\"x\"]}}"),
+                "output_hash_ids",
+                "entry 0",
+            ),
+        ] {
+            let err = parse(&format!("{first}\n{bad}\n")).unwrap_err();
+            assert_eq!(
+                (err.line, err.field.as_deref()),
+                (Some(2), Some(field)),
+                "{err}"
+            );
+            assert!(err.to_string().contains(says), "{err}");
+        }
     }
 }

@@ -31,6 +31,9 @@ pub struct Job {
     pub(super) stored_blocks: u32,
     /// Reserved blocks that are not cache entries (uncomputed prompt blocks, output blocks).
     pub(super) private_blocks: u64,
+    /// Ids of the full blocks its generated tokens complete (the trace's `output_hash_ids`),
+    /// cached when it ends if the engine caches generated blocks.
+    pub(super) output_hash_ids: Vec<u64>,
 }
 
 impl Job {
@@ -51,6 +54,13 @@ impl Job {
             output_tokens: output_tokens(w),
             ..Job::default()
         }
+    }
+
+    /// The ids its generated tokens' full blocks are cached under (see
+    /// [`EngineParams::cache_generated`](super::EngineParams::cache_generated)).
+    pub fn with_output_hash_ids(mut self, ids: &[u64]) -> Job {
+        self.output_hash_ids = ids.to_vec();
+        self
     }
 
     pub fn prompt_blocks(&self) -> u32 {

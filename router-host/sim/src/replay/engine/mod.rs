@@ -9,8 +9,13 @@
 //!   requests stay cached, unreferenced, until evicted least-recently-used first (a request's
 //!   blocks are released last block first, so its prefix outlives its tail).
 //! - **Prefix cache**: a prompt block becomes a cache entry (and a `Stored` event) at the end of
-//!   the step that computed its last token; eviction emits `Evicted`. Output blocks are never
-//!   cached (the next turn of a conversation names them with new ids).
+//!   the step that computed its last token; eviction emits `Evicted`. With `cache_generated` (the
+//!   default), the full blocks a request's generated tokens complete become entries when it ends,
+//!   under the ids the trace gives them (`output_hash_ids`), as vLLM hashes every full block of a
+//!   request; a trace without them caches prompt blocks only.
+//! - **Free blocks**: never-cached room first, then unreferenced cached blocks least recently
+//!   released first. vLLM's free queue does the same: `BlockPool.free_blocks` puts blocks without
+//!   a hash at its head and cached ones at its tail.
 //! - **Steps**: each step gives every decoding request one token, then spends what is left of
 //!   the `max_num_batched_tokens` budget on prefill chunks, first-come first-served: running
 //!   prefills first, then waiting requests admitted in arrival order while the batch has fewer
@@ -320,6 +325,32 @@ impl Engine {
     ) {
         let j = &mut jobs[job as usize];
         let ids = &requests[j.request as usize].hash_ids;
+        if self.params.cache_generated && !j.output_hash_ids.is_empty() {
+            // vLLM hashes every full block of a request, so the next turn of a conversation
+            // finds the reply's blocks too. Each one takes over a block reserved for the output
+            // (the trace never lists more than the output fills); released at once, tail first,
+            // ahead of the prompt.
+            let mut held = 0;
+            for &block in &j.output_hash_ids {
+                match self.cache.get(block) {
+                    Some(s) => self.cache.acquire(s),
+                    None if j.private_blocks > 0 => {
+                        self.cache.insert(block);
+                        out.events
+                            .push(KvEvent::on_device(self.row, KvEventKind::Stored, block));
+                        j.private_blocks -= 1;
+                        self.private -= 1;
+                    }
+                    None => break,
+                }
+                held += 1;
+            }
+            for &block in j.output_hash_ids[..held].iter().rev() {
+                if let Some(s) = self.cache.get(block) {
+                    self.cache.release(s);
+                }
+            }
+        }
         // Tail first, so the prefix stays cached longest.
         for b in (0..j.stored_blocks).rev() {
             if let Some(s) = self.cache.get(ids[b as usize]) {

@@ -15,6 +15,11 @@ pub const DEFAULT_MAX_NUM_SEQS: u64 = 256;
 pub const DEFAULT_STEP_OVERHEAD_MS: f64 = 5.0;
 pub const DEFAULT_DECODE_MS_PER_SEQ: f64 = 0.1;
 pub const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
+/// vLLM's API server spends its own time on a request (rendering, tokenizing) before the engine
+/// sees it; the default leaves it out, as the engine model always has.
+pub const DEFAULT_API_OVERHEAD_MS: f64 = 0.0;
+/// vLLM caches every full block of a request, generated tokens included.
+pub const DEFAULT_CACHE_GENERATED: bool = true;
 
 /// KV capacity of one engine: a number of blocks, or unlimited (no eviction).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,10 +107,12 @@ pub struct EngineSpec {
     pub step_overhead_ms: Option<f64>,
     pub decode_ms_per_seq: Option<f64>,
     pub prefill_ms_per_token: Option<f64>,
+    pub api_overhead_ms: Option<f64>,
+    pub cache_generated: Option<bool>,
 }
 
 /// The keys of the `engine:` block.
-pub const ENGINE_KEYS: [&str; 7] = [
+pub const ENGINE_KEYS: [&str; 9] = [
     "kv_blocks",
     "kv_tokens",
     "max_num_batched_tokens",
@@ -113,6 +120,8 @@ pub const ENGINE_KEYS: [&str; 7] = [
     "step_overhead_ms",
     "decode_ms_per_seq",
     "prefill_ms_per_token",
+    "api_overhead_ms",
+    "cache_generated",
 ];
 
 impl EngineSpec {
@@ -143,6 +152,8 @@ impl EngineSpec {
                 "step_overhead_ms" => spec.step_overhead_ms = get(key, v)?,
                 "decode_ms_per_seq" => spec.decode_ms_per_seq = get(key, v)?,
                 "prefill_ms_per_token" => spec.prefill_ms_per_token = get(key, v)?,
+                "api_overhead_ms" => spec.api_overhead_ms = get(key, v)?,
+                "cache_generated" => spec.cache_generated = get(key, v)?,
                 other => {
                     return Err(format!(
                         "engine: unknown key `{other}`, expected one of {}",
@@ -178,6 +189,8 @@ impl EngineSpec {
             step_overhead_ms: over.step_overhead_ms.or(self.step_overhead_ms),
             decode_ms_per_seq: over.decode_ms_per_seq.or(self.decode_ms_per_seq),
             prefill_ms_per_token: over.prefill_ms_per_token.or(self.prefill_ms_per_token),
+            api_overhead_ms: over.api_overhead_ms.or(self.api_overhead_ms),
+            cache_generated: over.cache_generated.or(self.cache_generated),
         }
     }
 
@@ -204,6 +217,8 @@ impl EngineSpec {
             prefill_ms_per_token: self
                 .prefill_ms_per_token
                 .unwrap_or(DEFAULT_PREFILL_MS_PER_TOKEN),
+            api_overhead_ms: self.api_overhead_ms.unwrap_or(DEFAULT_API_OVERHEAD_MS),
+            cache_generated: self.cache_generated.unwrap_or(DEFAULT_CACHE_GENERATED),
         };
         if params.max_num_batched_tokens == 0 {
             return Err("engine.max_num_batched_tokens: must be at least 1".to_string());
@@ -221,6 +236,7 @@ impl EngineSpec {
             ("step_overhead_ms", params.step_overhead_ms),
             ("decode_ms_per_seq", params.decode_ms_per_seq),
             ("prefill_ms_per_token", params.prefill_ms_per_token),
+            ("api_overhead_ms", params.api_overhead_ms),
         ] {
             if !(value.is_finite() && (0.0..=1e9).contains(&value)) {
                 return Err(format!(
@@ -241,6 +257,13 @@ pub struct EngineParams {
     pub step_overhead_ms: f64,
     pub decode_ms_per_seq: f64,
     pub prefill_ms_per_token: f64,
+    /// Time from the router's dispatch to the request joining the engine's queue (vLLM's API
+    /// server: rendering and tokenizing). Replay applies it; the mock engine, which has its own
+    /// server, does not.
+    pub api_overhead_ms: f64,
+    /// Full blocks completed by generated tokens become cache entries when the request ends,
+    /// under the ids the trace gives them (`output_hash_ids`).
+    pub cache_generated: bool,
 }
 
 impl EngineParams {
@@ -259,6 +282,11 @@ impl EngineParams {
         let (full, rest) = (tokens / budget, tokens % budget);
         let last = if rest > 0 { self.step_ns(0, rest) } else { 0 };
         full * self.step_ns(0, budget) + last
+    }
+
+    /// [`api_overhead_ms`](Self::api_overhead_ms) in nanoseconds.
+    pub fn api_overhead_ns(&self) -> u64 {
+        (self.api_overhead_ms * 1e6).round() as u64
     }
 
     pub fn capacity(&self) -> Option<u64> {

@@ -10,6 +10,8 @@ fn params(kv: KvCapacity) -> EngineParams {
         step_overhead_ms: 1.0,
         decode_ms_per_seq: 0.5,
         prefill_ms_per_token: 0.25,
+        api_overhead_ms: 0.0,
+        cache_generated: true,
     }
 }
 
@@ -185,6 +187,7 @@ fn pooled_reference_pools_the_engines_and_skips_what_no_engine_holds() {
         block_size: 4,
         requests: all,
         source: String::new(),
+        links: Vec::new(),
     };
     let stats = workload.stats();
     assert_eq!(unlimited.capacity_blocks, None);
@@ -192,4 +195,58 @@ fn pooled_reference_pools_the_engines_and_skips_what_no_engine_holds() {
         unlimited.hit_blocks as f64 / unlimited.prompt_blocks as f64,
         stats.ideal_hit_rate
     );
+}
+
+#[test]
+fn blocks_completed_by_generated_tokens_are_hit_by_the_next_turn() {
+    // Block size 4. Turn 1: 6 prompt tokens (blocks 1 and a partial 2), 7 generated: 12 tokens
+    // computed, so the reply completes blocks 10 and 11 (the prompt's tail and the reply's
+    // first tokens, then more reply). Turn 2 repeats prompt and reply and adds block 12.
+    let turn1 = request(6, 7, &[1, 2]);
+    let turn2 = request(14, 1, &[1, 10, 11, 12]);
+    for (cache_generated, hits) in [(true, 3), (false, 1)] {
+        let p = EngineParams {
+            cache_generated,
+            ..params(KvCapacity::Blocks(8))
+        };
+        let requests = vec![turn1.clone(), turn2.clone()];
+        let mut jobs: Vec<Job> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Job::new(i as u32, r, 4, 0, 0))
+            .collect();
+        jobs[0] = jobs[0].clone().with_output_hash_ids(&[10, 11]);
+        let mut engine = Engine::new(0, p, 4);
+        let mut out = Outbox::default();
+        engine
+            .enqueue(0, 0, &mut jobs, &requests, &mut out)
+            .unwrap();
+        while let Some(w) = engine.wake() {
+            engine.on_wake(w, &mut jobs, &requests, &mut out);
+        }
+        assert!(jobs[0].finish_ns.is_some());
+        let stored: Vec<u64> = out
+            .events
+            .iter()
+            .filter(|e| e.kind == KvEventKind::Stored)
+            .map(|e| e.block)
+            .collect();
+        let expected: &[u64] = if cache_generated {
+            &[1, 2, 10, 11]
+        } else {
+            &[1, 2]
+        };
+        assert_eq!(stored, expected, "cache_generated {cache_generated}");
+        // The generated blocks took over the output's reserved block (7 tokens: 2 of 4), so
+        // nothing stays in use once the request is done.
+        assert_eq!(engine.kv_blocks_in_use(), 0);
+        let now = 1_000_000_000;
+        engine
+            .enqueue(1, now, &mut jobs, &requests, &mut out)
+            .unwrap();
+        assert_eq!(
+            jobs[1].hit_blocks, hits,
+            "cache_generated {cache_generated}"
+        );
+    }
 }
