@@ -77,7 +77,7 @@ pub use sessions::{
 };
 pub use workers::{
     FileVersion, KvEventsConfig, WorkerConfig, WorkersFile, DEFAULT_MAX_LAG_MS,
-    DEFAULT_STALE_CLEAR_MS,
+    DEFAULT_STALE_CLEAR_MS, DEFAULT_WARM_START_MS,
 };
 // `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;
