@@ -113,6 +113,8 @@ fn main() {
             on_unavailable: OnStoreUnavailable::Route,
             lease: Duration::from_secs(30),
             replica_id: None,
+            share_load: false,
+            load_publish: router_host::config::DEFAULT_LOAD_PUBLISH,
         },
         BindingMode::Soft,
         BindingGranularity::Worker,

@@ -400,12 +400,20 @@ fn check_store(config: &RouterConfig, connect: bool) -> anyhow::Result<String> {
         }),
         SessionStoreConfig::Redis(redis) => {
             let what = format!(
-                "redis {} (key prefix {:?}, timeout {} ms, on_unavailable {}, lease {} s)",
+                "redis {} (key prefix {:?}, timeout {} ms, on_unavailable {}, lease {} s, {})",
                 redact_url(&redis.url),
                 redis.key_prefix,
                 redis.timeout.as_millis(),
                 redis.on_unavailable,
-                redis.lease.as_secs()
+                redis.lease.as_secs(),
+                if redis.share_load {
+                    format!(
+                        "booked load shared every {} ms",
+                        redis.load_publish.as_millis()
+                    )
+                } else {
+                    "booked load not shared".to_owned()
+                }
             );
             if !connect {
                 return Ok(format!("{what}; not connected (add --connect-store)"));

@@ -625,7 +625,10 @@ async fn a_gap_asks_the_replay_socket_and_applies_what_it_returns() {
     };
     let config = yaml(&[(&e1, &p)]).replace(
         "      topic: kv\n",
-        &format!("      topic: kv\n      replay_endpoint: tcp://127.0.0.1:{replay_port}\n"),
+        // No warm start: this test answers the replay socket by hand, for the gap only.
+        &format!(
+            "      topic: kv\n      replay_endpoint: tcp://127.0.0.1:{replay_port}\n      warm_start_ms: 0\n"
+        ),
     );
     let router = TestRouter::start("serve_kv_replay", &config).await;
     p.prime(&router, 1).await;

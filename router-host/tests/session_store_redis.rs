@@ -42,6 +42,8 @@ fn config(server: &RedisServer, prefix: &str) -> RedisStoreConfig {
         on_unavailable: OnStoreUnavailable::Route,
         lease: Duration::from_secs(30),
         replica_id: None,
+        share_load: false,
+        load_publish: router_host::config::DEFAULT_LOAD_PUBLISH,
     }
 }
 

@@ -73,11 +73,11 @@ pub use router_core::sessions::BindingMode as AffinityMode;
 pub use router_core::sessions::DEFAULT_MAX_BINDINGS;
 pub use sessions::{
     check_redis_url, redact_url, OnStoreUnavailable, RedisStoreConfig, SessionAffinityConfig,
-    SessionStoreConfig,
+    SessionStoreConfig, DEFAULT_LOAD_PUBLISH,
 };
 pub use workers::{
     FileVersion, KvEventsConfig, WorkerConfig, WorkersFile, DEFAULT_MAX_LAG_MS,
-    DEFAULT_STALE_CLEAR_MS,
+    DEFAULT_STALE_CLEAR_MS, DEFAULT_WARM_START_MS,
 };
 // `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;

@@ -22,6 +22,16 @@ pub const MAX_STORE_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_STORE_LEASE: Duration = Duration::from_secs(30);
 /// Largest accepted `session_affinity.store.lease_secs`.
 pub const MAX_STORE_LEASE_SECS: u64 = 86_400;
+/// Default `session_affinity.store.load_publish_ms`: how often a replica publishes the load it
+/// booked and reads the others' (docs/replicas.md, "Shared load"). Five exchanges a second cost
+/// one small round trip each, and keep the others' view of a burst within a fifth of a second,
+/// shorter than the prefill of a long prompt and five times fresher than the engines' scraped
+/// load (`serve.health.interval_ms`, 1 s).
+pub const DEFAULT_LOAD_PUBLISH: Duration = Duration::from_millis(200);
+/// Shortest accepted `session_affinity.store.load_publish_ms`.
+pub const MIN_LOAD_PUBLISH_MS: u64 = 20;
+/// Longest accepted `session_affinity.store.load_publish_ms`.
+pub const MAX_LOAD_PUBLISH_MS: u64 = 10_000;
 /// Longest accepted `session_affinity.store.key_prefix`, in bytes.
 pub const MAX_KEY_PREFIX_BYTES: usize = 64;
 
@@ -61,6 +71,10 @@ pub struct RedisStoreConfig {
     pub lease: Duration,
     /// The tag in this replica's request ids; `None` = allocated from the store at start.
     pub replica_id: Option<u16>,
+    /// Whether replicas share the load they booked per row through the store (`share_load`).
+    pub share_load: bool,
+    /// How often the booked load is published and the others' read (`load_publish_ms`).
+    pub load_publish: Duration,
 }
 
 impl fmt::Debug for RedisStoreConfig {
@@ -73,6 +87,8 @@ impl fmt::Debug for RedisStoreConfig {
             .field("on_unavailable", &self.on_unavailable)
             .field("lease", &self.lease)
             .field("replica_id", &self.replica_id)
+            .field("share_load", &self.share_load)
+            .field("load_publish", &self.load_publish)
             .finish()
     }
 }
@@ -148,6 +164,10 @@ struct RawStoreFields {
     lease_secs: Option<u64>,
     #[serde(default, deserialize_with = "de_replica_id")]
     replica_id: Option<u64>,
+    #[serde(default)]
+    share_load: Option<bool>,
+    #[serde(default, deserialize_with = "de_load_publish_ms")]
+    load_publish_ms: Option<u64>,
 }
 
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +200,8 @@ impl TryFrom<RawStoreFields> for RawStore {
                 ("on_unavailable", raw.on_unavailable.is_some()),
                 ("lease_secs", raw.lease_secs.is_some()),
                 ("replica_id", raw.replica_id.is_some()),
+                ("share_load", raw.share_load.is_some()),
+                ("load_publish_ms", raw.load_publish_ms.is_some()),
             ];
             if let Some((key, _)) = redis_only.iter().find(|(_, set)| *set) {
                 return Err(format!(
@@ -208,6 +230,10 @@ impl TryFrom<RawStoreFields> for RawStore {
                 .lease_secs
                 .map_or(DEFAULT_STORE_LEASE, Duration::from_secs),
             replica_id: raw.replica_id.and_then(|id| u16::try_from(id).ok()),
+            share_load: raw.share_load.unwrap_or(true),
+            load_publish: raw
+                .load_publish_ms
+                .map_or(DEFAULT_LOAD_PUBLISH, Duration::from_millis),
         })))
     }
 }
@@ -294,6 +320,10 @@ fn de_timeout_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Erro
 
 fn de_lease_secs<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 1, MAX_STORE_LEASE_SECS)
+}
+
+fn de_load_publish_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, MIN_LOAD_PUBLISH_MS, MAX_LOAD_PUBLISH_MS)
 }
 
 fn de_replica_id<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {

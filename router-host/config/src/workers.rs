@@ -60,6 +60,9 @@ pub struct KvEventsConfig {
     /// How long a row stays `stale` after a gap replay could not fill before its entries are
     /// cleared and it is `current` again with what arrives from then on.
     pub stale_clear_ms: u64,
+    /// At start, how long the row's subscriber may spend filling the index from the engine's
+    /// replay socket before `/ready` stops waiting for it (0: no warm start).
+    pub warm_start_ms: u64,
 }
 
 /// Default `kv_events.max_indexed_blocks`: above the device cache of real engines (a 7-8B
@@ -79,6 +82,15 @@ pub const DEFAULT_MAX_LAG_MS: u64 = 5_000;
 /// row stale, and the row routes load-only for at most that long before its index starts
 /// over from what arrives.
 pub const DEFAULT_STALE_CLEAR_MS: u64 = 30_000;
+
+/// Default `kv_events.warm_start_ms`: a full 10,000-batch replay buffer (the mock engine's, as
+/// vLLM's default `buffer_steps`) filled a starting router's index in 0.31 s on loopback (debug
+/// build, docs/serve.md, "Warm start"); 5 s leaves a margin of more than ten and is still short
+/// next to an engine's own start. An engine that does not answer holds `/ready` no longer.
+pub const DEFAULT_WARM_START_MS: u64 = 5_000;
+
+/// Longest accepted `kv_events.warm_start_ms`: a minute.
+const MAX_WARM_START_MS: u64 = 60_000;
 
 /// Upper bound of the `kv_events` times in ms: a day.
 const MAX_KV_EVENTS_MS: u64 = 86_400_000;
@@ -152,6 +164,8 @@ pub(super) struct RawKvEvents {
     max_lag_ms: Option<u64>,
     #[serde(default, deserialize_with = "de_kv_ms")]
     stale_clear_ms: Option<u64>,
+    #[serde(default, deserialize_with = "de_warm_start_ms")]
+    warm_start_ms: Option<u64>,
 }
 
 /// Accepts a ZMQ endpoint the router connects to (see [`check_zmq_endpoint`]).
@@ -217,6 +231,10 @@ fn de_positive<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error>
 
 fn de_kv_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 1, MAX_KV_EVENTS_MS)
+}
+
+fn de_warm_start_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 0, MAX_WARM_START_MS)
 }
 
 /// Accepts an `http://` or `https://` URL with a host and no query or fragment; returns it
@@ -331,6 +349,7 @@ impl Builder<'_> {
                             .unwrap_or(DEFAULT_MAX_INDEXED_BLOCKS),
                         max_lag_ms: raw.max_lag_ms.unwrap_or(DEFAULT_MAX_LAG_MS),
                         stale_clear_ms: raw.stale_clear_ms.unwrap_or(DEFAULT_STALE_CLEAR_MS),
+                        warm_start_ms: raw.warm_start_ms.unwrap_or(DEFAULT_WARM_START_MS),
                     };
                     let last_rank = dp_size.saturating_sub(1);
                     let endpoints = std::iter::once(("endpoint", Some(&config.endpoint))).chain(

@@ -10,6 +10,12 @@
 //! row's real load (an engine's `num_requests_running + num_requests_waiting`) reports it with
 //! [`Ledger::observe`]; a row's `active_requests` is then the larger of booked and observed.
 //!
+//! Several replicas routing onto the same engines each book only their own requests; the load
+//! the other replicas booked on a row (shared through their store, docs/replicas.md) is set
+//! with [`Ledger::set_shared`] and added to this replica's bookings in every read, before the
+//! observation's correction. It is kept apart so that what this replica publishes
+//! ([`Ledger::booked`]) never includes what it was told.
+//!
 //! A ledger never moves: its cells live in fixed-size chunks allocated as workers need them and
 //! kept for the core's life, so a booking or release addresses its cell by slot alone, without
 //! holding a topology snapshot, and growing never copies a counter (so none can be lost).
@@ -40,6 +46,10 @@ struct Cell {
     prefill: AtomicU64,
     decode: AtomicU64,
     observed: AtomicU64,
+    /// Booked on this row by other replicas (one writer: whoever feeds the shared load).
+    shared_active: AtomicU64,
+    shared_prefill: AtomicU64,
+    shared_decode: AtomicU64,
 }
 
 impl Cell {
@@ -47,13 +57,23 @@ impl Cell {
     /// a torn value, and nothing else is ordered by these reads.
     #[inline]
     fn load(&self) -> RowLoad {
-        let booked = self.active.load(Ordering::Relaxed);
-        let observed = self.observed.load(Ordering::Relaxed).saturating_sub(1);
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let booked = get(&self.active).saturating_add(get(&self.shared_active));
+        let observed = get(&self.observed).saturating_sub(1);
         RowLoad {
             available: true,
             active_requests: booked.max(observed),
-            active_prefill_tokens: self.prefill.load(Ordering::Relaxed),
-            decode_blocks: self.decode.load(Ordering::Relaxed),
+            active_prefill_tokens: get(&self.prefill).saturating_add(get(&self.shared_prefill)),
+            decode_blocks: get(&self.decode).saturating_add(get(&self.shared_decode)),
+        }
+    }
+
+    fn shared(&self) -> RowLoad {
+        RowLoad {
+            available: true,
+            active_requests: self.shared_active.load(Ordering::Relaxed),
+            active_prefill_tokens: self.shared_prefill.load(Ordering::Relaxed),
+            decode_blocks: self.shared_decode.load(Ordering::Relaxed),
         }
     }
 
@@ -91,7 +111,7 @@ crate::spelled_enum! {
     }
 }
 
-/// Cells per chunk: 1,024 cells of 32 bytes, 32 KiB.
+/// Cells per chunk: 1,024 cells of 56 bytes, 56 KiB.
 const CHUNK_BITS: u32 = 10;
 const CHUNK: usize = 1 << CHUNK_BITS;
 
@@ -189,6 +209,26 @@ impl Ledger {
         }
     }
 
+    /// Set the load other replicas booked on `slot` (replacing what was set before; `None`:
+    /// none). Read by [`Ledger::load`] on top of this replica's bookings, never by
+    /// [`Ledger::booked`].
+    pub fn set_shared(&self, slot: Slot, load: Option<RowLoad>) {
+        if let Some(cell) = self.cell(slot) {
+            let load = load.unwrap_or_default();
+            cell.shared_active
+                .store(load.active_requests, Ordering::Release);
+            cell.shared_prefill
+                .store(load.active_prefill_tokens, Ordering::Release);
+            cell.shared_decode
+                .store(load.decode_blocks, Ordering::Release);
+        }
+    }
+
+    /// The load other replicas booked on `slot`, as last set.
+    pub fn shared(&self, slot: Slot) -> RowLoad {
+        self.cell(slot).map_or_else(RowLoad::default, Cell::shared)
+    }
+
     /// Forget everything about `slot` (its worker was removed).
     pub(crate) fn reset(&self, slot: Slot) {
         if let Some(cell) = self.cell(slot) {
@@ -196,6 +236,7 @@ impl Ledger {
             cell.prefill.store(0, Ordering::Release);
             cell.decode.store(0, Ordering::Release);
             cell.observed.store(UNOBSERVED, Ordering::Release);
+            self.set_shared(slot, None);
         }
     }
 
@@ -406,6 +447,62 @@ mod tests {
             .collect();
         assert_eq!(first, vec![10, 20, 0]);
         assert_eq!(short, first, "fills as many rows as the shortest column");
+    }
+
+    /// Other replicas' load adds to this one's bookings in every read (the columns too), the
+    /// observation still corrects the sum, and neither `booked` nor a release touches it.
+    #[test]
+    fn shared_load_adds_to_bookings_and_is_never_published_back() {
+        let ledger = Ledger::with_slots(8);
+        ledger.book(2, c(100, 3));
+        let others = RowLoad {
+            available: true,
+            active_requests: 4,
+            active_prefill_tokens: 1000,
+            decode_blocks: 7,
+        };
+        ledger.set_shared(2, Some(others));
+        let load = ledger.load(2);
+        assert_eq!(
+            (
+                load.active_requests,
+                load.active_prefill_tokens,
+                load.decode_blocks
+            ),
+            (5, 1100, 10)
+        );
+        assert_eq!(ledger.booked(2).active_requests, 1, "booked stays local");
+        assert_eq!(ledger.shared(2), others);
+        ledger.observe(2, Some(9));
+        assert_eq!(ledger.load(2).active_requests, 9, "the engine's count wins");
+        ledger.observe(2, Some(2));
+        assert_eq!(ledger.load(2).active_requests, 5, "booked + shared wins");
+        ledger.release(2, c(100, 3));
+        assert_eq!(
+            ledger.load(2).active_prefill_tokens,
+            1000,
+            "only ours released"
+        );
+        ledger.set_shared(
+            2,
+            Some(RowLoad {
+                active_requests: u64::MAX,
+                ..others
+            }),
+        );
+        ledger.book(2, c(0, 0));
+        assert_eq!(ledger.load(2).active_requests, u64::MAX, "saturates");
+        ledger.set_shared(2, None);
+        ledger.observe(2, None);
+        assert_eq!(ledger.load(2).active_requests, 1);
+        ledger.set_shared(2, Some(others));
+        ledger.reset(2);
+        assert_eq!(ledger.load(2), RowLoad::default());
+        assert_eq!(
+            ledger.shared(2).decode_blocks,
+            0,
+            "a removed row forgets it"
+        );
     }
 
     #[test]

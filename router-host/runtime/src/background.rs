@@ -1,5 +1,6 @@
 //! The work a running [`App`] does besides requests: the health probes, the admission
-//! queues' timer, the KV-event subscribers and the watch on `workers_file`, started by
+//! queues' timer, the KV-event subscribers, the watch on `workers_file` and the load shared
+//! with other replicas, started by
 //! [`start`] and stopped by [`Background::stop`] (or when the app stops).
 
 use std::path::PathBuf;
@@ -36,11 +37,12 @@ pub fn start(app: &Arc<App>) -> Background {
     let prober = tokio::spawn(probe_loop(app.clone()));
     let ticker = tokio::spawn(queue_ticker(app.clone()));
     let watcher = tokio::spawn(watch_workers_file(app.clone()));
+    let sharer = tokio::spawn(share_load(app.clone()));
     app.kv_subscribers
         .sync(&app.current.load(), &app.current, &app.metrics.kv);
     Background {
         app: app.clone(),
-        tasks: [prober, ticker, watcher],
+        tasks: [prober, ticker, watcher, sharer],
     }
 }
 
@@ -49,7 +51,7 @@ pub fn start(app: &Arc<App>) -> Background {
 #[derive(Debug)]
 pub struct Background {
     app: Arc<App>,
-    tasks: [tokio::task::JoinHandle<()>; 3],
+    tasks: [tokio::task::JoinHandle<()>; 4],
 }
 
 impl Background {
@@ -71,6 +73,41 @@ async fn probe_loop(app: Arc<App>) {
         drop(loaded);
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
+            _ = app.stopping.cancelled() => return,
+        }
+    }
+}
+
+/// How often a configuration without a shared load is looked at again (a reload may turn it
+/// on).
+const SHARE_LOAD_IDLE: Duration = Duration::from_secs(1);
+
+/// Share the booked load with the other replicas (docs/replicas.md, "Shared load"): one round
+/// every `session_affinity.store.load_publish_ms` of the configuration serving now, on its core.
+/// A round is blocking store I/O bounded by its timeout: it runs on the blocking pool, never on
+/// a request's path.
+async fn share_load(app: Arc<App>) {
+    loop {
+        let loaded = app.current.load();
+        let share = loaded
+            .shared_sessions
+            .as_ref()
+            .and_then(|store| store.shared_load())
+            .cloned();
+        let wait = match share {
+            Some(share) => {
+                let started = tokio::time::Instant::now();
+                let period = share.period();
+                let round = tokio::task::spawn_blocking(move || share.round(loaded.host.core()));
+                if let Err(err) = round.await {
+                    tracing::error!(error = %err, "shared load: a round failed to run");
+                }
+                period.saturating_sub(started.elapsed())
+            }
+            None => SHARE_LOAD_IDLE,
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
             _ = app.stopping.cancelled() => return,
         }
     }

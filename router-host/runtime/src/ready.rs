@@ -2,8 +2,9 @@
 //! configuration loaded, an engine healthy and not draining, not stopping, every role with a policy instance
 //! that can serve it), and the engines and policy instances behind that answer, and each KV
 //! index row's state (which never changes the answer: a row not current is routed load-only,
-//! not refused). Each front end answers it in its own framing (`200` when ready, `503` when
-//! not).
+//! not refused). At start it also waits for the rows that fill their KV index from their
+//! engine's replay buffer (warm start), each at most its `kv_events.warm_start_ms`. Each front
+//! end answers it in its own framing (`200` when ready, `503` when not).
 
 use crate::app::App;
 
@@ -160,7 +161,11 @@ pub fn readiness(app: &App) -> Readiness {
         .collect();
     let policies = policy_states(loaded.host.policy_set());
     // An engine that is healthy and not draining: one that can take a new request.
-    let ready = serving && !app.stopping.is_cancelled() && policies.unservable_roles.is_empty();
+    let warming = app.kv_subscribers.warming();
+    let ready = serving
+        && !app.stopping.is_cancelled()
+        && policies.unservable_roles.is_empty()
+        && warming == 0;
     let body = serde_json::json!({
         "ready": ready,
         "degraded": !policies.out_of_service.is_empty(),
@@ -170,6 +175,7 @@ pub fn readiness(app: &App) -> Readiness {
         "out_of_service": policies.out_of_service,
         "unservable_roles": policies.unservable_roles,
         "kv_index": kv_index_states(&loaded),
+        "kv_warm_start": {"rows_warming": warming},
     });
     Readiness { ready, body }
 }

@@ -119,7 +119,7 @@ impl Collector for StateCollector {
         family(
             &mut encoder,
             "router_load_active_requests",
-            "Active requests per row as policies see them: max(booked, observed on the engine)",
+            "Active requests per row as policies see them: max(booked here + booked by other replicas, observed on the engine)",
             MetricType::Gauge,
             rows.iter().map(|r| {
                 (
@@ -288,6 +288,103 @@ impl Collector for StateCollector {
                     MetricType::Counter,
                     std::iter::once((Labels::new(), ConstCounter::new(value))),
                 )?;
+            }
+            if let Some(share) = store.shared_load() {
+                // docs/replicas.md, "Shared load".
+                let s = share.stats();
+                let gauges: [(&str, &str, f64); 3] = [
+                    (
+                        "router_shared_load_up",
+                        "1 when the last shared-load round reached the store, else 0",
+                        f64::from(u8::from(s.up)),
+                    ),
+                    (
+                        "router_shared_load_replicas",
+                        "Other replicas whose booked load this replica adds to its own now",
+                        s.replicas as f64,
+                    ),
+                    (
+                        "router_shared_load_view_age_seconds",
+                        "Seconds since the other replicas' load applied now was read (since start while none was)",
+                        s.view_age_secs,
+                    ),
+                ];
+                for (name, help, value) in gauges {
+                    family(
+                        &mut encoder,
+                        name,
+                        help,
+                        MetricType::Gauge,
+                        std::iter::once((Labels::new(), ConstGauge::new(value))),
+                    )?;
+                }
+                let counters: [(&str, &str, u64); 4] = [
+                    (
+                        "router_shared_load_outages",
+                        "Shared-load outages begun (a round failed after one that did not)",
+                        s.outages,
+                    ),
+                    (
+                        "router_shared_load_dropped",
+                        "Times the other replicas' load was dropped: no answer from the store for the TTL",
+                        s.dropped,
+                    ),
+                    (
+                        "router_shared_load_refused",
+                        "Other replicas' hashes and fields refused (not a hash, over the bounds, unparsable)",
+                        s.refused,
+                    ),
+                    (
+                        "router_shared_load_errors",
+                        "Shared-load rounds that failed",
+                        s.errors,
+                    ),
+                ];
+                for (name, help, value) in counters {
+                    family(
+                        &mut encoder,
+                        name,
+                        help,
+                        MetricType::Counter,
+                        std::iter::once((Labels::new(), ConstCounter::new(value))),
+                    )?;
+                }
+                let shared: Vec<_> = rows
+                    .iter()
+                    .map(|r| (row_labels(r), core.shared_load(*r)))
+                    .collect();
+                type Read = fn(&router_core::model::RowLoad) -> u64;
+                let per_row: [(&str, &str, Read); 3] = [
+                    (
+                        "router_shared_load_active_requests",
+                        "Requests other replicas booked on each row, added to this replica's",
+                        |l| l.active_requests,
+                    ),
+                    (
+                        "router_shared_load_prefill_tokens",
+                        "Prompt tokens other replicas booked on each row, added to this replica's",
+                        |l| l.active_prefill_tokens,
+                    ),
+                    (
+                        "router_shared_load_decode_blocks",
+                        "KV blocks other replicas booked on each row, added to this replica's",
+                        |l| l.decode_blocks,
+                    ),
+                ];
+                for (name, help, read) in per_row {
+                    family(
+                        &mut encoder,
+                        name,
+                        help,
+                        MetricType::Gauge,
+                        shared.iter().map(|(l, load)| {
+                            (
+                                l.clone(),
+                                ConstGauge::new(i64::try_from(read(load)).unwrap_or(i64::MAX)),
+                            )
+                        }),
+                    )?;
+                }
             }
         }
         let router = host.policy_set();

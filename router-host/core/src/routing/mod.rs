@@ -291,6 +291,27 @@ impl RoutingCore {
         }
     }
 
+    /// Set the load other replicas booked on each registered row (`load_of` answers per row;
+    /// `None`: none), replacing what was set before. Every read of a row's load (policies,
+    /// admission) adds it to this core's own bookings; what this core books stays apart
+    /// ([`RoutingCore::booked`]). docs/replicas.md, "Shared load".
+    pub fn set_shared_load(&self, load_of: impl Fn(RowId) -> Option<RowLoad>) {
+        // Under the writer lock: a removed worker's slot is never written after its reset.
+        let _w = lock(&self.writer);
+        for (row, slot) in self.topology.load().rows() {
+            self.ledger.set_shared(slot, load_of(row));
+        }
+    }
+
+    /// The load other replicas booked on `row`, as last set by
+    /// [`RoutingCore::set_shared_load`].
+    pub fn shared_load(&self, row: RowId) -> RowLoad {
+        self.topology
+            .load()
+            .slot(row)
+            .map_or_else(RowLoad::default, |s| self.ledger.shared(s))
+    }
+
     /// Requests dispatched and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.inflight.iter().map(|s| lock(s).bookings.len()).sum()

@@ -5,6 +5,11 @@
 //! breaks the protocol. A gap in the sequence numbers is counted and, with a replay endpoint,
 //! filled by asking the engine's replay socket.
 //!
+//! At start (a [`WarmGate`] given), right after its first subscribe, it asks the replay socket
+//! for everything the engine still buffers and applies it: the row's index then holds what
+//! the engine's replay buffer can give before the first live batch, and live batches the
+//! replay already gave are skipped.
+//!
 //! It also decides how far the row's index can be trusted ([`KvIndexState`], docs/serve.md, "KV
 //! index states") from what it saw ([`Trust`]), and sets it in the core, the gauges and the
 //! transitions counter whenever it changes.
@@ -24,7 +29,7 @@ use tokio::time::Instant;
 use super::decode::{decode_batch, decode_seq, DecodeError, MAX_PAYLOAD_BYTES};
 use super::ingest::{capacity_limit, RowIngest, SeqCheck, Sink, Tally, Update};
 use super::zmtp::{Connection, Limits, ProtocolError, SocketType};
-use super::Spec;
+use super::{Spec, WarmGate};
 use crate::metrics::{
     KvKindLabels, KvMetrics, RowLabels, RowStateLabels, RowTierLabels, RowTierReasonLabels,
     RowTransitionLabels,
@@ -40,6 +45,10 @@ pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Limit on one connection attempt (TCP connect and handshake), and on each replay step.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// After a warm start, live batches at or below the last replayed sequence number are the
+/// replay's own (queued on the subscription meanwhile) and skipped for this long; later, a
+/// sequence number going back is an engine restart again.
+const WARM_SKIP_WINDOW: Duration = Duration::from_secs(5);
 /// How often a quiet subscriber checks for a reloaded configuration (to seed its new index).
 const GENERATION_CHECK: Duration = Duration::from_millis(500);
 /// What a publisher may send: a message is `[topic, seq, payload]` (a replay reply has one
@@ -148,6 +157,12 @@ pub(super) struct Subscriber {
     trust: Trust,
     /// Thins the state-change log lines.
     state_log: router_core::log_limit::LogThrottle,
+    /// The warm start still to run at the first subscribe, and what `/ready` waits for.
+    warm: Option<WarmGate>,
+    /// Live batches up to this sequence number were replayed by the warm start (until then).
+    warm_skip: Option<(u64, Instant)>,
+    /// The sequence number of the last batch a replay applied.
+    replayed: Option<u64>,
 }
 
 impl Subscriber {
@@ -156,6 +171,7 @@ impl Subscriber {
         current: Arc<Current>,
         metrics: KvMetrics,
         stop: Stop,
+        warm: Option<WarmGate>,
     ) -> Result<Subscriber, router_core::blocks::BlockHashError> {
         let ingest = RowIngest::new(spec.block_size)?;
         let max_indexed_blocks = spec.max_indexed_blocks;
@@ -172,6 +188,9 @@ impl Subscriber {
             overflow_logged: None,
             trust: Trust::default(),
             state_log: router_core::log_limit::LogThrottle::new(),
+            warm,
+            warm_skip: None,
+            replayed: None,
         })
     }
 
@@ -391,6 +410,14 @@ impl Subscriber {
             endpoint = %self.spec.endpoint,
             "KV events: subscribed"
         );
+        if let Some(gate) = self.warm.take() {
+            let stop = self.stop.clone();
+            tokio::select! {
+                () = self.warm_start(&gate) => {}
+                () = stop.cancelled() => return Ok(()),
+            }
+            gate.finish();
+        }
         let mut tick = tokio::time::interval(GENERATION_CHECK);
         loop {
             tokio::select! {
@@ -402,6 +429,61 @@ impl Subscriber {
                 () = self.stop.cancelled() => return Ok(()),
             }
         }
+    }
+
+    /// Fill the row from the replay socket: every batch the engine still buffers, before its
+    /// deadline (`warm_start_ms` from the start). What arrived is applied whatever happens
+    /// next; a warm start that fails or runs out of time leaves the row to the live batches.
+    async fn warm_start(&mut self, gate: &WarmGate) {
+        let Some(endpoint) = self.spec.replay_endpoint.clone() else {
+            return;
+        };
+        let started = Instant::now();
+        let deadline = Instant::from_std(gate.deadline);
+        self.replayed = None;
+        let outcome = tokio::time::timeout_at(deadline, self.replay(&endpoint, 0, u64::MAX)).await;
+        // Whatever ended the replay, the live batches continue from the last batch it applied
+        // (a gap after it is replayed), and none is applied twice.
+        if let Some(last) = self.replayed.take() {
+            let _ = self.ingest.check_seq(last);
+            self.warm_skip = Some((last, Instant::now() + WARM_SKIP_WINDOW));
+            self.trust.fresh = true;
+            self.publish_trust();
+        }
+        let (worker, rank) = (self.spec.worker, self.spec.rank);
+        let kind = match outcome {
+            Ok(Ok((applied, last))) => {
+                tracing::info!(
+                    worker,
+                    dp_rank = rank,
+                    batches = applied,
+                    last_seq = last,
+                    blocks = self.ingest.blocks_on(Tier::Device),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "KV events: warm start filled the row from the engine's replay buffer"
+                );
+                "warm_ok"
+            }
+            Ok(Err(err)) => {
+                self.warn_once("warm start failed", &err);
+                "warm_error"
+            }
+            Err(_) => {
+                tracing::warn!(
+                    worker,
+                    dp_rank = rank,
+                    warm_start_ms = self.spec.warm_start_ms,
+                    blocks = self.ingest.blocks_on(Tier::Device),
+                    "KV events: warm start did not finish within kv_events.warm_start_ms; the \
+                     row goes on with what it got and the live batches"
+                );
+                "warm_timeout"
+            }
+        };
+        self.metrics
+            .replays
+            .get_or_create(&self.kind_labels(kind))
+            .inc();
     }
 
     /// After a reload the core is new and its index empty: give it this row's blocks.
@@ -453,6 +535,12 @@ impl Subscriber {
             Ok(seq) => seq,
             Err(err) => return self.count_decode_error("frames", &err),
         };
+        if let Some((last, until)) = self.warm_skip {
+            if seq <= last && Instant::now() < until {
+                return; // the warm start's replay gave it already
+            }
+            self.warm_skip = None;
+        }
         self.metrics.batches.get_or_create(&self.row_labels()).inc();
         self.trust.fresh = true;
         match self.ingest.check_seq(seq) {
@@ -655,10 +743,16 @@ impl Subscriber {
         }
     }
 
-    /// Ask the replay socket for batches `from ..` and apply those before `until`, in order.
+    /// Ask the replay socket for batches `from ..` and apply those before `until`, in order;
+    /// returns how many were applied and the last one's sequence number.
     /// vLLM's protocol: a DEALER sends `["", start_seq (8 bytes BE)]`; replies are
     /// `["", topic, seq, payload]` (older: `["", seq, payload]`), ending with seq = u64::MAX.
-    async fn replay(&mut self, endpoint: &str, from: u64, until: u64) -> Result<u64, String> {
+    async fn replay(
+        &mut self,
+        endpoint: &str,
+        from: u64,
+        until: u64,
+    ) -> Result<(u64, Option<u64>), String> {
         let mut dealer = Connection::connect(endpoint, SocketType::Dealer, LIMITS, CONNECT_TIMEOUT)
             .await
             .map_err(|err| {
@@ -670,6 +764,7 @@ impl Subscriber {
             .map_err(|_| "send timed out".to_owned())?
             .map_err(|err| format!("send: {err}"))?;
         let mut applied = 0;
+        let mut last = None;
         loop {
             let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
                 .await
@@ -708,8 +803,10 @@ impl Subscriber {
             }
             self.payload(&payload);
             applied += 1;
+            last = Some(seq);
+            self.replayed = last;
         }
-        Ok(applied)
+        Ok((applied, last))
     }
 }
 

@@ -4,17 +4,21 @@
 //!
 //! Layout: `redis_store.rs` (the trait implementation and its hot path), `scripts.rs` (the Lua
 //! that applies the binding rules atomically in Redis, and the key layout), `connection.rs`
-//! (the pool, the timeout, up/down), `background.rs` (lease releases, heartbeat, reconnection).
+//! (the pool, the timeout, up/down), `background.rs` (lease releases, heartbeat, reconnection),
+//! `shared_load.rs` (the load each replica booked per row, published and read every
+//! `load_publish_ms`; docs/replicas.md, "Shared load").
 
 mod background;
 mod connection;
 mod redis_store;
 mod scripts;
+pub mod shared_load;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use redis_store::RedisStore;
+pub use shared_load::{SharedLoad, SharedLoadStats};
 
 use router_config::{redact_url, RedisStoreConfig, RouterConfig, SessionStoreConfig};
 use router_core::model::Cluster;

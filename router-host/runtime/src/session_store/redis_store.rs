@@ -23,6 +23,7 @@ use router_core::sessions::{
 use super::background;
 use super::connection::{is_outage, Health, Pool};
 use super::scripts::Scripts;
+use super::shared_load::SharedLoad;
 use super::{StoreError, StoreStats};
 use router_config::{redact_url, OnStoreUnavailable, RedisStoreConfig};
 
@@ -108,6 +109,8 @@ pub struct RedisStore {
     shared: Arc<Shared>,
     id_tag: u16,
     background: Option<JoinHandle<()>>,
+    /// This replica's side of the shared load (`share_load`), published under its number.
+    shared_load: Option<Arc<SharedLoad>>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -147,6 +150,7 @@ impl RedisStore {
             on_unavailable: config.on_unavailable,
             prefix: config.key_prefix.clone(),
         };
+        let load_client = client.clone();
         let pool = Pool::new(client, config.timeout);
         let health = Health::new(url.clone(), config.on_unavailable);
         // The replica number names the lease fields: from the store when it answers (a new one
@@ -164,6 +168,9 @@ impl RedisStore {
         let id_tag = config
             .replica_id
             .unwrap_or_else(|| u16::try_from(replica % u64::from(u16::MAX)).unwrap_or(0) + 1);
+        let shared_load = config
+            .share_load
+            .then(|| Arc::new(SharedLoad::new(config, load_client, url.clone(), replica)));
         let shared = Arc::new(Shared {
             lease_field: format!("l:{replica}"),
             rules,
@@ -191,12 +198,18 @@ impl RedisStore {
             shared,
             id_tag,
             background: Some(background),
+            shared_load,
         })
     }
 
     /// The tag this replica puts into the request ids it draws (`CoreSettings::id_tag`).
     pub fn id_tag(&self) -> u16 {
         self.id_tag
+    }
+
+    /// This replica's side of the shared load, when `share_load` is on.
+    pub fn shared_load(&self) -> Option<&Arc<SharedLoad>> {
+        self.shared_load.as_ref()
     }
 
     /// This replica's number in the store (its lease fields are `l:N`).
