@@ -253,8 +253,8 @@ impl Ledger {
 
     /// The load of every row of `rows` into `out`'s load columns, each as long as `rows` (as
     /// [`Ledger::load`] row by row; idle for rows `topology` does not have). The hot loop of
-    /// every decision: one worker lookup per change of worker, then a worker's ranks are
-    /// consecutive slots.
+    /// every decision: one worker lookup per change of worker (a comparison for rows in cluster
+    /// order, [`Topology::run_near`]), then a worker's ranks are consecutive slots.
     #[inline]
     pub fn fill(&self, topology: &Topology, rows: &[RowId], out: &mut Columns) {
         let Columns {
@@ -284,11 +284,12 @@ impl Ledger {
         let mut worker = None;
         let mut run = crate::topology::SlotRun::EMPTY;
         let mut cells: &[Cell] = &[];
+        let mut cursor = 0;
         for i in 0..n {
             let row = rows[i];
             if worker != Some(row.worker_id) {
                 worker = Some(row.worker_id);
-                run = topology.run_of(row.worker_id);
+                run = topology.run_near(row.worker_id, &mut cursor);
                 cells = self.run_cells(run);
             }
             let load = match cells.get(row.dp_rank.wrapping_sub(run.dp_start) as usize) {
