@@ -225,9 +225,24 @@ impl Collector for StateCollector {
                     }),
                 )?;
             }
+            let prefixes = loaded.tokenizer.as_ref().and_then(|t| t.prefix_stats());
+            if let Some(prefixes) = prefixes {
+                // docs/serve.md, "The prefix cache": chunks of long prompts not tokenized again.
+                family(
+                    &mut encoder,
+                    "router_tokenizer_prefixes",
+                    "Leading chunks of prompts' open ends looked up in the local tokenizer's \
+                     prefix cache",
+                    MetricType::Counter,
+                    [("hit", prefixes.hits), ("miss", prefixes.misses)].map(|(outcome, n)| {
+                        (vec![("outcome", outcome.to_owned())], ConstCounter::new(n))
+                    }),
+                )?;
+            }
             let bytes = [
                 ("segments", Some(stats.bytes)),
                 ("words", words.map(|w| w.bytes)),
+                ("prefixes", prefixes.map(|p| p.bytes)),
             ];
             family(
                 &mut encoder,
