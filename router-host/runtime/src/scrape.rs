@@ -195,6 +195,17 @@ impl Collector for StateCollector {
             MetricType::Gauge,
             std::iter::once((Labels::new(), ConstGauge::new(loaded.number as i64))),
         )?;
+        family(
+            &mut encoder,
+            "router_prompts_tokenized",
+            "1 when this configuration tokenizes prompts (something reads their token ids), 0 \
+             when it routes on their estimated size (docs/serve.md)",
+            MetricType::Gauge,
+            std::iter::once((
+                Labels::new(),
+                ConstGauge::new(i64::from(loaded.prompt_ids.tokenize())),
+            )),
+        )?;
         if let Some(stats) = loaded.tokenizer.as_ref().and_then(|t| t.segment_stats()) {
             // docs/serve.md, "The segment cache": pieces of prompts not tokenized again.
             family(
