@@ -350,7 +350,11 @@ pub async fn tokens(
 /// (vLLM takes `prompt` as ids), and a list of text prompts by the list of their id lists, so
 /// the engine skips its own tokenization. `ids` holds each prompt's ids, in order. `None` (the
 /// body goes as received) for chat, ids already, or prompts not tokenized.
+///
+/// The body is written field by field with the ids in place of the prompt: neither the body
+/// (with its prompt text) nor the ids are copied into JSON values first.
 pub fn with_token_ids(endpoint: Endpoint, parsed: &Parsed, ids: &[Vec<u32>]) -> Option<Bytes> {
+    use serde::ser::{SerializeMap, Serializer};
     use serde_json::Value;
     if endpoint != Endpoint::Completions
         || ids.len() != parsed.prompt_count()
@@ -359,15 +363,56 @@ pub fn with_token_ids(endpoint: Endpoint, parsed: &Parsed, ids: &[Vec<u32>]) -> 
         return None;
     }
     let prompt = match (parsed.body.get("prompt"), ids) {
-        (Some(Value::String(_)), [one]) => Value::from(one.clone()),
+        (Some(Value::String(_)), [one]) => IdsPrompt::One(one),
         (Some(Value::Array(texts)), _) if texts.iter().all(Value::is_string) => {
-            Value::from(ids.to_vec())
+            IdsPrompt::Many(ids)
         }
         _ => return None,
     };
-    let mut body = parsed.body.clone();
-    body.insert("prompt".to_owned(), prompt);
-    serde_json::to_vec(&body).ok().map(Bytes::from)
+    struct Body<'a> {
+        body: &'a serde_json::Map<String, Value>,
+        prompt: IdsPrompt<'a>,
+    }
+    impl serde::Serialize for Body<'_> {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut map = serializer.serialize_map(Some(self.body.len()))?;
+            for (key, value) in self.body {
+                if key == "prompt" {
+                    map.serialize_entry(key, &self.prompt)?;
+                } else {
+                    map.serialize_entry(key, value)?;
+                }
+            }
+            map.end()
+        }
+    }
+    let count: usize = ids.iter().map(Vec::len).sum();
+    let mut out = Vec::with_capacity(count * 6 + 256);
+    serde_json::to_writer(
+        &mut out,
+        &Body {
+            body: &parsed.body,
+            prompt,
+        },
+    )
+    .ok()?;
+    Some(Bytes::from(out))
+}
+
+/// A completion's prompt as token ids: one prompt's, or a batch's lists.
+#[derive(Clone, Copy)]
+enum IdsPrompt<'a> {
+    One(&'a [u32]),
+    Many(&'a [Vec<u32>]),
+}
+
+impl serde::Serialize for IdsPrompt<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            IdsPrompt::One(ids) => serializer.collect_seq(ids.iter()),
+            IdsPrompt::Many(lists) => serializer.collect_seq(lists.iter()),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -426,5 +471,46 @@ mod tests {
             assert_eq!(found.len(), 1, "{extra}: {found:?}");
             assert!(found[0].contains(named), "{extra}: {found:?}");
         }
+    }
+
+    /// The body as the copy-based rewrite made it: the body cloned, `prompt` replaced by JSON
+    /// values.
+    fn copied(parsed: &Parsed, ids: &[Vec<u32>]) -> Vec<u8> {
+        let mut body = parsed.body.clone();
+        let prompt = if ids.len() == 1 && parsed.body["prompt"].is_string() {
+            serde_json::Value::from(ids[0].clone())
+        } else {
+            serde_json::Value::from(ids.to_vec())
+        };
+        body.insert("prompt".to_owned(), prompt);
+        serde_json::to_vec(&body).unwrap()
+    }
+
+    #[test]
+    fn ids_replace_the_prompt_in_place_byte_for_byte() {
+        let one = br#"{"model":"m","prompt":"a text \u00e9","max_tokens":3,"stream":false}"#;
+        let many = br#"{"prompt":["a","b c"],"model":"m","n":1}"#;
+        for (body, ids) in [
+            (&one[..], vec![vec![1u32, 4_000_000_000, 0, 77]]),
+            (&many[..], vec![vec![5], vec![6, 7, 8]]),
+        ] {
+            let parsed = crate::request::parse(Endpoint::Completions, body).unwrap();
+            let written = with_token_ids(Endpoint::Completions, &parsed, &ids).unwrap();
+            assert_eq!(&written[..], &copied(&parsed, &ids)[..]);
+            let back: serde_json::Value = serde_json::from_slice(&written).unwrap();
+            assert_eq!(
+                back.as_object().unwrap().keys().next(),
+                parsed.body.keys().next()
+            );
+        }
+        let parsed = crate::request::parse(Endpoint::Completions, one).unwrap();
+        assert_eq!(
+            with_token_ids(Endpoint::ChatCompletions, &parsed, &[vec![1]]),
+            None
+        );
+        assert_eq!(
+            with_token_ids(Endpoint::Completions, &parsed, &[vec![]]),
+            None
+        );
     }
 }
