@@ -234,4 +234,33 @@ fn main() {
     if let Some(stats) = cached.prefix_stats() {
         println!("prefix cache: {stats:?}");
     }
+    if common::quick_mode() {
+        return;
+    }
+    // Above, the 64 prompts come back every 64 iterations, so from the second round on the
+    // prefix cache holds all of each but its tail. Here every prompt is new: the preamble's
+    // chunks come from the cache, the rest is split into words (one in 12 made up, new to the
+    // word cache).
+    let mut rng = common::Rng::new(17);
+    let preamble = match parsed[0].body.get("prompt") {
+        Some(serde_json::Value::String(p)) => p[..PREAMBLE_BYTES].to_owned(),
+        _ => unreachable!("a text prompt"),
+    };
+    let fresh: Vec<_> = (0..256)
+        .map(|_| {
+            let own = text(&words, PROMPT_BYTES - PREAMBLE_BYTES, &mut rng);
+            let body = serde_json::json!({"model": "tiny", "prompt": format!("{preamble} {own}"),
+                "max_tokens": 4});
+            parse(Endpoint::Completions, body.to_string().as_bytes()).expect("a completion")
+        })
+        .collect();
+    let start = std::time::Instant::now();
+    for p in &fresh {
+        black_box(cached.tokenize_all(p).expect("ids"));
+    }
+    println!(
+        "tokenize, 16 KiB prompts never seen before but for the preamble (mean of {}): {:?}",
+        fresh.len(),
+        start.elapsed() / fresh.len() as u32
+    );
 }
