@@ -24,9 +24,12 @@
 //! `cargo bench`) runs a tiny smoke version. Knobs: `ROUTER_BENCH_SERVE_SECS` (seconds per side
 //! per point, default 10), `ROUTER_BENCH_SERVE_RATES` (default `500,2000`),
 //! `ROUTER_BENCH_SERVE_SETUPS` (comma-separated names in the order to run, default all; a
-//! `/migration-N` suffix sets `serve.migration_limit`), `ROUTER_BENCH_ARRIVALS`
-//! (`poisson` or `fixed`), `ROUTER_BENCH_SERVE_LOG=off` (no `info` subscriber; by default the
-//! router's per-request log line is formatted, as `serve` does, into a sink).
+//! `/migration-N` suffix sets `serve.migration_limit`; tokenizer `local-bpe` is the trained
+//! byte-level BPE `tests/data/bpe-tokenizer`, with the word split and the prefix cache),
+//! `ROUTER_BENCH_ARRIVALS` (`poisson` or `fixed`), `ROUTER_BENCH_SERVE_LOG=off` (no `info`
+//! subscriber; by default the router's per-request log line is formatted, as `serve` does, into
+//! a sink), `ROUTER_BENCH_SERVE_PROMPT_BYTES` (prompts of about that many bytes of the same
+//! words instead of 48 words: 16384 for the long-prompt figures).
 
 mod common;
 #[path = "../tests/common/engine.rs"]
@@ -95,6 +98,12 @@ fn setup_yaml(name: &str, engines: &[&Engine]) -> String {
     };
     let tokenizer = match tokenizer {
         "local" => format!("{{path: {}}}", engine::tokenizer_dir().display()),
+        "local-bpe" => format!(
+            "{{path: {}}}",
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/data/bpe-tokenizer")
+                .display()
+        ),
         _ => "remote".to_owned(),
     };
     let policy = match policy {
@@ -227,14 +236,31 @@ const WORDS: &[&str] = &[
     "river",
 ];
 
-/// A short streamed completion: a 48-word prompt (49 tokens: 3 blocks of 16), 3 content chunks,
-/// the usage chunk and `[DONE]` back.
+/// `ROUTER_BENCH_SERVE_PROMPT_BYTES`, 0 when unset.
+fn prompt_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| env_or("ROUTER_BENCH_SERVE_PROMPT_BYTES", 0))
+}
+
+/// A short streamed completion: a 48-word prompt (49 tokens: 3 blocks of 16), or one of about
+/// `ROUTER_BENCH_SERVE_PROMPT_BYTES`, 3 content chunks, the usage chunk and `[DONE]` back.
 fn body(rng: &mut common::Rng) -> Bytes {
-    let prompt: Vec<&str> = (0..48)
-        .map(|_| WORDS[rng.below(WORDS.len() as u64) as usize])
-        .collect();
+    let target = prompt_bytes();
+    let mut prompt = String::new();
+    let mut words = 0;
+    while if target == 0 {
+        words < 48
+    } else {
+        prompt.len() < target
+    } {
+        if words > 0 {
+            prompt.push(' ');
+        }
+        prompt.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+        words += 1;
+    }
     let body = serde_json::json!({
-        "model": "tiny", "prompt": prompt.join(" "), "max_tokens": 3, "stream": true,
+        "model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": true,
         "stream_options": {"include_usage": true},
     });
     Bytes::from(body.to_string())

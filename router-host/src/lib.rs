@@ -28,7 +28,7 @@ pub mod serve {
     pub use router_http::*;
     pub use router_runtime::{
         app, coalesce, decider, engine_calls, errors, failure, health, kv_events, lifecycle,
-        metrics, pipeline, prompt, request, scrape, segments, state, stop, tokenize, upstream,
-        words, ApiError, App, LoadedConfig, ServeError, ServeOptions, Stop, Upstream,
+        metrics, pipeline, prefixes, prompt, request, scrape, segments, state, stop, tokenize,
+        upstream, words, ApiError, App, LoadedConfig, ServeError, ServeOptions, Stop, Upstream,
     };
 }

@@ -351,3 +351,81 @@ async fn a_long_prompt_gets_the_same_ids_on_the_multi_thread_runtime() {
 async fn a_long_prompt_gets_the_same_ids_on_a_current_thread_runtime() {
     long_prompt_reaches_the_engine_as_tokenizers_own_ids("serve_long_prompt_ct").await;
 }
+
+/// Round-robin reads neither cache overlap nor load: its requests are routed without any
+/// tokenizer call, local or remote (counted in `router_tokenize_skipped_total`); two-tier reads
+/// the overlap, so each of its prompts is tokenized. A reload decides again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_are_tokenized_only_when_something_reads_their_ids() {
+    let engine = Engine::start(1).await;
+    let bpe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bpe-tokenizer");
+    let round_robin =
+        "worker_selection:\n  aggregated: rr\n  instances:\n    - {name: rr, type: round-robin}\n"
+            .to_owned();
+    let two_tier = format!(
+        "plugins:\n  - path: {}\nworker_selection:\n  aggregated: t\n  instances:\n    \
+         - {{name: t, type: dynamo-two-tier-cost-fn}}\n",
+        common::plugin("two_tier_cost_fn").display()
+    );
+    let local = format!("{{path: {}}}", bpe.display());
+    let http = client();
+    const REQUESTS: usize = 3;
+    for tokenizer in ["remote", local.as_str()] {
+        let yaml = |policy: &str| {
+            format!(
+                "block_size: 4\n{policy}serve:\n  tokenizer: {tokenizer}\n{}",
+                workers_yaml(&[&engine])
+            )
+        };
+        let router = TestRouter::start("serve_tokenize_readers", &yaml(&round_robin)).await;
+        for (round, (policy, tokenized)) in [(&round_robin, false), (&two_tier, true)]
+            .into_iter()
+            .enumerate()
+        {
+            if round > 0 {
+                std::fs::write(&router.config, yaml(policy)).unwrap();
+                assert_eq!(router.handle.reload().await.unwrap(), 2);
+            }
+            let asked = engine.state.seen.tokenize.load(Ordering::SeqCst);
+            let skipped = router.metric("router_tokenize_skipped_total");
+            let words = || {
+                router.metric("router_tokenizer_words_total{outcome=\"hit\"}")
+                    + router.metric("router_tokenizer_words_total{outcome=\"miss\"}")
+            };
+            let words_before = words();
+            for i in 0..REQUESTS {
+                let response = post(
+                    &http,
+                    &router.url("/v1/completions"),
+                    &json!({"model": "tiny", "prompt": format!("hello world {i} the quick fox")}),
+                )
+                .await;
+                assert_eq!(response.status(), 200, "{tokenizer}, round {round}");
+                let _ = response.bytes().await;
+            }
+            let case = format!("{tokenizer}, tokenized {tokenized}");
+            assert_eq!(
+                router.metric("router_prompts_tokenized"),
+                if tokenized { 1.0 } else { 0.0 },
+                "{case}"
+            );
+            let remote_calls = engine.state.seen.tokenize.load(Ordering::SeqCst) - asked;
+            let skipped = router.metric("router_tokenize_skipped_total") - skipped;
+            let words = words() - words_before;
+            if tokenized {
+                assert_eq!(skipped, 0.0, "{case}");
+                if tokenizer == "remote" {
+                    assert_eq!(remote_calls, REQUESTS, "{case}");
+                } else {
+                    assert_eq!(remote_calls, 0, "{case}");
+                    assert!(words >= REQUESTS as f64, "{case}: {words} words looked up");
+                }
+            } else {
+                assert_eq!(skipped, REQUESTS as f64, "{case}");
+                assert_eq!(remote_calls, 0, "{case}: no /tokenize call");
+                assert_eq!(words, 0.0, "{case}: the local tokenizer was not called");
+            }
+        }
+        router.stop().await;
+    }
+}

@@ -12,8 +12,8 @@
 //!   once whatever way the request ends.
 //! - The OpenAI request bodies ([`request`], [`prompt`]) and error answers ([`errors`]), which
 //!   every front end reads and answers.
-//! - [`state`] (loaded configurations), [`tokenize`] with [`segments`] and [`words`],
-//!   [`upstream`] (the client that sends completions to engines), [`coalesce`],
+//! - [`state`] (loaded configurations), [`tokenize`] with [`segments`], [`words`] and
+//!   [`prefixes`], [`upstream`] (the client that sends completions to engines), [`coalesce`],
 //!   [`engine_calls`] (the router's own bounded calls to engines), [`health`], [`metrics`] and
 //!   [`scrape`], [`ready`] (what `/ready` reports), [`kv_events`], [`session_store`]
 //!   (bindings shared through Redis), [`decider`] (which calls run on the async worker and
@@ -32,6 +32,7 @@ pub mod kv_events;
 pub mod lifecycle;
 pub mod metrics;
 pub mod pipeline;
+pub mod prefixes;
 pub mod prompt;
 pub mod ready;
 mod reload;

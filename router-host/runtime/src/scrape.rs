@@ -195,6 +195,17 @@ impl Collector for StateCollector {
             MetricType::Gauge,
             std::iter::once((Labels::new(), ConstGauge::new(loaded.number as i64))),
         )?;
+        family(
+            &mut encoder,
+            "router_prompts_tokenized",
+            "1 when this configuration tokenizes prompts (something reads their token ids), 0 \
+             when it routes on their estimated size (docs/serve.md)",
+            MetricType::Gauge,
+            std::iter::once((
+                Labels::new(),
+                ConstGauge::new(i64::from(loaded.prompt_ids.tokenize())),
+            )),
+        )?;
         if let Some(stats) = loaded.tokenizer.as_ref().and_then(|t| t.segment_stats()) {
             // docs/serve.md, "The segment cache": pieces of prompts not tokenized again.
             family(
@@ -225,9 +236,24 @@ impl Collector for StateCollector {
                     }),
                 )?;
             }
+            let prefixes = loaded.tokenizer.as_ref().and_then(|t| t.prefix_stats());
+            if let Some(prefixes) = prefixes {
+                // docs/serve.md, "The prefix cache": chunks of long prompts not tokenized again.
+                family(
+                    &mut encoder,
+                    "router_tokenizer_prefixes",
+                    "Leading chunks of prompts' open ends looked up in the local tokenizer's \
+                     prefix cache",
+                    MetricType::Counter,
+                    [("hit", prefixes.hits), ("miss", prefixes.misses)].map(|(outcome, n)| {
+                        (vec![("outcome", outcome.to_owned())], ConstCounter::new(n))
+                    }),
+                )?;
+            }
             let bytes = [
                 ("segments", Some(stats.bytes)),
                 ("words", words.map(|w| w.bytes)),
+                ("prefixes", prefixes.map(|p| p.bytes)),
             ];
             family(
                 &mut encoder,

@@ -7,8 +7,9 @@
 //! the post-processor's tokens around them. A chat prompt is its system prompt and history
 //! (pieces seen in the previous turn) plus one new message; with the pieces cached only the new
 //! message is tokenized. The last piece of a text (what follows its last added token: the open
-//! end of a prompt, and all of a completion prompt without added tokens) is never cached, so a
-//! repeated completion prompt costs what it always did.
+//! end of a prompt, and all of a completion prompt without added tokens) is never cached whole;
+//! when it is long, its leading chunks are (serve/prefixes.rs, byte-level BPEs only), so a
+//! repeated preamble is not tokenized again.
 //!
 //! Exact only for tokenizers whose pieces really are independent; [`SegmentCache::new`]
 //! refuses the others (the caller then tokenizes whole texts, as before):
@@ -28,6 +29,7 @@ use std::sync::Arc;
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::Tokenizer;
 
+use super::prefixes::{PrefixStats, Prefixes, CHUNK_BYTES};
 use super::words::{WordStats, Words};
 
 /// Pieces shorter than this are tokenized every time (cheaper than hashing and storing them).
@@ -35,6 +37,12 @@ const MIN_CACHED_BYTES: usize = 64;
 
 /// The share of the cache's bytes that goes to single words (serve/words.rs): 1/8.
 const WORD_SHARE_SHIFT: u32 = 3;
+
+/// The share that goes to the chunks of open ends (serve/prefixes.rs): 3/8 (the segments keep
+/// the other half).
+fn prefix_share(capacity_bytes: u64) -> u64 {
+    capacity_bytes / 8 * 3
+}
 
 /// What an entry costs beyond its text and ids (key and value headers, the cache's own slot).
 const ENTRY_OVERHEAD: u64 = 64;
@@ -64,6 +72,10 @@ pub struct SegmentCache {
     words: Option<Words>,
     /// Why `words` is `None`.
     words_off: Option<String>,
+    /// The chunks of long open ends, when `words` is on and allows cuts.
+    prefixes: Option<Prefixes>,
+    /// Why `prefixes` is `None`.
+    prefixes_off: Option<String>,
     /// The added tokens' texts, leftmost-longest as `tokenizers` matches them.
     added: AhoCorasick,
     /// Pattern index → token id.
@@ -173,20 +185,34 @@ impl SegmentCache {
             .find(|&i| full[i..].starts_with(&bare))
             .ok_or("the post-processor changes a text's own ids")?;
         let word_bytes = capacity_bytes >> WORD_SHARE_SHIFT;
+        let prefix_bytes = prefix_share(capacity_bytes);
         let (words, words_off) = match Words::new(tokenizer, word_bytes) {
             Ok(words) => (Some(words), None),
             Err(why) => (None, Some(why)),
         };
+        let (prefixes, prefixes_off) = match &words {
+            Some(words) if words.cut_safe() => (Some(Prefixes::new(prefix_bytes)), None),
+            Some(_) => (
+                None,
+                Some(
+                    "the split pattern is not one known to allow cuts at a space after a letter"
+                        .to_owned(),
+                ),
+            ),
+            None => (None, Some("the word split is off".to_owned())),
+        };
         let cache = SegmentCache {
             words,
             words_off,
+            prefixes,
+            prefixes_off,
             added: matcher,
             added_ids: added.iter().map(|(id, _)| *id).collect(),
             before: full[..at].to_vec(),
             after: full[at + bare.len()..].to_vec(),
             cache: quick_cache::sync::Cache::with_weighter(
                 1024,
-                (capacity_bytes - word_bytes).max(1),
+                (capacity_bytes - word_bytes - prefix_bytes).max(1),
                 ByteWeight,
             ),
             hits: AtomicU64::new(0),
@@ -196,6 +222,9 @@ impl SegmentCache {
         cache.cache.clear();
         if let Some(words) = &cache.words {
             words.reset();
+        }
+        if let Some(prefixes) = &cache.prefixes {
+            prefixes.reset();
         }
         cache.hits.store(0, Ordering::Relaxed);
         cache.misses.store(0, Ordering::Relaxed);
@@ -211,6 +240,12 @@ impl SegmentCache {
             "no-space-at-all,punctuation!?;:()[]{}",
         ];
         let mut probes: Vec<String> = texts.iter().map(|t| (*t).to_owned()).collect();
+        // Long enough for the open end's chunks (serve/prefixes.rs).
+        probes.push(
+            texts
+                .concat()
+                .repeat(3 * CHUNK_BYTES / texts.concat().len() + 1),
+        );
         for (_, token) in added.iter().take(8) {
             for (i, a) in texts.iter().enumerate() {
                 let b = texts[(i + 1) % texts.len()];
@@ -272,6 +307,11 @@ impl SegmentCache {
             return Ok(());
         }
         if !closed || piece.len() < MIN_CACHED_BYTES {
+            if let (false, Some(prefixes), Some(words)) = (closed, &self.prefixes, &self.words) {
+                if piece.len() > CHUNK_BYTES {
+                    return prefixes.encode(words, tokenizer, piece, out);
+                }
+            }
             return self.tokenize(tokenizer, piece, out);
         }
         if let Some(ids) = self.cache.get(piece) {
@@ -310,6 +350,16 @@ impl SegmentCache {
     /// What the word split did, when it is on.
     pub fn word_stats(&self) -> Option<WordStats> {
         self.words.as_ref().map(Words::stats)
+    }
+
+    /// Why the open ends' chunks are not cached (serve/prefixes.rs).
+    pub fn prefixes_off(&self) -> Option<&str> {
+        self.prefixes_off.as_deref()
+    }
+
+    /// What the chunks of open ends did, when they are cached.
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefixes.as_ref().map(Prefixes::stats)
     }
 
     pub fn stats(&self) -> SegmentStats {
@@ -397,6 +447,35 @@ mod tests {
             }
         }
         assert!(cache.stats().hits > 0, "{:?}", cache.stats());
+    }
+
+    #[test]
+    fn a_long_open_end_repeats_its_preamble_from_the_prefix_cache() {
+        let tok = byte_level_bpe(gpt2_pre_tokenizer());
+        let cache = SegmentCache::new(&tok, 1 << 20).expect("byte-level pieces are independent");
+        assert_eq!(cache.prefixes_off(), None);
+        let preamble = "Read the document below, then answer. ".repeat(100);
+        for question in ["What is it about?", "Who wrote it", " and when? \t 2026"] {
+            let prompt = format!("<|im_start|>user\n{preamble}{question}");
+            for special in [true, false] {
+                assert_eq!(
+                    cache.encode(&tok, &prompt, special).unwrap(),
+                    tok.encode_fast(prompt.as_str(), special).unwrap().get_ids(),
+                    "{question:?}, special {special}"
+                );
+            }
+        }
+        let stats = cache.prefix_stats().expect("on");
+        assert!(
+            stats.hits >= 12,
+            "the preamble's chunks come back: {stats:?}"
+        );
+        // The WordLevel fixture has no word split, so no prefix cache either, and says why.
+        let fixture = SegmentCache::new(&fixture(), 1 << 20).unwrap();
+        assert_eq!(fixture.prefix_stats(), None);
+        assert!(fixture
+            .prefixes_off()
+            .is_some_and(|why| why.contains("word split")));
     }
 
     #[test]

@@ -104,6 +104,8 @@ pub struct LoadedConfig {
     pub upstreams: Vec<Upstream>,
     /// `None`: remote tokenization.
     pub tokenizer: Option<Arc<LocalTokenizer>>,
+    /// Whether requests are tokenized: what reads their token ids.
+    pub prompt_ids: crate::pipeline::PromptIds,
     /// For `/tokenize`, `/v1/models` and the like; completions go through `upstream`.
     pub client: reqwest::Client,
     pub upstream: UpstreamClient,
@@ -206,6 +208,8 @@ impl LoadedConfig {
                 file: file.clone(),
                 cause: Box::new(err),
             })?;
+        let prompt_ids = crate::pipeline::PromptIds::of(&config, &serve, &router);
+        prompt_ids.log(number);
         // The session store is connected here (off the request path): bounded by its timeout.
         let (host, shared_sessions) =
             crate::session_store::live_host(router, cluster, &config, previous.map(|p| &p.host))
@@ -221,6 +225,7 @@ impl LoadedConfig {
             shared_sessions,
             upstreams,
             tokenizer,
+            prompt_ids,
             client,
             upstream,
         })

@@ -15,11 +15,9 @@ pub fn split_pre_tokenizer(pattern: &str) -> serde_json::Value {
         {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
 }
 
-/// Llama 3's split pattern (its tokenizer.json).
-pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// Qwen 2's split pattern (its tokenizer.json).
-pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3's and Qwen 2's split patterns (their tokenizer.json files), as serve/words.rs knows
+/// them.
+pub(crate) use super::words::{LLAMA3_PATTERN, QWEN2_PATTERN};
 
 /// A byte-level BPE with chat markers as added tokens and a BOS post-processor, pre-tokenized
 /// by `pre` (for example a `Metaspace` one, to test refusals). Its merges join a space to the

@@ -467,6 +467,13 @@ impl LocalTokenizer {
                         "word split off: {why}; pieces are tokenized by tokenizers itself"
                     );
                 }
+                if let Some(why) = cache.prefixes_off() {
+                    tracing::info!(
+                        tokenizer = %self.dir.display(),
+                        "prefix cache off: {why}; a long prompt's repeated preamble is \
+                         tokenized every time"
+                    );
+                }
                 self.segments = Some(cache);
             }
             Err(why) => {
@@ -483,6 +490,11 @@ impl LocalTokenizer {
     /// What the word split did (serve/words.rs), when it is on.
     pub fn word_stats(&self) -> Option<super::words::WordStats> {
         self.segments.as_ref().and_then(|s| s.word_stats())
+    }
+
+    /// What the prefix cache did (serve/prefixes.rs), when it is on.
+    pub fn prefix_stats(&self) -> Option<super::prefixes::PrefixStats> {
+        self.segments.as_ref().and_then(|s| s.prefix_stats())
     }
 
     /// What the segment cache did, when there is one.

@@ -36,6 +36,16 @@ use tokenizers::{Model, Tokenizer};
 const GPT2_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
+/// Llama 3's split pattern (its tokenizer.json).
+pub(crate) const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen 2's split pattern (its tokenizer.json).
+pub(crate) const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Split patterns in which no alternative matches a letter followed by whitespace, so a text
+/// cut at a space after a letter splits into the same words as the whole (serve/prefixes.rs).
+const CUT_SAFE_PATTERNS: [&str; 3] = [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN];
+
 /// The tail every byte-level pattern ends with; see the module docs.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
 
@@ -108,6 +118,8 @@ pub struct Words {
     head: Option<Regex>,
     /// Byte → the byte-level alphabet's character.
     alphabet: [char; 256],
+    /// The pattern is one of [`CUT_SAFE_PATTERNS`].
+    cut_safe: bool,
     cache: quick_cache::sync::Cache<Box<str>, WordIds, WordWeight>,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -217,6 +229,7 @@ impl Words {
             split: compile(&format!("{head}|\\s+"))?,
             head: (!head.is_empty()).then(|| compile(head)).transpose()?,
             alphabet: byte_alphabet(),
+            cut_safe: CUT_SAFE_PATTERNS.contains(&pattern.as_str()),
             cache: quick_cache::sync::Cache::with_weighter(4096, capacity_bytes.max(1), WordWeight),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -225,6 +238,12 @@ impl Words {
         words.self_check(tokenizer)?;
         words.reset();
         Ok(words)
+    }
+
+    /// Whether a text may be cut at a space after a letter and its parts tokenized on their
+    /// own (serve/prefixes.rs): the split pattern is one of the patterns known to allow it.
+    pub fn cut_safe(&self) -> bool {
+        self.cut_safe
     }
 
     /// Empty the cache and zero the counters (after probes, so they count only requests).
@@ -593,6 +612,23 @@ mod tests {
                 .unwrap();
         }
         assert!(words.stats().bytes <= 8192, "{:?}", words.stats());
+    }
+
+    #[test]
+    fn the_known_patterns_are_cut_safe_and_others_are_not() {
+        for pre in [
+            gpt2_pre_tokenizer(),
+            split_pre_tokenizer(LLAMA3_PATTERN),
+            split_pre_tokenizer(QWEN2_PATTERN),
+        ] {
+            assert!(Words::new(&byte_level_bpe(pre), 1 << 10)
+                .unwrap()
+                .cut_safe());
+        }
+        // Words may run on across a space here (`[\p{L} ]+`): no cut is safe.
+        let other = split_pre_tokenizer(r"[\p{L} ]+|\p{N}+|[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+");
+        let words = Words::new(&byte_level_bpe(other), 1 << 10).unwrap();
+        assert!(!words.cut_safe());
     }
 
     #[test]

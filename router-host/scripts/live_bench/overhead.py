@@ -15,6 +15,12 @@ two workloads:
   /tokenize), a shared preamble of about 1,024 tokens and the rest distinct, 256 different
   prompts, not streamed, `max_tokens` 4; oha picks one of the bodies at random for each request
   (`-Z`).
+- `prompt-16k` (only when named in `--workloads`): prompts of 16 KiB (16,384 bytes), a shared
+  preamble of 4 KiB and the rest distinct, 256 different prompts, not streamed, `max_tokens` 4,
+  on *instant* engines: two more mocks with their built-in byte tokenizer (one token per UTF-8
+  byte, no tokenizer CPU), `--max-model-len 32768` and 256-token blocks, so what is measured is
+  the routers; router-host tokenizes locally with a generated `tokenizer.json` that gives the
+  same ids (a byte-level BPE without merges), with its word split and prefix cache.
 
 Per router and workload, at each rate: latency p50 / p99 / p99.9 of the successful requests and
 the same minus the direct run's at that rate (added latency); the router process's CPU time
@@ -74,13 +80,21 @@ DIRECT = "engines directly"
 # The engines directly hold 6,400 req/s of short streams here; a router that holds 3,200 goes on
 # to 4,800 and 6,400, so "highest rate held" tells apart the routers that reach 3,200.
 FULL = {"rates": [100, 200, 400, 800, 1600, 3200, 4800, 6400], "step_s": 8.0, "warmup_s": 2.0, "idle_s": 3.0,
-        "rates_by_workload": {"prompt-4k": [25, 50, 100, 200, 400]}}
+        "rates_by_workload": {"prompt-4k": [25, 50, 100, 200, 400],
+                              "prompt-16k": [400, 800, 1600, 2400, 3200, 4800, 6400]}}
 QUICK = {"rates": [100, 400, 1600], "step_s": 2.0, "warmup_s": 0.5, "idle_s": 1.0,
-         "rates_by_workload": {"prompt-4k": [25, 100, 400]}}
+         "rates_by_workload": {"prompt-4k": [25, 100, 400], "prompt-16k": [400, 1600]}}
 
 LONG_PROMPTS = 256
 LONG_TOKENS = 4096
 LONG_SHARED = 1024
+# prompt-16k: sized in bytes, on instant engines (byte tokenizer: one token per byte). Blocks
+# of 256 tokens keep the engines' KV events at 64 blocks per request.
+BYTES_PROMPTS = 256
+BYTES_PROMPT = 16384
+BYTES_SHARED = 4096
+BYTES_BLOCK_SIZE = 256
+BYTES_MAX_MODEL_LEN = 32768
 SHORT_PROMPTS = 64
 SHORT_TOKENS = 50
 # Prompts the overlap probe sends (never in the load): two per two-tier row, one per engine.
@@ -141,6 +155,38 @@ def vocabulary_words(doc: dict) -> list[str]:
     marked = [p[1:] for p in pieces if p[:1] in ("Ġ", "▁")]
     chosen = marked if marked else pieces
     return sorted({w.lower() for w in chosen if w.isascii() and w.isalpha()})
+
+
+def write_byte_tokenizer(directory: Path) -> Path:
+    """A tokenizer.json giving the mock engine's byte tokenizer's ids (token b for UTF-8 byte b,
+    nothing added): a byte-level BPE whose vocabulary is GPT-2's 256 byte characters in byte
+    order, with no merges, and GPT-2's pre-tokenizer. Returns the directory."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": level, "post_processor": None, "decoder": level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "vocab": {table[b]: b for b in range(256)}, "merges": []},
+    }  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(doc))
+    return directory
+
+
+def byte_sized(builder: "PromptBuilder", prefix: str, size: int) -> str:
+    """`prefix` (may be "") then the builder's words, exactly `size` bytes (the last word cut)."""
+    text = prefix
+    while len(text.encode()) < size:
+        text = f"{text} {' '.join(builder.items(64))}" if text else " ".join(builder.items(64))
+    return text.encode()[:size].decode("ascii")
 
 
 class PromptBuilder:
@@ -248,6 +294,20 @@ def workload_bodies(name: str, builder: PromptBuilder) -> tuple[list[dict], list
             "shared_prefix_full_blocks": shared_count // BLOCK_SIZE,
         }
         probes = [p for p, _ in prompts[LONG_PROMPTS:]]
+    elif name == "prompt-16k":
+        # Byte tokenizer: tokens are bytes, so no sizing by /tokenize.
+        shared = byte_sized(builder, "", BYTES_SHARED)
+        texts = [byte_sized(builder, shared, BYTES_PROMPT) for _ in range(BYTES_PROMPTS + PROBE_PROMPTS)]
+        bodies = [{"model": MODEL, "prompt": t, "max_tokens": 4} for t in texts[:BYTES_PROMPTS]]
+        counts = [len(t.encode()) for t in texts[:BYTES_PROMPTS]]
+        info = {
+            "prompt_tokens": token_stats(counts),
+            "target_prompt_bytes": BYTES_PROMPT,
+            "shared_prefix_tokens": BYTES_SHARED,
+            "shared_prefix_full_blocks": BYTES_SHARED // BYTES_BLOCK_SIZE,
+            "block_size": BYTES_BLOCK_SIZE,
+        }
+        probes = texts[BYTES_PROMPTS:]
     else:
         raise BenchError(f"unknown workload `{name}`")
     if len({b["prompt"] for b in bodies}) != len(bodies):
@@ -272,7 +332,20 @@ WORKLOADS = {
         "max_tokens": 4,
         "prompt_tokens": LONG_TOKENS,
     },
+    "prompt-16k": {
+        "what": f"{BYTES_PROMPTS} different prompts of {BYTES_PROMPT:,} bytes (a preamble of {BYTES_SHARED:,} bytes "
+        "that all share, the rest distinct), not streamed, `max_tokens` 4, on instant engines (the mock's byte "
+        f"tokenizer: one token per byte, no tokenizer CPU; {BYTES_BLOCK_SIZE}-token blocks); router-host tokenizes "
+        "with a tokenizer.json giving the same ids; each request takes one at random (oha -Z)",
+        "stream": False,
+        "max_tokens": 4,
+        "prompt_bytes": BYTES_PROMPT,
+        "engines": "instant",
+    },
 }
+
+# Run only when named in --workloads.
+DEFAULT_WORKLOADS = ["short-stream", "prompt-4k"]
 
 
 # -- one oha run -------------------------------------------------------------------------------
@@ -598,7 +671,8 @@ def main() -> int:
     ap.add_argument("--target-dir", type=Path, default=Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")))
     ap.add_argument("--log-dir", type=Path, help="default TARGET/live-bench/logs/overhead")
     ap.add_argument("--routers", help="comma-separated labels (or parts of labels) of peers.ALL_ROUTERS; default all")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                    help=f"comma-separated, of {', '.join(WORKLOADS)} (default {','.join(DEFAULT_WORKLOADS)})")
     ap.add_argument("--rates", help="comma-separated request rates (req/s), ascending, for every workload; default "
                     f"{FULL['rates']} ({QUICK['rates']} with --quick), prompt-4k {FULL['rates_by_workload']['prompt-4k']} "
                     f"({QUICK['rates_by_workload']['prompt-4k']})")
@@ -710,8 +784,25 @@ def main() -> int:
         log("engines: " + ", ".join(f"{e.url} (events {e.kv_events})" for e in engines))
         builder = PromptBuilder(engines[0], tok, seed=16)
         doc["settings"]["tokenizer"]["tokens_per_word"] = round(builder.tokens_per_item, 3)
+        instant: list[peers.Engine] = []
+        instant_children = []
         for w in workloads:
             t0 = time.monotonic()
+            w_engines, w_children = engines, engine_children
+            if WORKLOADS[w].get("engines") == "instant":
+                if not instant:
+                    byte_dir = write_byte_tokenizer(log_dir / "byte-tokenizer")
+                    for wid in (1, 2):
+                        e, child = peers.start_mock_engine(
+                            wid, bins, log_dir / "instant", model=MODEL, block_size=BYTES_BLOCK_SIZE,
+                            extra_args=["--max-model-len", str(BYTES_MAX_MODEL_LEN)])
+                        # The mock's byte tokenizer's ids, for router-host's local tokenizer.
+                        e.tokenizer_dir = str(byte_dir)
+                        instant.append(e)
+                        instant_children.append(child)
+                        doc["commands"].append(shlex.join(child.argv))
+                    log("instant engines: " + ", ".join(f"{e.url} (events {e.kv_events})" for e in instant))
+                w_engines, w_children = instant, instant_children
             bodies, counts, info, probes = workload_bodies(w, builder)
             bodies_file = log_dir / f"bodies-{w}.jsonl"
             bodies_file.write_text("".join(json.dumps(b, separators=(",", ":")) + "\n" for b in bodies))
@@ -720,11 +811,11 @@ def main() -> int:
                 + (f", shared preamble {info['shared_prefix_tokens']} tokens" if "shared_prefix_tokens" in info else "")
                 + f" ({time.monotonic() - t0:.1f} s, {builder.calls} /tokenize calls so far)")
 
-            log(f"[{w}] {DIRECT} ({engines[0].url})")
-            reset_engines(engines)
+            log(f"[{w}] {DIRECT} ({w_engines[0].url})")
+            reset_engines(w_engines)
             wcfg = {**cfg, "rates": cfg["rates_by_workload"].get(w, cfg["rates"])}
             doc["workloads"][w]["rates"] = wcfg["rates"]
-            direct, _, cmds, _ = ladder(DIRECT, engines[0].url, None, engines, engine_children, oha,
+            direct, _, cmds, _ = ladder(DIRECT, w_engines[0].url, None, w_engines, w_children, oha,
                                         bodies_file, bodies[0], counts[0], wcfg, stop_early=False)
             row = {"router": DIRECT, "router_name": "direct", "policy": None, "workload": w}
             finish_row(row, direct)
@@ -742,15 +833,18 @@ def main() -> int:
                        "tokenizer": None}
                 router = None
                 try:
-                    reset_engines(engines)
-                    router = peers.start_router(spec, engines, port=free_port(), log_dir=log_dir, bins=bins,
-                                                model=MODEL, timeout_s=60)
+                    reset_engines(w_engines)
+                    # On instant engines the ids would save them nothing: router-host sends the
+                    # prompt as text, as the peers do, and tokenizes only when its policy reads ids.
+                    router = peers.start_router(spec, w_engines, port=free_port(), log_dir=log_dir, bins=bins,
+                                                model=MODEL, timeout_s=60,
+                                                forward_token_ids=WORKLOADS[w].get("engines") != "instant")
                     row["command"] = shlex.join(router.argv)
                     row["tokenizer"] = router.tokenizer
                     if router.config:
                         row["config"] = router.config.read_text()
-                    points, stopped, cmds, idle = ladder(spec.label, router.url, router.pid, engines,
-                                                         engine_children, oha, bodies_file, bodies[0], counts[0],
+                    points, stopped, cmds, idle = ladder(spec.label, router.url, router.pid, w_engines,
+                                                         w_children, oha, bodies_file, bodies[0], counts[0],
                                                          wcfg, stop_early=True, direct=direct)
                     row["idle_cpu_ms_per_s"] = idle
                     finish_row(row, points)
@@ -761,7 +855,7 @@ def main() -> int:
                     if not router.alive():
                         raise BenchError(f"{spec.label} died during the run: {router.child.log_tail()}")
                     if spec.name in ("router-host", "envoy-epp"):
-                        check_overlap(spec, router, engines, row, probes)
+                        check_overlap(spec, router, w_engines, row, probes)
                     if w == workloads[0]:
                         doc["commands"].append(row["command"])
                 except (RigFailure, OSError, ValueError) as e:

@@ -264,6 +264,7 @@ def _router_host_config(
     bins: Bins,
     session_header: str,
     two_tier_parameters: dict,
+    forward_token_ids: bool = True,
 ) -> str:
     block = _block_size(engines)
     tokenizer_dir = router_host_tokenizer(spec, engines)
@@ -312,7 +313,7 @@ def _router_host_config(
         "  decision_headers: true\n"
         # The router's ids are the engine's in both modes (remote: the engine's own /tokenize;
         # local: the engines' tokenizer_dir), so completions go as ids and are tokenized once.
-        "  forward_token_ids: true\n"
+        f"  forward_token_ids: {'true' if forward_token_ids else 'false'}\n"
     )
 
 
@@ -470,6 +471,7 @@ def start_router(
     env: dict[str, str] | None = None,
     session_header: str = "x-session-id",
     two_tier_parameters: dict | None = None,
+    forward_token_ids: bool = True,
 ) -> Router:
     """Start `spec` in front of `engines` on 127.0.0.1:`port` and wait (at most `timeout_s`)
     until a completion through it succeeds. Raises BenchError (a RigFailure) with the log's tail
@@ -479,7 +481,8 @@ def start_router(
     (appended to the peer's command line; for router-host, to `serve`), `env` (added to the
     environment), `session_header` (router-host's `serve.session_headers`),
     `two_tier_parameters` (the two-tier instance's parameters; default `spec.two_tier_parameters`,
-    else the shipped soft-affinity example's). router-host's tokenizer follows `spec.tokenizer` and the engines'
+    else the shipped soft-affinity example's), `forward_token_ids` (router-host's
+    `serve.forward_token_ids`, on by default). router-host's tokenizer follows `spec.tokenizer` and the engines'
     `tokenizer_dir` (router_host_tokenizer)."""
     if spec.name not in POLICIES:
         raise BenchError(f"unknown router `{spec.name}` (known: {', '.join(POLICIES)})")
@@ -523,6 +526,7 @@ def start_router(
                 two_tier_parameters if two_tier_parameters is not None
                 else spec.two_tier_parameters if spec.two_tier_parameters is not None
                 else DEFAULT_TWO_TIER_PARAMETERS,
+                forward_token_ids,
             )
         )
         tokenizer_dir = router_host_tokenizer(spec, engines)

