@@ -37,6 +37,24 @@ fn family<L: EncodeLabelSet, M: EncodeMetric>(
 }
 
 type Labels = Vec<(&'static str, String)>;
+
+/// One family per `(name, help, value)`, each a single unlabelled counter.
+fn constant_counters(
+    encoder: &mut DescriptorEncoder<'_>,
+    counters: &[(&str, &str, u64)],
+) -> Result<(), std::fmt::Error> {
+    for &(name, help, value) in counters {
+        family(
+            encoder,
+            name,
+            help,
+            MetricType::Counter,
+            std::iter::once((Labels::new(), ConstCounter::new(value))),
+        )?;
+    }
+    Ok(())
+}
+
 /// A per-instance counter: name, help, and how to read it from a snapshot.
 type CounterSpec = (
     &'static str,
@@ -306,15 +324,7 @@ impl Collector for StateCollector {
                     s.errors,
                 ),
             ];
-            for (name, help, value) in counters {
-                family(
-                    &mut encoder,
-                    name,
-                    help,
-                    MetricType::Counter,
-                    std::iter::once((Labels::new(), ConstCounter::new(value))),
-                )?;
-            }
+            constant_counters(&mut encoder, &counters)?;
             if let Some(share) = store.shared_load() {
                 // docs/replicas.md, "Shared load".
                 let s = share.stats();
@@ -366,15 +376,7 @@ impl Collector for StateCollector {
                         s.errors,
                     ),
                 ];
-                for (name, help, value) in counters {
-                    family(
-                        &mut encoder,
-                        name,
-                        help,
-                        MetricType::Counter,
-                        std::iter::once((Labels::new(), ConstCounter::new(value))),
-                    )?;
-                }
+                constant_counters(&mut encoder, &counters)?;
                 let shared: Vec<_> = rows
                     .iter()
                     .map(|r| (row_labels(r), core.shared_load(*r)))
