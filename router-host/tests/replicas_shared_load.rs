@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::engine::{client, eventually, metric_value};
-use router_host::config::{OnStoreUnavailable, RedisStoreConfig, RouterConfig, SessionStoreConfig};
+use router_host::config::{RouterConfig, SessionStoreConfig};
 use router_host::model::{RowId, RowLoad};
 use router_host::session_store::shared_load::{key_names, SharedLoadError};
 use router_host::session_store::SharedLoad;
@@ -288,19 +288,6 @@ async fn a_store_outage_keeps_the_view_for_the_ttl_then_routes_on_local_load() {
     }
 }
 
-fn store_config(server: &RedisServer, prefix: &str) -> RedisStoreConfig {
-    RedisStoreConfig {
-        url: server.url(),
-        key_prefix: prefix.to_owned(),
-        timeout: Duration::from_millis(500),
-        on_unavailable: OnStoreUnavailable::Route,
-        lease: Duration::from_secs(30),
-        replica_id: None,
-        share_load: true,
-        load_publish: Duration::from_millis(200),
-    }
-}
-
 fn row(worker_id: u64) -> RowId {
     RowId {
         worker_id,
@@ -324,7 +311,7 @@ fn what_other_programs_leave_in_the_store_is_bounded_refused_and_counted() {
     };
     let dir = common::temp_dir("shared_load_garbage");
     let server = RedisServer::start(&binary, &dir, None);
-    let mut config = store_config(&server, "g:");
+    let mut config = server.store_config("g:", true);
     // A TTL of 10 s: the peer's entry outlives this test's steps on any machine.
     config.load_publish = Duration::from_secs(2);
     let url = server.url();

@@ -33,18 +33,7 @@ fn row(worker_id: u64) -> RowId {
 }
 
 fn config(server: &RedisServer, prefix: &str) -> RedisStoreConfig {
-    RedisStoreConfig {
-        url: server.url(),
-        key_prefix: prefix.to_owned(),
-        // Generous: the machine is shared and may be busy; outages are caused by stopping the
-        // server, never by this timeout.
-        timeout: Duration::from_millis(500),
-        on_unavailable: OnStoreUnavailable::Route,
-        lease: Duration::from_secs(30),
-        replica_id: None,
-        share_load: false,
-        load_publish: router_host::config::DEFAULT_LOAD_PUBLISH,
-    }
+    server.store_config(prefix, false)
 }
 
 fn store(config: &RedisStoreConfig, mode: BindingMode, ttl: Duration) -> RedisStore {

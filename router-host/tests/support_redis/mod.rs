@@ -134,6 +134,25 @@ impl RedisServer {
     }
 
     /// `redis://[:password@]127.0.0.1:PORT/0`.
+    /// A store configuration for this server: keys under `prefix`, a timeout generous for a
+    /// busy machine (outages in these tests come from stopping the server, never from it).
+    pub fn store_config(
+        &self,
+        prefix: &str,
+        share_load: bool,
+    ) -> router_host::config::RedisStoreConfig {
+        router_host::config::RedisStoreConfig {
+            url: self.url(),
+            key_prefix: prefix.to_owned(),
+            timeout: Duration::from_millis(500),
+            on_unavailable: router_host::config::OnStoreUnavailable::Route,
+            lease: Duration::from_secs(30),
+            replica_id: None,
+            share_load,
+            load_publish: router_host::config::DEFAULT_LOAD_PUBLISH,
+        }
+    }
+
     pub fn url(&self) -> String {
         match &self.password {
             Some(p) => format!("redis://:{p}@127.0.0.1:{}/0", self.port),
