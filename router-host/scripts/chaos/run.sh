@@ -70,28 +70,11 @@ case "$TARGET" in /*) ;; *) TARGET="$REPO/$TARGET" ;; esac
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
-# The session store is a real redis-server (Debian package), installed as .ci/run does.
-if ! command -v redis-server >/dev/null 2>&1; then
-  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-  log "installing redis-server (apt-get)"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server || die "could not install redis-server"
-fi
-
-# The driver is standard library Python but for PyYAML (the config and --config-overlay):
-# python3's own if it has it, else a venv outside the repository.
-PYTHON=python3
-if ! "$PYTHON" -c 'import yaml' >/dev/null 2>&1; then
-  VENV="$CACHE/venv"
-  if ! "$VENV/bin/python" -c 'import yaml' >/dev/null 2>&1; then
-    log "installing PyYAML==$PYYAML_VERSION into $VENV"
-    rm -rf "$VENV"
-    mkdir -p "$CACHE"
-    python3 -m venv "$VENV" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-    "$VENV/bin/python" -m pip --disable-pip-version-check -q install "PyYAML==$PYYAML_VERSION" \
-      || die "pip could not install PyYAML==$PYYAML_VERSION"
-  fi
-  PYTHON="$VENV/bin/python"
-fi
+# The session store is a real redis-server (Debian package), installed as .ci/run does; the
+# driver is standard library Python but for PyYAML (the config and --config-overlay).
+. "$HERE/../lib/setup.sh"
+debian_packages redis-server
+python_with_yaml "$CACHE" "$PYYAML_VERSION"
 
 # The classifier first: a lost request must be seen as lost (a stand-in server, a second).
 "$PYTHON" "$HERE/chaos.py" --self-test || die "the driver's self-test failed: its classifier is wrong"

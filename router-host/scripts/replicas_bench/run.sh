@@ -63,31 +63,11 @@ LOGS="$TARGET/replicas_bench/logs"
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
 
-# haproxy and redis-server from Debian, installed if missing.
-MISSING=()
-command -v haproxy >/dev/null 2>&1 || MISSING+=(haproxy)
-command -v redis-server >/dev/null 2>&1 || MISSING+=(redis-server)
-if [ ${#MISSING[@]} -gt 0 ]; then
-  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-  log "installing ${MISSING[*]} (apt-get)"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${MISSING[@]}" || die "could not install ${MISSING[*]}"
-fi
-
-# The driver is standard library Python but for PyYAML: python3's own if it has it, else the
-# chaos test's venv outside the repository.
-PYTHON=python3
-if ! "$PYTHON" -c 'import yaml' >/dev/null 2>&1; then
-  VENV="$CACHE/venv"
-  if ! "$VENV/bin/python" -c 'import yaml' >/dev/null 2>&1; then
-    log "installing PyYAML==$PYYAML_VERSION into $VENV"
-    rm -rf "$VENV"
-    mkdir -p "$CACHE"
-    python3 -m venv "$VENV" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-    "$VENV/bin/python" -m pip --disable-pip-version-check -q install "PyYAML==$PYYAML_VERSION" \
-      || die "pip could not install PyYAML==$PYYAML_VERSION"
-  fi
-  PYTHON="$VENV/bin/python"
-fi
+# haproxy and redis-server from Debian, installed if missing; the driver is standard library
+# Python but for PyYAML (the chaos test's venv outside the repository when python3 lacks it).
+. "$HERE/../lib/setup.sh"
+debian_packages haproxy redis-server
+python_with_yaml "$CACHE" "$PYYAML_VERSION"
 
 log "cargo build --release -p router-host -p two-tier-cost-fn"
 t0=$SECONDS
