@@ -18,7 +18,7 @@ use common::engine::{client, eventually, metric_value};
 use router_host::config::{RouterConfig, SessionStoreConfig};
 use router_host::model::{RowId, RowLoad};
 use router_host::session_store::shared_load::{key_names, SharedLoadError};
-use router_host::session_store::SharedLoad;
+use router_host::session_store::{Booked, SharedLoad, Sketch};
 use serde_json::json;
 use support_redis::RedisServer;
 use support_replicas::{rig, Replica, Rig};
@@ -322,13 +322,16 @@ fn what_other_programs_leave_in_the_store_is_bounded_refused_and_counted() {
 
     // A peer's load is summed per known row; its unknown row is skipped, not refused.
     peer.exchange(
-        &[(row(1), load(2, 10, 3)), (row(9), load(5, 5, 5))],
+        &[
+            (row(1), load(2, 10, 3).into()),
+            (row(9), load(5, 5, 5).into()),
+        ],
         2,
         &known,
     )
     .expect("peer publishes");
     let view = me
-        .exchange(&[(row(2), load(1, 1, 1))], 2, &known)
+        .exchange(&[(row(2), load(1, 1, 1).into())], 2, &known)
         .expect("exchange");
     assert_eq!(view.replicas, 1);
     assert_eq!(view.rows.get(&row(1)), Some(&load(2, 10, 3)));
@@ -376,7 +379,8 @@ fn what_other_programs_leave_in_the_store_is_bounded_refused_and_counted() {
     assert_eq!(kind, "string", "a foreign key is never written");
 
     // What this replica wrote: its rows, with the TTL; nothing booked = no hash.
-    me.exchange(&[(row(2), load(4, 40, 2))], 2, &known).unwrap();
+    me.exchange(&[(row(2), load(4, 40, 2).into())], 2, &known)
+        .unwrap();
     let (fields, ttl): (Vec<String>, i64) = redis::pipe()
         .cmd("HGETALL")
         .arg(me.own_key())
@@ -386,6 +390,42 @@ fn what_other_programs_leave_in_the_store_is_bounded_refused_and_counted() {
         .unwrap();
     assert_eq!(fields, ["2:0", "4 40 2"]);
     assert!(ttl > 0 && ttl <= 10_000, "{ttl}");
+
+    // Under deduplicated booking the held block ids go out as a count and a sketch, and
+    // blocks both replicas hold count once: the peer's 5 held ids are all this replica's too.
+    let ids: Vec<u64> = (1..=5).collect();
+    let held = |load, ids: &[u64]| Booked {
+        load,
+        held: Some((ids.len() as u64, Sketch::of(ids))),
+    };
+    peer.exchange(&[(row(1), held(load(2, 10, 6), &ids))], 2, &known)
+        .unwrap();
+    let (peer_fields,): (Vec<String>,) = redis::pipe()
+        .cmd("HGETALL")
+        .arg(peer.own_key())
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        peer_fields,
+        [
+            "1:0".to_owned(),
+            format!("2 10 6 5 {}", Sketch::of(&ids).encode())
+        ]
+    );
+    let view = me.exchange(&[], 2, &known).unwrap();
+    assert_eq!(view.rows.get(&row(1)), Some(&load(2, 10, 1)), "{view:?}");
+    let mine = Sketch::of(&ids);
+    assert_eq!(
+        view.load(row(1), Some(&mine)),
+        Some(load(2, 10, 1)),
+        "held here too"
+    );
+    assert_eq!(
+        view.load(row(1), None),
+        Some(load(2, 10, 6)),
+        "held there only"
+    );
+
     me.exchange(&[], 2, &known).unwrap();
     let exists: i64 = redis::cmd("EXISTS")
         .arg(me.own_key())
@@ -400,7 +440,7 @@ fn what_other_programs_leave_in_the_store_is_bounded_refused_and_counted() {
         .arg("mine")
         .query(&mut con)
         .unwrap();
-    match me.exchange(&[(row(1), load(1, 1, 1))], 2, &known) {
+    match me.exchange(&[(row(1), load(1, 1, 1).into())], 2, &known) {
         Err(SharedLoadError::Foreign { key, kind }) => {
             assert_eq!((key.as_str(), kind.as_str()), (registry.as_str(), "string"));
         }

@@ -18,6 +18,7 @@ use std::time::Duration;
 use plugin_api::abi::CompletionCode;
 use plugin_api::AffinityTarget;
 use router_core::kv_index::{KvEventKind, Tier};
+use router_core::ledger::DecodeBooking;
 use router_core::model::{NoOverlap, Request, RowLoad, Worker};
 use router_core::routing::{CoreSettings, RouteError, SessionOutcome, Submitted, DRAWN_ID_BIT};
 use router_core::sessions::{
@@ -350,6 +351,45 @@ fn overlap_comes_from_the_requests_blocks_in_the_cores_index() {
     // Without blocks every row is cold: lowest id on a tie.
     let routed = core.route_indexed(&req(128), false).unwrap();
     assert_eq!(routed.decision.row, row(1, 0));
+}
+
+#[test]
+fn held_blocks_of_a_row_are_its_requests_distinct_prompt_blocks() {
+    let selector = Arc::new(Cheapest::default());
+    let core = core_of(
+        selector,
+        vec![Worker::new(1)],
+        CoreSettings {
+            decode_booking: DecodeBooking::Deduplicated,
+            ..CoreSettings::default()
+        },
+    );
+    let r = row(1, 0);
+    let prompt = |tail: std::ops::Range<u64>| Request {
+        blocks: (100..104).chain(tail).collect(),
+        isl_tokens: 8 * 16,
+        ..Default::default()
+    };
+    let held = |core: &router_core::routing::RoutingCore| {
+        let mut ids = vec![7];
+        core.held_blocks_of(r, &mut ids);
+        ids.sort_unstable();
+        ids
+    };
+    assert!(held(&core).is_empty(), "nothing in flight");
+    let a = core.route_indexed(&prompt(200..204), false).unwrap();
+    let b = core.route_indexed(&prompt(300..304), false).unwrap();
+    // A shared system prompt counts once: 4 + 4 + 4, as the booked decode blocks.
+    let both: Vec<u64> = (100..104).chain(200..204).chain(300..304).collect();
+    assert_eq!(held(&core), both);
+    assert_eq!(core.booked(r).decode_blocks, 12);
+    core.complete(a.id);
+    assert_eq!(held(&core), (100..104).chain(300..304).collect::<Vec<_>>());
+    core.complete(b.id);
+    assert!(held(&core).is_empty());
+    let mut ids = vec![7];
+    core.held_blocks_of(row(9, 0), &mut ids);
+    assert!(ids.is_empty(), "an unknown row holds nothing");
 }
 
 /// A core with session bindings in `mode` (TTL 60 s) on `clock`, with the granularity

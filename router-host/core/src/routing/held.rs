@@ -83,6 +83,14 @@ impl HeldBlocks {
         self.slots.remove(&slot);
     }
 
+    /// The distinct blocks held on `slot`, into `out` (cleared first).
+    pub fn ids_into(&self, slot: Slot, out: &mut Vec<u64>) {
+        out.clear();
+        if let Some(held) = self.slots.get(&slot) {
+            out.extend(held.keys().copied());
+        }
+    }
+
     /// Distinct blocks held on `slot`.
     #[cfg(test)]
     pub fn distinct(&self, slot: Slot) -> usize {
@@ -111,6 +119,12 @@ mod tests {
         // Another slot counts on its own.
         assert_eq!(held.hold(12, 4, &[1, 2]), 2);
         assert_eq!(held.distinct(3), 4);
+        let mut ids = vec![99];
+        held.ids_into(3, &mut ids);
+        ids.sort_unstable();
+        assert_eq!(ids, [1, 2, 3, 4]);
+        held.ids_into(9, &mut ids);
+        assert!(ids.is_empty(), "a slot holding nothing lists nothing");
         // Blocks 1 and 2 are still held by request 11; 3 goes.
         assert_eq!(held.release(10, 3), 1);
         assert_eq!(held.release(10, 3), 0, "released once");

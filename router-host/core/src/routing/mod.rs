@@ -277,6 +277,21 @@ impl RoutingCore {
             .map_or_else(RowLoad::default, |s| self.ledger.booked(s))
     }
 
+    /// The distinct prompt blocks this core's requests in flight on `row` hold, into `out`
+    /// (cleared first): what its booked `decode_blocks` counts under
+    /// [`DecodeBooking::Deduplicated`] besides blocks without ids; nothing under
+    /// [`DecodeBooking::Prompt`]. For replicas that share their load and must count a block
+    /// that several of them hold once (docs/replicas.md, "Shared load"). Off the request path:
+    /// a copy under the shard's lock.
+    pub fn held_blocks_of(&self, row: RowId, out: &mut Vec<u64>) {
+        out.clear();
+        if let Some(slot) = self.topology.load().slot(row) {
+            lock(&self.inflight[shard_of_slot(slot)])
+                .held
+                .ids_into(slot, out);
+        }
+    }
+
     /// Report the active requests observed on `row` (engine metrics), or `None` to forget them.
     /// Returns whether the row is registered. See [`crate::ledger::Ledger::observe`] for the rule.
     pub fn observe_load(&self, row: RowId, active_requests: Option<u64>) -> bool {

@@ -13,12 +13,14 @@ mod connection;
 mod redis_store;
 mod scripts;
 pub mod shared_load;
+pub mod sketch;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use redis_store::RedisStore;
-pub use shared_load::{SharedLoad, SharedLoadStats};
+pub use shared_load::{Booked, SharedLoad, SharedLoadStats};
+pub use sketch::Sketch;
 
 use router_config::{redact_url, RedisStoreConfig, RouterConfig, SessionStoreConfig};
 use router_core::model::Cluster;

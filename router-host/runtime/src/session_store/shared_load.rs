@@ -8,6 +8,12 @@
 //! deadline has not passed. The core adds their sum to its own bookings per row
 //! ([`RoutingCore::set_shared_load`]).
 //!
+//! Under `booking.decode: deduplicated` a replica's `decode_blocks` counts each prompt block its
+//! requests on a row hold once; summing replicas would count a system prompt once per replica
+//! although the engine holds one copy. So each replica also publishes how many distinct block
+//! ids it holds on the row and a sketch of them ([`Sketch`]); the others' held blocks are
+//! counted as the sketches' union less this replica's own ([`View::load`]).
+//!
 //! The braces are a Redis Cluster hash tag: every key of the shared load lies in one slot, so
 //! the script may read the other replicas' hashes on a cluster too.
 //!
@@ -34,6 +40,7 @@ use router_core::model::{RowId, RowLoad};
 use router_core::routing::RoutingCore;
 
 use super::redis_store::describe;
+use super::sketch::Sketch;
 
 /// The TTL of a replica's published load, in publish periods: a replica that stopped
 /// publishing (killed, cut off) is gone from every other's view this long after its last
@@ -59,9 +66,9 @@ pub fn fields_cap(rows: usize) -> usize {
 }
 
 /// Most bytes (fields and values) accepted in another replica's hash: a field `W:R` and its
-/// value `A P D` take at most 20 + 1 + 10 and 3 * 20 + 2 bytes.
+/// value `A P D H SKETCH` take at most 20 + 1 + 10 and 4 * 20 + 4 + 1,024 bytes.
 pub fn bytes_cap(rows: usize) -> usize {
-    fields_cap(rows).saturating_mul(96)
+    fields_cap(rows).saturating_mul(1_160)
 }
 
 /// Publish this replica's load, refresh its registry entry, read the others'. Answers a list of
@@ -142,15 +149,56 @@ pub enum SharedLoadError {
     Answer(String),
 }
 
+/// One row of what this replica publishes: its booked load and, under `booking.decode:
+/// deduplicated`, the distinct prompt block ids its requests hold there
+/// ([`RoutingCore::held_blocks_of`]), counted (at most `decode_blocks`) and sketched.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Booked {
+    pub load: RowLoad,
+    pub held: Option<(u64, Sketch)>,
+}
+
+impl From<RowLoad> for Booked {
+    fn from(load: RowLoad) -> Self {
+        Booked { load, held: None }
+    }
+}
+
 /// The other replicas' load as one round read it.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct View {
     /// Other replicas alive in the registry (their deadline has not passed).
     pub replicas: usize,
-    /// Their booked load summed per row (rows this configuration has; saturating).
+    /// Their booked load summed per row (rows this configuration has; saturating), with
+    /// `decode_blocks` less the held block ids each published a sketch of.
     pub rows: HashMap<RowId, RowLoad>,
+    /// Per row, those held block ids: their sum, and the union of their sketches.
+    pub held: HashMap<RowId, (u64, Sketch)>,
     /// Hashes and fields refused in this round (foreign, oversize, unparsable).
     pub refused: u64,
+}
+
+impl View {
+    /// The other replicas' load on `row` for a replica whose own requests hold the block ids
+    /// `own` sketches there: their sums, plus the held blocks of theirs that this replica does
+    /// not hold too (estimated from the sketches; at least 0, at most their sum).
+    pub fn load(&self, row: RowId, own: Option<&Sketch>) -> Option<RowLoad> {
+        let mut load = *self.rows.get(&row)?;
+        if let Some((sum, theirs)) = self.held.get(&row) {
+            let extra = match own {
+                Some(own) => {
+                    let mut union = theirs.clone();
+                    union.merge(own);
+                    union.estimate() - own.estimate()
+                }
+                None => theirs.estimate(),
+            };
+            // Saturating float-to-int cast: NaN and negatives become 0.
+            let extra = (extra.round() as u64).min(*sum);
+            load.decode_blocks = load.decode_blocks.saturating_add(extra);
+        }
+        Some(load)
+    }
 }
 
 /// The counters and gauges of the shared load, for metrics.
@@ -300,7 +348,8 @@ impl SharedLoad {
     /// drop it). Blocking, bounded by the round's timeout: run it off the async workers.
     pub fn round(&self, core: &RoutingCore) {
         let topology = core.topology();
-        let mine: Vec<(RowId, RowLoad)> = topology
+        let mut ids = Vec::new();
+        let mine: Vec<(RowId, Booked)> = topology
             .rows()
             .map(|(row, _)| (row, core.booked(row)))
             .filter(|(_, load)| {
@@ -308,12 +357,24 @@ impl SharedLoad {
                     || load.active_prefill_tokens != 0
                     || load.decode_blocks != 0
             })
+            .map(|(row, load)| {
+                if load.decode_blocks != 0 {
+                    core.held_blocks_of(row, &mut ids);
+                }
+                let held = (load.decode_blocks != 0 && !ids.is_empty())
+                    .then(|| ((ids.len() as u64).min(load.decode_blocks), Sketch::of(&ids)));
+                (row, Booked { load, held })
+            })
             .collect();
         let rows = topology.rows().count();
         let known = |row: RowId| topology.slot(row).is_some();
         match self.exchange(&mine, rows, &known) {
             Ok(view) => {
-                core.set_shared_load(|row| view.rows.get(&row).copied());
+                let own: HashMap<RowId, &Sketch> = mine
+                    .iter()
+                    .filter_map(|(row, b)| b.held.as_ref().map(|(_, sketch)| (*row, sketch)))
+                    .collect();
+                core.set_shared_load(|row| view.load(row, own.get(&row).copied()));
                 self.succeeded(&view);
             }
             Err(err) => {
@@ -336,7 +397,7 @@ impl SharedLoad {
     /// answer out of shape.
     pub fn exchange(
         &self,
-        mine: &[(RowId, RowLoad)],
+        mine: &[(RowId, Booked)],
         rows: usize,
         known: &dyn Fn(RowId) -> bool,
     ) -> Result<View, SharedLoadError> {
@@ -365,13 +426,18 @@ impl SharedLoad {
             .arg(MAX_REPLICAS)
             .arg(fields_cap(rows))
             .arg(bytes_cap(rows));
-        for (row, load) in mine {
+        for (row, Booked { load, held }) in mine {
+            let (a, p, d) = (
+                load.active_requests,
+                load.active_prefill_tokens,
+                load.decode_blocks,
+            );
             invocation
                 .arg(format!("{}:{}", row.worker_id, row.dp_rank))
-                .arg(format!(
-                    "{} {} {}",
-                    load.active_requests, load.active_prefill_tokens, load.decode_blocks
-                ));
+                .arg(match held {
+                    None => format!("{a} {p} {d}"),
+                    Some((count, sketch)) => format!("{a} {p} {d} {count} {}", sketch.encode()),
+                });
         }
         let answer: Vec<Vec<String>> = invocation.invoke(c).map_err(|err| {
             if super::connection::is_outage(&err) {
@@ -438,15 +504,23 @@ impl SharedLoad {
                     for pair in fields.chunks(2) {
                         match pair {
                             [field, value] => match parse_row(field, value) {
-                                Some((row, load)) if known(row) => {
+                                Some((row, Booked { load, held })) if known(row) => {
+                                    let mut held_count = 0;
+                                    if let Some((count, sketch)) = held {
+                                        held_count = count;
+                                        let (sum, union) = view.held.entry(row).or_default();
+                                        *sum = sum.saturating_add(count);
+                                        union.merge(&sketch);
+                                    }
                                     let sum = view.rows.entry(row).or_default();
                                     sum.active_requests =
                                         sum.active_requests.saturating_add(load.active_requests);
                                     sum.active_prefill_tokens = sum
                                         .active_prefill_tokens
                                         .saturating_add(load.active_prefill_tokens);
-                                    sum.decode_blocks =
-                                        sum.decode_blocks.saturating_add(load.decode_blocks);
+                                    sum.decode_blocks = sum
+                                        .decode_blocks
+                                        .saturating_add(load.decode_blocks - held_count);
                                 }
                                 // A row this configuration does not have: not ours to count.
                                 Some(_) => {}
@@ -555,29 +629,37 @@ impl SharedLoad {
     }
 }
 
-/// `W:R` = `A P D` as a row and its load; `None` when either does not parse.
-fn parse_row(field: &str, value: &str) -> Option<(RowId, RowLoad)> {
+/// `W:R` = `A P D`, or `A P D H SKETCH`, as a row, its load and the block ids it holds there
+/// (`H` distinct ids, at most `D`, and their [`Sketch`]); `None` when either does not parse.
+fn parse_row(field: &str, value: &str) -> Option<(RowId, Booked)> {
     let (worker, rank) = field.split_once(':')?;
     let row = RowId {
         worker_id: worker.parse().ok()?,
         dp_rank: rank.parse().ok()?,
     };
-    let mut numbers = value.split(' ').map(str::parse::<u64>);
-    let (Some(Ok(a)), Some(Ok(p)), Some(Ok(d)), None) = (
-        numbers.next(),
-        numbers.next(),
-        numbers.next(),
-        numbers.next(),
-    ) else {
+    let mut parts = value.split(' ');
+    let mut number = || parts.next().and_then(|n| n.parse::<u64>().ok());
+    let (Some(a), Some(p), Some(d)) = (number(), number(), number()) else {
         return None;
+    };
+    let held = match (parts.next(), parts.next(), parts.next()) {
+        (None, None, None) => None,
+        (Some(count), Some(sketch), None) => {
+            let count = count.parse::<u64>().ok().filter(|&h| h <= d)?;
+            Some((count, Sketch::decode(sketch)?))
+        }
+        _ => return None,
     };
     Some((
         row,
-        RowLoad {
-            available: true,
-            active_requests: a,
-            active_prefill_tokens: p,
-            decode_blocks: d,
+        Booked {
+            load: RowLoad {
+                available: true,
+                active_requests: a,
+                active_prefill_tokens: p,
+                decode_blocks: d,
+            },
+            held,
         },
     ))
 }
@@ -598,8 +680,20 @@ mod tests {
 
     #[test]
     fn rows_parse_only_in_their_one_form() {
-        let (row, load) = parse_row("12:3", "4 500 6").unwrap();
+        let (row, Booked { load, held }) = parse_row("12:3", "4 500 6").unwrap();
         assert_eq!((row.worker_id, row.dp_rank), (12, 3));
+        assert_eq!(held, None, "three numbers: no held ids");
+        let sketch = Sketch::of(&[1, 2, 3, 4, 5]);
+        let (_, with) = parse_row("12:3", &format!("4 500 6 5 {}", sketch.encode())).unwrap();
+        assert_eq!(with.held, Some((5, sketch.clone())));
+        for value in [
+            format!("4 500 6 7 {}", sketch.encode()),
+            format!("4 500 6 5 {} 1", sketch.encode()),
+            "4 500 6 5 xyz".to_owned(),
+            "4 500 6 5".to_owned(),
+        ] {
+            assert!(parse_row("1:0", &value).is_none(), "{value}");
+        }
         assert_eq!(
             (
                 load.active_requests,
@@ -613,6 +707,7 @@ mod tests {
             ("12:x", "1 2 3"),
             ("1:0", "1 2"),
             ("1:0", "1 2 3 4"),
+            ("1:0", "1 2 3 "),
             ("1:0", "-1 2 3"),
             ("1:0", "1  2 3"),
             ("1:99999999999", "1 2 3"),
@@ -620,6 +715,52 @@ mod tests {
         ] {
             assert!(parse_row(field, value).is_none(), "{field} = {value}");
         }
+    }
+
+    #[test]
+    fn held_blocks_count_once_across_replicas_and_the_rest_adds_up() {
+        let r = RowId {
+            worker_id: 1,
+            dp_rank: 0,
+        };
+        let load = |d| RowLoad {
+            available: true,
+            active_requests: 1,
+            active_prefill_tokens: 0,
+            decode_blocks: d,
+        };
+        // A system prompt of 48 blocks, and per request 20 blocks of its own.
+        let prompt: Vec<u64> = (1_000..1_048).collect();
+        let own =
+            |base: u64| -> Vec<u64> { prompt.iter().copied().chain(base..base + 20).collect() };
+        // Two others hold the prompt and their own blocks (68 each), plus 2 blocks without ids.
+        let (a, b) = (own(5_000), own(6_000));
+        let mut union = Sketch::of(&a);
+        union.merge(&Sketch::of(&b));
+        let view = View {
+            replicas: 2,
+            rows: HashMap::from([(r, load(2))]),
+            held: HashMap::from([(r, (136, union))]),
+            refused: 0,
+        };
+        let others = |mine: Option<&Sketch>| view.load(r, mine).unwrap().decode_blocks;
+        // This replica holds the prompt too: the others add their own 40 and the 2 without ids.
+        let mine = Sketch::of(&own(7_000));
+        assert!(
+            (40..=44).contains(&others(Some(&mine))),
+            "{}",
+            others(Some(&mine))
+        );
+        // It holds nothing there: the prompt counts once, 88 + 2.
+        assert!((86..=94).contains(&others(None)), "{}", others(None));
+        // Never more than their sum, never less than what has no ids.
+        let all: Vec<u64> = a.iter().chain(&b).copied().collect();
+        assert_eq!(others(Some(&Sketch::of(&all))), 2);
+        let other = RowId {
+            worker_id: 2,
+            dp_rank: 0,
+        };
+        assert_eq!(view.load(other, None), None, "nothing booked there");
     }
 
     #[test]
