@@ -188,6 +188,57 @@ async fn a_replicas_booked_load_steers_the_other_and_leaves_with_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_booking_publishes_sooner_than_the_period() {
+    // Rounds every 10 s (the longest period): without a release neither replica rounds again
+    // before 10 s after its start; a release lets each round a quarter period (2.5 s) after
+    // its last.
+    let Some(rig) = rig("shared_load_early", "    load_publish_ms: 10000\n").await else {
+        return;
+    };
+    let started = Instant::now();
+    let (a, b) = (Replica::start(&rig.config), Replica::start(&rig.config));
+    let http = client();
+    let held = hold_on_engine_1(&rig, &http, &a, 2).await;
+    engine_2_back(&rig, &http, &[&a, &b]).await;
+    // The held requests keep waiting; new ones on engine 1 answer at once (B, not knowing of
+    // A's load yet, may well send some there).
+    rig.engines[0]
+        .state
+        .controls
+        .head_delay_ms
+        .store(0, Ordering::SeqCst);
+    // Short requests through both replicas release bookings on each, until B's view shows
+    // A's two held requests.
+    let mut i = 0;
+    let seen = loop {
+        for replica in [&a, &b] {
+            let (status, _) = ask(&http, replica, i).await;
+            assert_eq!(status, 200, "{}", replica.log());
+        }
+        i += 1;
+        let seen = b.metric(&http, ROW_1).await;
+        if seen == 2.0 || started.elapsed() > Duration::from_millis(9_500) {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(
+        seen,
+        2.0,
+        "B's view of A's held requests {:?} after start, short of the 10 s period\n{}",
+        started.elapsed(),
+        b.log()
+    );
+    eprintln!(
+        "B saw A's held requests {:?} after start",
+        started.elapsed()
+    );
+    for task in held {
+        task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_keeps_the_view_for_the_ttl_then_routes_on_local_load() {
     // Rounds every 1 s, so the TTL is 5 s: long enough to see the view kept through the
     // beginning of the outage on a busy machine.

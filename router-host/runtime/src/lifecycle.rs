@@ -143,6 +143,7 @@ impl Flight {
         self.app
             .flights
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.app.booking_released.notify_one();
         after_release(&self.app, &self.loaded, owed);
         if self.final_attempt {
             self.app.metrics.request(self.endpoint, outcome);
@@ -275,6 +276,7 @@ impl Drop for Queued {
         let core = self.loaded.host.core();
         if let Some(Ok(routed)) = core.abandon(&ticket) {
             let owed = core.finish_owing_hook(routed.id, CompletionCode::CANCELLED);
+            self.app.booking_released.notify_one();
             after_release(&self.app, &self.loaded, owed);
         }
         tracing::debug!(ticket = ticket.id(), "client gone while queued");
