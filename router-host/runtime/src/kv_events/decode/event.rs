@@ -214,6 +214,10 @@ fn tokens(
             budget.charge(n, std::mem::size_of::<u32>())?;
             let mut out = Vec::with_capacity(n);
             for _ in 0..n {
+                if let Some(token) = r.next_u32() {
+                    out.push(token);
+                    continue;
+                }
                 let token = r
                     .next()?
                     .as_u64()

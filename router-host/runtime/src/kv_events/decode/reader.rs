@@ -219,6 +219,10 @@ impl<'a> Reader<'a> {
         };
         while pending > 0 {
             pending -= 1;
+            // Token ids are most of an event's bytes: skipped without building a token.
+            if self.next_u32().is_some() {
+                continue;
+            }
             match self.next()? {
                 Tok::Array(n) => pending += n,
                 Tok::Map(n) => pending += n * 2,
@@ -226,6 +230,22 @@ impl<'a> Reader<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The next value when it is an unsigned integer in a format of at most 32 bits (how
+    /// token ids come), read; `None`, reading nothing, for anything else, including a value cut
+    /// short (which [`Reader::next`] then reports).
+    pub(super) fn next_u32(&mut self) -> Option<u32> {
+        let at = |i: usize| self.buf.get(self.pos + i).copied();
+        let (width, value) = match at(0)? {
+            b @ 0x00..=0x7f => (1, u32::from(b)),
+            0xcc => (2, u32::from(at(1)?)),
+            0xcd => (3, u32::from(u16::from_be_bytes([at(1)?, at(2)?]))),
+            0xce => (5, u32::from_be_bytes([at(1)?, at(2)?, at(3)?, at(4)?])),
+            _ => return None,
+        };
+        self.pos += width;
+        Some(value)
     }
 
     /// Skip one whole value.

@@ -291,3 +291,37 @@ fn an_event_decodes_within_its_budget_or_not_at_all() {
     let batch = decode_payload(&bytes).expect("the envelope decodes");
     assert!(matches!(batch.events[0], Err(DecodeError::Budget(_))));
 }
+
+#[test]
+fn token_ids_of_every_width_decode_and_skip_as_any_other_integer() {
+    let tokens = [0, 1, 127, 128, 255, 256, 65_535, 65_536, u32::MAX];
+    let bytes = payload(vec![stored_map(
+        vec![Value::from(1)],
+        Value::Nil,
+        &tokens,
+        Value::Nil,
+    )]);
+    let batch = decode_payload(&bytes).expect("decodes");
+    let Ok(EngineEvent::BlockStored(b)) = &batch.events[0] else {
+        panic!("not a BlockStored: {:?}", batch.events)
+    };
+    assert_eq!(b.token_ids, tokens);
+    // A small id in the 64-bit form, an id past u32, and values cut short take the general
+    // path: read, refused or reported, never misread.
+    let mut r = Reader::new(&[0xcf, 0, 0, 0, 0, 0, 0, 0, 7]);
+    assert_eq!(r.next_u32(), None);
+    assert!(matches!(r.next(), Ok(Tok::Uint(7))));
+    for cut in [&[0xcc][..], &[0xcd, 1], &[0xce, 1, 2, 3]] {
+        let mut r = Reader::new(cut);
+        assert_eq!(r.next_u32(), None, "{cut:?}");
+        assert!(r.next().is_err(), "{cut:?}");
+    }
+    // Skipping an array of mixed integers lands after it; one cut short is an error.
+    let mut r = Reader::new(&[0x94, 0x05, 0xcc, 0xff, 0xcd, 1, 2, 0xd0, 0xff, 0x2a]);
+    let head = r.next().expect("array");
+    r.skip_children(head).expect("skips");
+    assert!(matches!(r.next(), Ok(Tok::Uint(42))));
+    let mut r = Reader::new(&[0x92, 0x05, 0xce, 1, 2]);
+    let head = r.next().expect("array");
+    assert!(r.skip_children(head).is_err());
+}
