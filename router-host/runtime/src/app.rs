@@ -22,10 +22,10 @@ pub struct App {
     pub health: Arc<HealthTable>,
     /// Requests booked and not yet finished, across loaded configurations.
     pub flights: AtomicUsize,
-    /// A booking was released: the shared load publishes sooner than its period
-    /// (`background::share_load`), so the other replicas see a freed row while the next turn
-    /// of its session may already be on its way to one of them.
-    pub booking_released: tokio::sync::Notify,
+    /// A request was booked or released: the shared load publishes sooner than its period
+    /// (`background::share_load`), so the other replicas see a row fill and free up (the next
+    /// turn of a session may be on its way to one of them) about as soon as this one does.
+    pub booking_changed: tokio::sync::Notify,
     pub stopping: Stop,
     /// Which reloads started and which was swapped in (`App::reload`, `reload.rs`).
     pub(crate) reloads: Reloads,
@@ -74,7 +74,7 @@ impl App {
             metrics,
             health,
             flights: AtomicUsize::new(0),
-            booking_released: tokio::sync::Notify::new(),
+            booking_changed: tokio::sync::Notify::new(),
             stopping: Stop::default(),
             reloads: Reloads::default(),
             tokenizer_turn: AtomicUsize::new(0),

@@ -84,8 +84,8 @@ const SHARE_LOAD_IDLE: Duration = Duration::from_secs(1);
 
 /// Share the booked load with the other replicas (docs/replicas.md, "Shared load"): one round
 /// every `session_affinity.store.load_publish_ms` of the configuration serving now, on its core,
-/// and sooner when a booking was released, but never less than a quarter period after the
-/// round before. A round is blocking store I/O bounded by its timeout: it runs on the blocking
+/// and sooner when a request was booked or released, but never less than a quarter period
+/// after the round before. A round is blocking store I/O bounded by its timeout: it runs on the blocking
 /// pool, never on a request's path.
 async fn share_load(app: Arc<App>) {
     loop {
@@ -112,8 +112,8 @@ async fn share_load(app: Arc<App>) {
             match early {
                 Some(early) => {
                     tokio::time::sleep(early).await;
-                    // A release since the last wait left a permit: it counts too.
-                    app.booking_released.notified().await;
+                    // A change since the last wait left a permit: it counts too.
+                    app.booking_changed.notified().await;
                 }
                 None => std::future::pending().await,
             }

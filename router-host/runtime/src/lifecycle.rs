@@ -68,6 +68,7 @@ impl Flight {
         app.metrics.dispatched(info.row.worker_id, info.row.dp_rank);
         app.flights
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        app.booking_changed.notify_one();
         Flight {
             app,
             loaded,
@@ -143,7 +144,7 @@ impl Flight {
         self.app
             .flights
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        self.app.booking_released.notify_one();
+        self.app.booking_changed.notify_one();
         after_release(&self.app, &self.loaded, owed);
         if self.final_attempt {
             self.app.metrics.request(self.endpoint, outcome);
@@ -276,7 +277,7 @@ impl Drop for Queued {
         let core = self.loaded.host.core();
         if let Some(Ok(routed)) = core.abandon(&ticket) {
             let owed = core.finish_owing_hook(routed.id, CompletionCode::CANCELLED);
-            self.app.booking_released.notify_one();
+            self.app.booking_changed.notify_one();
             after_release(&self.app, &self.loaded, owed);
         }
         tracing::debug!(ticket = ticket.id(), "client gone while queued");
