@@ -328,12 +328,13 @@ impl PolicySet {
         let mut view = scratch.columns.view.view(instance.inputs);
         // Each extra column is filled only when the host knows it: the capacity when some
         // worker's is known, the indexed blocks (with LOAD) and the index states (with CACHE)
-        // when a KV index answers.
+        // when a KV index answers, the recent blocks beside the indexed ones when the core
+        // tracks them.
         let named = scratch.columns.extra();
         let mut extra = [ExtraColumn {
             name: RStr::from_str(""),
             values: RSlice::EMPTY,
-        }; 5];
+        }; 6];
         let mut sent = 0;
         for (name, values) in named.into_iter().filter(|(_, v)| !v.is_empty()) {
             extra[sent] = ExtraColumn {
