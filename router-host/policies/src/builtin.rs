@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use crate::loader::PolicyTypeDoc;
 use router_config as config;
-pub use router_config::TieBreak;
+pub use router_config::{Room, TieBreak};
 use router_core::rng::{mix, GOLDEN_GAMMA};
 
 /// Host settings a built-in needs at creation.
@@ -29,6 +29,8 @@ pub struct BuiltinSettings {
     pub overlap_credit: f64,
     /// `default_selector.tie_break`.
     pub tie_break: TieBreak,
+    /// `default_selector.room`.
+    pub room: Room,
 }
 
 impl Default for BuiltinSettings {
@@ -41,6 +43,7 @@ impl Default for BuiltinSettings {
             decode_active_request_weight: config::DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
             overlap_credit: config::DEFAULT_OVERLAP_CREDIT,
             tie_break: config::DEFAULT_TIE_BREAK,
+            room: config::DEFAULT_ROOM,
         }
     }
 }
@@ -94,6 +97,7 @@ impl Builtin {
                     ParamDoc::optional("decode_active_request_weight", "f64", &format!("host default_selector.decode_active_request_weight ({:?})", config::DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT), "weight of active requests; finite, >= 0"),
                     ParamDoc::optional("overlap_credit", "f64", &format!("host default_selector.overlap_credit ({:?})", config::DEFAULT_OVERLAP_CREDIT), "credit per device-cached prompt block (1.0 = the block's prefill); finite, >= 0"),
                     ParamDoc::optional("tie_break", "string", &format!("host default_selector.tie_break ({})", config::DEFAULT_TIE_BREAK), "exact ties: spread (drawn from the request and the row id), or lowest_row"),
+                    ParamDoc::optional("room", "string", &format!("host default_selector.room ({})", config::DEFAULT_ROOM), "what spread counts as a row's room first: free (capacity - indexed blocks) or not_recent (capacity - blocks used within kv_recent_window_ms)"),
                 ],
             ),
             Builtin::RoundRobin => (
@@ -129,6 +133,7 @@ impl Builtin {
                     decode_active_request_weight: Option<f64>,
                     overlap_credit: Option<f64>,
                     tie_break: Option<TieBreak>,
+                    room: Option<Room>,
                 }
                 let p: P = params.parse()?;
                 let selector = DefaultSelector {
@@ -151,6 +156,7 @@ impl Builtin {
                         0.0,
                     )?,
                     tie_break: p.tie_break.unwrap_or(settings.tie_break),
+                    room: p.room.unwrap_or(settings.room),
                 };
                 selector.log_resolved(instance);
                 plugin_api::export::into_policy_box(selector)
@@ -192,6 +198,8 @@ pub struct DefaultSelector {
     /// one block it would cost to prefill).
     pub overlap_credit: f64,
     pub tie_break: TieBreak,
+    /// What `spread` ranks rows by first: free blocks, or blocks not used lately.
+    pub room: Room,
 }
 
 impl DefaultSelector {
@@ -204,6 +212,7 @@ impl DefaultSelector {
             decode_active_request_weight: settings.decode_active_request_weight,
             overlap_credit: settings.overlap_credit,
             tie_break: settings.tie_break,
+            room: settings.room,
         }
     }
 
@@ -217,6 +226,7 @@ impl DefaultSelector {
             decode_active_request_weight = self.decode_active_request_weight,
             overlap_credit = self.overlap_credit,
             tie_break = self.tie_break.as_str(),
+            room = self.room.as_str(),
             host_cache_hit_weight = self.host_weight,
             disk_cache_hit_weight = self.disk_weight,
             "built-in default selector created with resolved settings"
@@ -279,7 +289,13 @@ impl DefaultSelector {
     fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
         let (request, room) = match self.tie_break {
             TieBreak::LowestRow => (0, None),
-            TieBreak::Spread => (ties::request_key(ctx), ties::RoomColumns::of(rows)),
+            TieBreak::Spread => (
+                ties::request_key(ctx),
+                match self.room {
+                    Room::Free => ties::RoomColumns::of(rows),
+                    Room::NotRecent => ties::RoomColumns::not_recent(rows),
+                },
+            ),
         };
         let trust = rows.kv_index_trust();
         let mut best: Option<(usize, f64, (i64, u64, RowId))> = None;
@@ -328,6 +344,9 @@ impl Policy for DefaultSelector {
         }
         if self.tie_break != TieBreak::LowestRow {
             e = e.label("tie_break", self.tie_break.as_str());
+        }
+        if self.room != Room::Free {
+            e = e.label("room", self.room.as_str());
         }
         Some(rows.kv_index_trust().explain(rows, e))
     }
@@ -690,6 +709,58 @@ mod tests {
             let request = TestRequest::new(isl, 16);
             assert_eq!(rows.pick_worker(&spread, &request).unwrap().worker_id, 11);
         }
+    }
+
+    #[test]
+    fn room_not_recent_sends_a_new_prompt_where_the_cache_is_coldest() {
+        let free = DefaultSelector::new(&BuiltinSettings::default());
+        let not_recent = DefaultSelector {
+            room: Room::NotRecent,
+            ..free
+        };
+        // Every cache is full; row 12's was not used lately, the others' all was (live sessions).
+        let full = |recent: Option<Vec<f64>>| {
+            let rows = TestRows::new(idle_rows())
+                .kv_capacity_blocks(vec![80.0; 4])
+                .kv_indexed_device_blocks(vec![80.0; 4]);
+            match recent {
+                Some(recent) => rows.kv_recent_device_blocks(recent),
+                None => rows,
+            }
+        };
+        let mut free_rows = std::collections::BTreeSet::new();
+        for s in 0..50 {
+            let request = TestRequest::new(160 + s, 16).session(&format!("s{s}"));
+            let rows = full(Some(vec![80.0, 70.0, 5.0, 80.0]));
+            assert_eq!(
+                rows.pick_worker(&not_recent, &request).unwrap().worker_id,
+                12
+            );
+            let e = rows.explain(&not_recent, &request).unwrap();
+            assert_eq!(e.get_label("room"), Some("not_recent"));
+            // `free` sees four full caches: a spread over all of them.
+            free_rows.insert(rows.pick_worker(&free, &request).unwrap().worker_id);
+            // Without the recent column (an older host, or the window off) it is `free`.
+            assert_eq!(
+                full(None).pick_worker(&not_recent, &request).unwrap(),
+                full(None).pick_worker(&free, &request).unwrap()
+            );
+        }
+        assert_eq!(free_rows.len(), 4, "{free_rows:?}");
+        // Room only breaks exact ties: a row with less backlog still wins.
+        let rows = TestRows::new(vec![
+            TestRow::new(10, 0).decode_blocks(1),
+            TestRow::new(11, 0),
+        ])
+        .kv_capacity_blocks(vec![80.0; 2])
+        .kv_indexed_device_blocks(vec![80.0; 2])
+        .kv_recent_device_blocks(vec![0.0, 80.0]);
+        assert_eq!(
+            rows.pick_worker(&not_recent, &TestRequest::new(160, 16))
+                .unwrap()
+                .worker_id,
+            11
+        );
     }
 
     #[test]

@@ -124,6 +124,7 @@ impl PolicySet {
                 decode_active_request_weight: config.default_selector.decode_active_request_weight,
                 overlap_credit: config.default_selector.overlap_credit,
                 tie_break: config.default_selector.tie_break,
+                room: config.default_selector.room,
             },
             on_hang: options.on_hang,
         };
