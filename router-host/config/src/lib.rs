@@ -118,6 +118,9 @@ pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
 pub const DEFAULT_OVERLAP_CREDIT: f64 = 1.5;
 /// Default `default_selector.tie_break`.
 pub const DEFAULT_TIE_BREAK: TieBreak = TieBreak::Spread;
+/// Default `default_selector.live_eviction_weight`: the built-in `default`'s cache gate, measured
+/// best on the tight-KV family of docs/replay.md (0 turns it off).
+pub const DEFAULT_LIVE_EVICTION_WEIGHT: f64 = 0.25;
 /// Default `default_selector.room`.
 pub const DEFAULT_ROOM: Room = Room::Free;
 /// Default `kv_recent_window_ms`: how long after its last use a row's cache still counts as
@@ -249,6 +252,9 @@ pub struct DefaultSelectorConfig {
     pub tie_break: TieBreak,
     /// What `spread` counts as a row's room.
     pub room: Room,
+    /// The cache gate: cost per prompt block a row would evict from its recently used cache,
+    /// in prefill blocks; 0 = off.
+    pub live_eviction_weight: f64,
 }
 
 impl Default for DefaultSelectorConfig {
@@ -259,6 +265,7 @@ impl Default for DefaultSelectorConfig {
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
             tie_break: DEFAULT_TIE_BREAK,
             room: DEFAULT_ROOM,
+            live_eviction_weight: DEFAULT_LIVE_EVICTION_WEIGHT,
         }
     }
 }
@@ -411,6 +418,8 @@ struct RawDefaultSelector {
     tie_break: Option<TieBreak>,
     #[serde(default, deserialize_with = "de_room")]
     room: Option<Room>,
+    #[serde(default, deserialize_with = "de_weight")]
+    live_eviction_weight: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -462,6 +471,9 @@ impl Builder<'_> {
                 overlap_credit: ds.overlap_credit.unwrap_or(DEFAULT_OVERLAP_CREDIT),
                 tie_break: ds.tie_break.unwrap_or(DEFAULT_TIE_BREAK),
                 room: ds.room.unwrap_or(DEFAULT_ROOM),
+                live_eviction_weight: ds
+                    .live_eviction_weight
+                    .unwrap_or(DEFAULT_LIVE_EVICTION_WEIGHT),
             })
             .unwrap_or_default();
         let booking = BookingConfig {

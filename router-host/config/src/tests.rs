@@ -51,6 +51,7 @@ fn defaults_match_the_design() {
     assert_eq!(config.default_selector.overlap_credit, 1.5);
     assert_eq!(config.default_selector.tie_break, TieBreak::Spread);
     assert_eq!(config.default_selector.room, Room::Free);
+    assert_eq!(config.default_selector.live_eviction_weight, 0.25);
     assert_eq!(config.kv_recent_window, Some(Duration::from_secs(10)));
     assert_eq!(config.booking.prefill, PrefillBooking::Uncached);
     assert_eq!(config.booking.decode, DecodeBooking::Prompt);

@@ -125,6 +125,7 @@ impl PolicySet {
                 overlap_credit: config.default_selector.overlap_credit,
                 tie_break: config.default_selector.tie_break,
                 room: config.default_selector.room,
+                live_eviction_weight: config.default_selector.live_eviction_weight,
             },
             on_hang: options.on_hang,
         };
