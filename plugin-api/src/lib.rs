@@ -27,6 +27,9 @@
 //! - **1.4**: the [`KV_INDEX_STATE`] extra column ([`Rows::kv_index_trust`], [`KvIndexState`]):
 //!   whether each row's KV index is current, unknown, stale or lagging. Older plugins never
 //!   look at it and see the overlap columns they always saw.
+//! - **1.5**: the [`KV_RECENT_DEVICE_BLOCKS`] extra column ([`Rows::kv_recent_device_blocks`]):
+//!   how much of each row's indexed device cache requests used or stored recently, so a policy
+//!   can send a new prefix where it evicts the least live work ([`ties::RoomColumns::not_recent`]).
 
 pub mod abi;
 mod columns;
@@ -44,7 +47,7 @@ pub use policy::{
     AffinityTarget, Completion, Context, Dispatch, Explanation, IndexTrust, IndexedBlocks,
     KvIndexState, Load, Outcome, Overlap, PickError, Policy, Role, Rows, ViewError,
     KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
-    KV_INDEX_STATE, KV_LOAD_ONLY_SUFFIX,
+    KV_INDEX_STATE, KV_LOAD_ONLY_SUFFIX, KV_RECENT_DEVICE_BLOCKS,
 };
 
 #[doc(hidden)]

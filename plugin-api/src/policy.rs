@@ -225,6 +225,15 @@ pub const KV_INDEXED_DISK_BLOCKS: &str = "kv_indexed_disk_blocks";
 /// read it with [`Rows::kv_index_trust`].
 pub const KV_INDEX_STATE: &str = "kv_index_state";
 
+/// Name of the extra column (since 1.5) holding, per row, how many of its indexed device blocks
+/// ([`KV_INDEXED_DEVICE_BLOCKS`]) requests routed to it used or stored within the host's recent
+/// window (router-host: `kv_recent_window_ms`): the part of its cache that is live work. So
+/// `capacity - recent` is what a row can take without evicting a cache some request used
+/// lately. An estimate, never above the row's indexed device blocks. Hosts send it with the
+/// LOAD columns when they keep a KV index and the window is on; read it with
+/// [`Rows::kv_recent_device_blocks`].
+pub const KV_RECENT_DEVICE_BLOCKS: &str = "kv_recent_device_blocks";
+
 /// How far the host's KV index of a row can be trusted (the [`KV_INDEX_STATE`] column).
 ///
 /// Only [`KvIndexState::Current`] overlap is what the row's engine caches as far as the host
@@ -518,6 +527,14 @@ impl<'a> Rows<'a> {
             host: self.extra_column(KV_INDEXED_HOST_BLOCKS)?,
             disk: self.extra_column(KV_INDEXED_DISK_BLOCKS)?,
         })
+    }
+
+    /// How many of each row's indexed device blocks were used or stored recently (the
+    /// [`KV_RECENT_DEVICE_BLOCKS`] extra column). `None` from hosts older than 1.5, from hosts
+    /// that keep no KV index, and when the host's recent window is off.
+    #[inline]
+    pub fn kv_recent_device_blocks(&self) -> Option<&'a [f64]> {
+        self.extra_column(KV_RECENT_DEVICE_BLOCKS)
     }
 
     /// Each row's [`KvIndexState`] (the [`KV_INDEX_STATE`] column): every row current from

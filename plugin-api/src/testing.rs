@@ -219,6 +219,11 @@ impl TestRows {
             .extra_column(crate::KV_INDEXED_DISK_BLOCKS, zeros)
     }
 
+    /// The [`crate::KV_RECENT_DEVICE_BLOCKS`] column: each row's recently used device blocks.
+    pub fn kv_recent_device_blocks(self, recent: Vec<f64>) -> Self {
+        self.extra_column(crate::KV_RECENT_DEVICE_BLOCKS, recent)
+    }
+
     /// The [`crate::KV_INDEX_STATE`] column: each row's KV-index state (sent with the CACHE
     /// columns, as hosts do).
     pub fn kv_index_states(self, states: &[crate::KvIndexState]) -> Self {

@@ -6,7 +6,10 @@
 //!
 //! The order has two parts. First **room**: a row whose cache has more free blocks (its
 //! [`Rows::kv_capacity_blocks`] minus its indexed device blocks, [`Rows::kv_indexed_blocks`])
-//! comes first, so a prompt nobody caches goes where it evicts least. Then a **spread** rank
+//! comes first, so a prompt nobody caches goes where it evicts least; or, with
+//! [`RoomColumns::not_recent`], its capacity minus the blocks requests used lately
+//! ([`Rows::kv_recent_device_blocks`]), so it goes where it evicts the least live work. Then a
+//! **spread** rank
 //! drawn from the request and the row id: the same request always breaks the same way whatever
 //! the row order, and different requests share the tied rows evenly.
 
@@ -58,7 +61,9 @@ pub fn room_rank(capacity: f64, indexed: f64) -> i64 {
     (known(indexed) - known(capacity)) as i64
 }
 
-/// The two columns [`room_rank`] reads, when the host sends them (a 1.3 host with a KV index).
+/// The two columns [`room_rank`] reads, when the host sends them (a 1.3 host with a KV index):
+/// the capacity and either the indexed device blocks ([`RoomColumns::of`]) or the recently used
+/// ones ([`RoomColumns::not_recent`]).
 #[derive(Debug, Clone, Copy)]
 pub struct RoomColumns<'a> {
     indexed: &'a [f64],
@@ -73,6 +78,20 @@ impl<'a> RoomColumns<'a> {
             indexed: rows.kv_indexed_blocks()?.device,
             capacity: rows.kv_capacity_blocks(),
         })
+    }
+
+    /// Room as `capacity - recent` ([`Rows::kv_recent_device_blocks`], a 1.5 host with its
+    /// recent window on): a full cache that no request used lately ranks as roomy as an empty
+    /// one, since the engine evicts its least recently used blocks first. Falls back to
+    /// [`RoomColumns::of`] when the host sends no recent column.
+    pub fn not_recent(rows: &Rows<'a>) -> Option<Self> {
+        match rows.kv_recent_device_blocks() {
+            Some(recent) => Some(RoomColumns {
+                indexed: recent,
+                capacity: rows.kv_capacity_blocks(),
+            }),
+            None => Self::of(rows),
+        }
     }
 
     /// Row `i`'s [`room_rank`]; 0 for an index past the columns.

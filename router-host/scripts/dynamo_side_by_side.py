@@ -58,7 +58,8 @@ OUR_CONFIGS = [
 # host's defaults before the measured-best settings became the defaults (docs/configuration.md
 # names these keys as the way back).
 DYNAMO_WEIGHTS = ("default_selector:\n  prefill_load_scale: 1.0\n  overlap_credit: 1.0\n"
-                  "  tie_break: lowest_row\nworker_selection:\n  aggregated: default\n")
+                  "  tie_break: lowest_row\n  live_eviction_weight: 0.0\n"
+                  "worker_selection:\n  aggregated: default\n")
 GENERATED_CONFIGS = {
     "default (Dynamo weights)": ("dynamo-weights.yaml", "booking:\n  prefill: prompt\n" + DYNAMO_WEIGHTS),
     # --booking-variants: the same with Dynamo's decode booking, then with all of Dynamo's

@@ -138,7 +138,7 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
     let path = build("v1_0", Api::Frozen, false);
     let library = load(&path).unwrap_or_else(|e| panic!("1.0 plugin refused: {e}"));
     assert_eq!(library.api_version, "1.0.0");
-    assert_eq!(plugin_api::API_VERSION, "1.4.0", "this host is 1.4");
+    assert_eq!(plugin_api::API_VERSION, "1.5.0", "this host is 1.5");
 
     // Route through the full lifecycle: the 1.1 hooks are simply absent from the 1.0 vtable,
     // and the 1.2 `kv_capacity_blocks` column (worker 1's capacity is known) is an extra column
@@ -172,9 +172,9 @@ fn a_plugin_built_against_plugin_api_1_0_loads_and_routes_in_this_host() {
     assert!(host.complete(first.id) && host.complete(second.id));
     assert_eq!(host.in_flight(), 0);
 
-    // Through the core's KV index the 1.3 `kv_indexed_*_blocks` columns come too, and with a
-    // row whose index is stale the 1.4 `kv_index_state` column: still extra columns it never
-    // looks at.
+    // Through the core's KV index the 1.3 `kv_indexed_*_blocks` columns come too, the 1.5
+    // `kv_recent_device_blocks` (the default recent window is on), and with a row whose index is stale the 1.4 `kv_index_state` column:
+    // still extra columns it never looks at.
     host.core().set_kv_index_state(
         RowId {
             worker_id: 2,
@@ -229,7 +229,7 @@ fn same_version_with_a_changed_layout_is_refused() {
         "{text}"
     );
     assert!(
-        text.contains("plugin built against plugin-api 1.0.0, host has 1.4.0"),
+        text.contains("plugin built against plugin-api 1.0.0, host has 1.5.0"),
         "{text}"
     );
     assert!(

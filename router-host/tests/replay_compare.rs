@@ -220,7 +220,7 @@ fn every_column_prints_a_config_that_replays_exactly_as_the_column() {
         printed[0].2
     );
     assert!(printed[0].2.contains(
-        &"default_selector: {prefill_load_scale: 20.0, decode_active_request_weight: 0.0, overlap_credit: 1.5, tie_break: spread}"
+        &"default_selector: {prefill_load_scale: 20.0, decode_active_request_weight: 0.0, overlap_credit: 1.5, tie_break: spread, room: free, live_eviction_weight: 0.25}"
             .to_owned()
     ));
     // Each column's lines, as a file of their own, replay to the very same outcome and settings.

@@ -501,6 +501,86 @@ fn the_indexed_blocks_columns_count_what_each_row_holds_from_kv_events() {
     assert_eq!(indexed_seen(&host), pairs(&[("1:0", "none")]));
 }
 
+/// The probe's `kv_recent_device` label by row, and the row chosen, from one decision through
+/// the core's KV index for a prompt of blocks `blocks`.
+fn recent_seen(host: &Host, blocks: &[u64]) -> (Vec<(String, String)>, String) {
+    let request = Request {
+        isl_tokens: 16 * blocks.len() as u64,
+        blocks: blocks.to_vec(),
+        ..Default::default()
+    };
+    let routed = match host.core().submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    assert!(host.complete(routed.id));
+    let chosen = routed.decision.row;
+    let e = routed.decision.explanation.expect("probe explains");
+    let rows: Vec<String> = e
+        .get_label("row_list")
+        .expect("row_list")
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let label = e.get_label("kv_recent_device").expect("label");
+    let values: Vec<String> = if label == "none" {
+        vec!["none".to_string(); rows.len()]
+    } else {
+        label.split(',').map(str::to_string).collect()
+    };
+    assert_eq!(values.len(), rows.len(), "one count per row: {label}");
+    (
+        sorted(rows.into_iter().zip(values).collect()),
+        format!("{}:{}", chosen.worker_id, chosen.dp_rank),
+    )
+}
+
+#[test]
+fn the_recent_blocks_column_counts_what_routed_requests_used_capped_at_what_is_indexed() {
+    // An hour's window: nothing expires while the test runs, however slow the machine.
+    let yaml = |window_ms: u64| {
+        format!(
+            "kv_recent_window_ms: {window_ms}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n      parameters: {{inputs: [load]}}\n",
+            common::plugin("fixture_probe").display()
+        )
+    };
+    let host_with = |window_ms| {
+        let config = RouterConfig::from_yaml_str(&yaml(window_ms), None).expect("valid config");
+        let router =
+            PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+        let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
+        Host::new(router, cluster, &config)
+    };
+    let host = host_with(3_600_000);
+    let row = |worker_id| RowId {
+        worker_id,
+        dp_rank: 0,
+    };
+    let stored =
+        |r: RowId, blocks: std::ops::Range<u64>| blocks.map(move |b| (r, KvEventKind::Stored, b));
+    host.core()
+        .apply_kv_batch(stored(row(1), 0..8).chain(stored(row(2), 100..103)));
+    // Nothing routed yet: nothing recent.
+    let (seen, first) = recent_seen(&host, &[0, 1, 2, 3, 4]);
+    assert_eq!(seen, pairs(&[("1:0", "0"), ("2:0", "0")]));
+    // The probe picks the first row; its 5-block prompt is now recent there.
+    assert_eq!(first, "1:0");
+    let (seen, _) = recent_seen(&host, &[0, 1]);
+    assert_eq!(seen, pairs(&[("1:0", "5"), ("2:0", "0")]));
+    // Row 1 evicts all but 2 blocks: the column never says more than the row holds.
+    host.core()
+        .apply_kv_batch((2..8).map(|b| (row(1), KvEventKind::Evicted, b)));
+    let (seen, _) = recent_seen(&host, &[0, 1]);
+    assert_eq!(seen, pairs(&[("1:0", "2"), ("2:0", "0")]));
+    // `kv_recent_window_ms: 0` turns it off: no column.
+    let host = host_with(0);
+    host.core().apply_kv_batch(stored(row(1), 0..8));
+    for _ in 0..2 {
+        let (seen, _) = recent_seen(&host, &[0, 1, 2]);
+        assert_eq!(seen, pairs(&[("1:0", "none"), ("2:0", "none")]));
+    }
+}
+
 /// The probe's `kv_index_state` label by row, from one decision through the core's KV index.
 fn states_seen(host: &Host) -> Vec<(String, String)> {
     let request = Request {

@@ -191,6 +191,13 @@ impl<'a> Columns<'a> {
         })
     }
 
+    /// Rank room as capacity minus the recently used blocks (`room: not_recent`), when the
+    /// host sends them.
+    pub fn with_room_not_recent(mut self, rows: &Rows<'a>) -> Self {
+        self.room = ties::RoomColumns::not_recent(rows);
+        self
+    }
+
     fn len(&self) -> usize {
         self.worker_id.len()
     }

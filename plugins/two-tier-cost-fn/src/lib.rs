@@ -28,7 +28,7 @@ use plugin_api::{
 };
 
 pub use decision::{Decision, Prompt, SoftAffinity, Tier, TierDecision};
-pub use params::{LoadSignal, ResolvedParams, TieBreak, TwoTierParams, WeightSource};
+pub use params::{LoadSignal, ResolvedParams, Room, TieBreak, TwoTierParams, WeightSource};
 
 use decision::Columns;
 
@@ -59,7 +59,10 @@ impl TwoTierCostFn {
 
     /// The decision `pick` returns and `explain` describes.
     pub fn decide(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<Decision, PickError> {
-        let cols = Columns::from_rows(rows)?;
+        let mut cols = Columns::from_rows(rows)?;
+        if self.params.room == Room::NotRecent {
+            cols = cols.with_room_not_recent(rows);
+        }
         let prompt = Prompt {
             tokens: ctx.prompt_tokens(),
             block_size: ctx.block_size(),
@@ -93,6 +96,9 @@ impl TwoTierCostFn {
             .label("max_overlap_row", row_label(rows.row(all.max_overlap_row)))
             .label("soft_affinity", decision.soft_affinity.as_str())
             .label("tie_break", p.tie_break.as_str());
+        if p.room != Room::Free {
+            e = e.label("room", p.room.as_str());
+        }
         e = rows.kv_index_trust().explain(rows, e);
         if p.respect_soft_affinity && p.soft_affinity_load_gate {
             e = e
@@ -178,6 +184,7 @@ fn log_resolved(instance: &str, p: &ResolvedParams) {
         load_signal = p.load_signal.as_str(),
         kv_capacity_limit = kv_capacity_limit.as_str(),
         tie_break = p.tie_break.as_str(),
+        room = p.room.as_str(),
         "two-tier policy instance created with resolved parameters"
     );
 }

@@ -29,6 +29,7 @@ pub struct TwoTierParams {
     /// Absent: no tier looks at KV capacity.
     pub kv_capacity_limit: Option<f64>,
     pub tie_break: TieBreak,
+    pub room: Room,
 }
 
 /// What "least-loaded" means in the cache tier and the fallback tier (the load tier and the
@@ -78,6 +79,29 @@ impl TieBreak {
     }
 }
 
+/// What `tie_break: spread` counts as a row's room first, for a prompt no row caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Room {
+    /// Capacity minus the indexed device blocks ([`plugin_api::ties::RoomColumns::of`]).
+    #[default]
+    Free,
+    /// Capacity minus the device blocks requests used lately (the host's
+    /// `kv_recent_device_blocks` column, plugin-api 1.5;
+    /// [`plugin_api::ties::RoomColumns::not_recent`]): where a new prefix evicts the least live
+    /// work. `free` from hosts that send no recent column.
+    NotRecent,
+}
+
+impl Room {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Room::Free => "free",
+            Room::NotRecent => "not_recent",
+        }
+    }
+}
+
 impl Default for TwoTierParams {
     fn default() -> Self {
         TwoTierParams {
@@ -93,6 +117,7 @@ impl Default for TwoTierParams {
             load_signal: LoadSignal::PrefillBacklog,
             kv_capacity_limit: None,
             tie_break: TieBreak::Spread,
+            room: Room::Free,
         }
     }
 }
@@ -132,6 +157,7 @@ pub struct ResolvedParams {
     /// `None`: off.
     pub kv_capacity_limit: Option<f64>,
     pub tie_break: TieBreak,
+    pub room: Room,
 }
 
 impl TwoTierParams {
@@ -184,6 +210,7 @@ impl TwoTierParams {
             load_signal: self.load_signal,
             kv_capacity_limit,
             tie_break: self.tie_break,
+            room: self.room,
         })
     }
 }
@@ -287,6 +314,15 @@ pub fn docs() -> Vec<ParamDoc> {
              length, block count and session id and each row's id, so idle equal rows share the \
              traffic) or lowest_row (the lowest worker id and rank, Dynamo's port as first \
              shipped)",
+        ),
+        ParamDoc::optional(
+            "room",
+            "string",
+            "free",
+            "under spread, rows equal on every tier rank first by room: free (KV capacity minus \
+             indexed device blocks) or not_recent (capacity minus the blocks requests used \
+             within the host's kv_recent_window_ms, plugin-api 1.5's kv_recent_device_blocks: a \
+             new prefix goes where it evicts the least live work; free without that column)",
         ),
     ]
 }

@@ -82,7 +82,7 @@ pub use workers::{
 // `booking.prefill` and `booking.decode` are the core's own modes.
 pub use router_core::ledger::DecodeBooking;
 pub use router_core::select::PrefillBooking;
-pub use selector::TieBreak;
+pub use selector::{Room, TieBreak};
 
 use admission::RawPolicyClass;
 use epp::RawEpp;
@@ -94,7 +94,7 @@ use numbers::{de_block_size, de_images_max, de_weight};
 use plugins::RawPlugin;
 use serve::RawServe;
 use sessions::RawSessionAffinity;
-use strings::{de_decode_booking, de_prefill_booking, de_tie_break};
+use strings::{de_decode_booking, de_prefill_booking, de_room, de_tie_break};
 use workers::RawWorker;
 
 /// The instance name reserved for the built-in selector (docs/configuration.md, `default`).
@@ -118,6 +118,16 @@ pub const DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
 pub const DEFAULT_OVERLAP_CREDIT: f64 = 1.5;
 /// Default `default_selector.tie_break`.
 pub const DEFAULT_TIE_BREAK: TieBreak = TieBreak::Spread;
+/// Default `default_selector.live_eviction_weight`: the built-in `default`'s cache gate, measured
+/// best on the tight-KV family of docs/replay.md (0 turns it off).
+pub const DEFAULT_LIVE_EVICTION_WEIGHT: f64 = 0.25;
+/// Default `default_selector.room`.
+pub const DEFAULT_ROOM: Room = Room::Free;
+/// Default `kv_recent_window_ms`: how long after its last use a row's cache still counts as
+/// live work in the `kv_recent_device_blocks` column.
+pub const DEFAULT_KV_RECENT_WINDOW: Duration = Duration::from_secs(10);
+/// Largest accepted `kv_recent_window_ms` (one day).
+pub const MAX_KV_RECENT_WINDOW_MS: u64 = 24 * 3600 * 1000;
 /// Default `booking.prefill`: only the prompt tokens the row has to compute.
 pub const DEFAULT_PREFILL_BOOKING: PrefillBooking = PrefillBooking::Uncached;
 /// Default `booking.decode`: every request's whole prompt.
@@ -185,6 +195,9 @@ pub struct RouterConfig {
     /// How many requests the admission queues hold together (`max_queued_requests`); `None` =
     /// the core's default (`router_core::admission::DEFAULT_MAX_QUEUED`).
     pub max_queued_requests: Option<usize>,
+    /// The window of the `kv_recent_device_blocks` column (`kv_recent_window_ms`); `None` (0)
+    /// = not tracked, and the column is not sent.
+    pub kv_recent_window: Option<Duration>,
     /// Opaque settings for the replay simulator (a JSON object), not validated here.
     pub engine: Option<serde_json::Value>,
     /// The engines `router-host serve` routes to, in file order (ids unique); empty when the
@@ -216,6 +229,7 @@ impl Default for RouterConfig {
             session_store: SessionStoreConfig::Memory,
             policy_classes: Vec::new(),
             max_queued_requests: None,
+            kv_recent_window: Some(DEFAULT_KV_RECENT_WINDOW),
             engine: None,
             workers: Vec::new(),
             workers_file: None,
@@ -236,6 +250,11 @@ pub struct DefaultSelectorConfig {
     pub overlap_credit: f64,
     /// How rows of equal cost are told apart.
     pub tie_break: TieBreak,
+    /// What `spread` counts as a row's room.
+    pub room: Room,
+    /// The cache gate: cost per prompt block a row would evict from its recently used cache,
+    /// in prefill blocks; 0 = off.
+    pub live_eviction_weight: f64,
 }
 
 impl Default for DefaultSelectorConfig {
@@ -245,6 +264,8 @@ impl Default for DefaultSelectorConfig {
             decode_active_request_weight: DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
             tie_break: DEFAULT_TIE_BREAK,
+            room: DEFAULT_ROOM,
+            live_eviction_weight: DEFAULT_LIVE_EVICTION_WEIGHT,
         }
     }
 }
@@ -370,6 +391,8 @@ struct RawConfig {
     policy_classes: Option<Vec<RawPolicyClass>>,
     #[serde(default, deserialize_with = "numbers::de_max_queued")]
     max_queued_requests: Option<u64>,
+    #[serde(default, deserialize_with = "numbers::de_kv_recent_window_ms")]
+    kv_recent_window_ms: Option<u64>,
     #[serde(default)]
     engine: Option<serde_yaml::Value>,
     #[serde(default)]
@@ -393,6 +416,10 @@ struct RawDefaultSelector {
     overlap_credit: Option<f64>,
     #[serde(default, deserialize_with = "de_tie_break")]
     tie_break: Option<TieBreak>,
+    #[serde(default, deserialize_with = "de_room")]
+    room: Option<Room>,
+    #[serde(default, deserialize_with = "de_weight")]
+    live_eviction_weight: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -443,6 +470,10 @@ impl Builder<'_> {
                     .unwrap_or(DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT),
                 overlap_credit: ds.overlap_credit.unwrap_or(DEFAULT_OVERLAP_CREDIT),
                 tie_break: ds.tie_break.unwrap_or(DEFAULT_TIE_BREAK),
+                room: ds.room.unwrap_or(DEFAULT_ROOM),
+                live_eviction_weight: ds
+                    .live_eviction_weight
+                    .unwrap_or(DEFAULT_LIVE_EVICTION_WEIGHT),
             })
             .unwrap_or_default();
         let booking = BookingConfig {
@@ -527,6 +558,11 @@ impl Builder<'_> {
             max_queued_requests: raw
                 .max_queued_requests
                 .and_then(|n| usize::try_from(n).ok()),
+            kv_recent_window: match raw.kv_recent_window_ms {
+                None => Some(DEFAULT_KV_RECENT_WINDOW),
+                Some(0) => None,
+                Some(ms) => Some(Duration::from_millis(ms)),
+            },
             engine,
             workers,
             workers_file,

@@ -169,6 +169,12 @@ pub(super) fn de_max_queued<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u6
     de_uint(d, 1, MAX_QUEUED_REQUESTS)
 }
 
+pub(super) fn de_kv_recent_window_ms<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<u64>, D::Error> {
+    de_uint(d, 0, super::MAX_KV_RECENT_WINDOW_MS)
+}
+
 pub(super) fn de_engine_waiting<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_uint(d, 0, u64::MAX)
 }

@@ -8,7 +8,7 @@ use serde::Deserializer;
 
 use super::error::excerpt;
 use super::{
-    AdmissionMode, AffinityMode, DecodeBooking, OnError, PrefillBooking, TieBreak,
+    AdmissionMode, AffinityMode, DecodeBooking, OnError, PrefillBooking, Room, TieBreak,
     DEFAULT_INSTANCE, MAX_NAME_LEN,
 };
 
@@ -49,6 +49,7 @@ spelled_in_core!(
     AffinityMode,
     DecodeBooking,
     PrefillBooking,
+    Room,
     TieBreak
 );
 
@@ -121,6 +122,10 @@ pub(super) fn de_decode_booking<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<DecodeBooking>, D::Error> {
     de_variant(d, "`prompt` or `deduplicated`", false)
+}
+
+pub(super) fn de_room<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Room>, D::Error> {
+    de_variant(d, "`free` or `not_recent`", false)
 }
 
 pub(super) fn de_tie_break<'de, D: Deserializer<'de>>(d: D) -> Result<Option<TieBreak>, D::Error> {

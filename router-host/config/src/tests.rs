@@ -50,6 +50,9 @@ fn defaults_match_the_design() {
     assert_eq!(config.default_selector.decode_active_request_weight, 0.0);
     assert_eq!(config.default_selector.overlap_credit, 1.5);
     assert_eq!(config.default_selector.tie_break, TieBreak::Spread);
+    assert_eq!(config.default_selector.room, Room::Free);
+    assert_eq!(config.default_selector.live_eviction_weight, 0.25);
+    assert_eq!(config.kv_recent_window, Some(Duration::from_secs(10)));
     assert_eq!(config.booking.prefill, PrefillBooking::Uncached);
     assert_eq!(config.booking.decode, DecodeBooking::Prompt);
     // A mapping that sets none of them is the same as no mapping.
@@ -805,4 +808,29 @@ fn overload_keys_parse_and_bad_values_name_the_key() {
         let message = parse_err(text);
         assert!(message.contains(expected), "{text}: {message}");
     }
+}
+
+#[test]
+fn the_recent_window_and_room_parse_and_bad_values_are_named() {
+    let config = parse("kv_recent_window_ms: 2500\ndefault_selector: {room: not_recent}\n");
+    assert_eq!(config.kv_recent_window, Some(Duration::from_millis(2500)));
+    assert_eq!(config.default_selector.room, Room::NotRecent);
+    assert_eq!(
+        parse("kv_recent_window_ms: 0\n").kv_recent_window,
+        None,
+        "0 turns it off"
+    );
+    assert_eq!(
+        parse("kv_recent_window_ms: ~\n").kv_recent_window,
+        Some(DEFAULT_KV_RECENT_WINDOW)
+    );
+    let err = parse_err("kv_recent_window_ms: 86400001\n");
+    assert!(err.contains("kv_recent_window_ms"), "{err}");
+    let err = parse_err("kv_recent_window_ms: -1\n");
+    assert!(err.contains("kv_recent_window_ms"), "{err}");
+    let err = parse_err("default_selector: {room: cold}\n");
+    assert!(
+        err.contains("default_selector.room") && err.contains("`free` or `not_recent`"),
+        "{err}"
+    );
 }

@@ -16,6 +16,7 @@ pub mod kv_index;
 pub mod ledger;
 pub mod log_limit;
 pub mod model;
+pub mod recency;
 pub mod rng;
 pub mod routed;
 pub mod routing;

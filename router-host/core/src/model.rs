@@ -369,6 +369,15 @@ pub trait Signals: OverlapSource {
         let _ = rows;
         out.clear();
     }
+
+    /// How many blocks requests routed to each row of `rows` used or stored within the recent
+    /// window (`crate::recency`), into `out`, made as long as `rows`; left empty when nothing
+    /// tracks it, and then no `kv_recent_device_blocks` column is sent. The default tracks
+    /// nothing.
+    fn kv_recent_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        let _ = rows;
+        out.clear();
+    }
 }
 
 /// No cached prefix anywhere.

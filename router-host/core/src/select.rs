@@ -8,7 +8,7 @@
 use plugin_api::abi::{CompleteEvent, DispatchEvent, PickFailure, PickFailureKind};
 use plugin_api::{
     Columns, Explanation, Inputs, KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS,
-    KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS, KV_INDEX_STATE,
+    KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS, KV_INDEX_STATE, KV_RECENT_DEVICE_BLOCKS,
 };
 
 use crate::eligibility::EligibilityError;
@@ -253,12 +253,15 @@ pub struct RowColumns {
     /// `kv_index_state`, sent with the CACHE columns; empty when the overlap does not come from
     /// a KV index (then it is not sent, and plugins take every row as current).
     pub kv_index_state: Vec<f64>,
+    /// `kv_recent_device_blocks`, sent with the LOAD columns, capped at each row's indexed
+    /// device blocks; empty (not sent) without the indexed-blocks columns or a recent window.
+    pub kv_recent_device_blocks: Vec<f64>,
 }
 
 impl RowColumns {
     /// The extra columns by their ABI names, in the order they are sent; an empty one is not
     /// sent.
-    pub fn extra(&self) -> [(&'static str, &[f64]); 5] {
+    pub fn extra(&self) -> [(&'static str, &[f64]); 6] {
         let [device, host, disk] = &self.kv_indexed_blocks;
         [
             (KV_CAPACITY_BLOCKS, &self.kv_capacity_blocks),
@@ -266,6 +269,7 @@ impl RowColumns {
             (KV_INDEXED_HOST_BLOCKS, host),
             (KV_INDEXED_DISK_BLOCKS, disk),
             (KV_INDEX_STATE, &self.kv_index_state),
+            (KV_RECENT_DEVICE_BLOCKS, &self.kv_recent_device_blocks),
         ]
     }
 }
@@ -319,10 +323,31 @@ impl Scratch {
             signals.load_columns(rows, &mut extra.view);
             signals.kv_capacity_column(rows, &mut extra.kv_capacity_blocks);
             signals.kv_indexed_columns(rows, &mut extra.kv_indexed_blocks);
+            recent_column(signals, rows, extra);
         } else {
             extra.kv_capacity_blocks.clear();
             extra.kv_indexed_blocks.iter_mut().for_each(Vec::clear);
+            extra.kv_recent_device_blocks.clear();
         }
+    }
+}
+
+/// The `kv_recent_device_blocks` column: only beside the indexed device blocks, and never above
+/// them (what the row no longer holds is not live cache, however recently it was used).
+fn recent_column<S: Signals + ?Sized>(signals: &S, rows: &[RowId], extra: &mut RowColumns) {
+    let recent = &mut extra.kv_recent_device_blocks;
+    let indexed = &extra.kv_indexed_blocks[0];
+    if indexed.len() != rows.len() {
+        recent.clear();
+        return;
+    }
+    signals.kv_recent_column(rows, recent);
+    if recent.len() != rows.len() {
+        recent.clear();
+        return;
+    }
+    for (r, &held) in recent.iter_mut().zip(indexed) {
+        *r = r.min(held);
     }
 }
 

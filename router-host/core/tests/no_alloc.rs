@@ -175,3 +175,50 @@ fn indexed_route_and_complete_allocate_nothing_after_warm_up() {
     assert!(core.kv_index().holdings() > 0);
     release(&core, held);
 }
+
+/// The recent-use tracker behind `kv_recent_device_blocks`: once each row has seen its prompt
+/// families, recording dispatches and reading the column allocate nothing, also while families
+/// expire and come back (the maps and the touch queue keep their capacity).
+#[test]
+fn recency_records_and_columns_allocate_nothing_after_warm_up() {
+    use router_core::model::Cluster;
+    use router_core::recency::Recency;
+    use router_core::topology::SlotAllocator;
+
+    let topology = SlotAllocator::default()
+        .initial(Cluster::new((0..8).map(|w| Worker::new(w).with_ranks(0, 2)).collect()).unwrap());
+    let rows: Vec<RowId> = topology.rows().map(|(row, _)| row).collect();
+    let requests = requests();
+    let recency = Recency::new(Duration::from_secs(10));
+    let mut column = Vec::with_capacity(rows.len());
+    // Every request's family on every row, then a window's worth of time: all of it expires.
+    let at = |n: u64| Duration::from_millis(n * 7);
+    let mut n = 0u64;
+    for _ in 0..3 {
+        for request in &requests {
+            for &row in &rows {
+                recency.record(&topology, row, request, 3.0, at(n));
+                n += 1;
+            }
+        }
+        n += 20_000 / 7;
+    }
+    let mut total = 0;
+    let mut sum = 0.0;
+    for i in 0..10_000u64 {
+        let request = &requests[(i % 64) as usize];
+        let row = rows[(i * 7 % rows.len() as u64) as usize];
+        let now = at(n + i * 3);
+        let ((), allocations) = count_allocations(|| {
+            recency.record(&topology, row, request, (i % 9) as f64, now);
+            recency.column(&rows, now, &mut column);
+        });
+        total += allocations;
+        sum += column.iter().sum::<f64>();
+    }
+    assert_eq!(
+        total, 0,
+        "allocations across 10,000 records and column reads"
+    );
+    assert!(sum > 0.0, "the column counted something");
+}

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use crate::loader::PolicyTypeDoc;
 use router_config as config;
-pub use router_config::TieBreak;
+pub use router_config::{Room, TieBreak};
 use router_core::rng::{mix, GOLDEN_GAMMA};
 
 /// Host settings a built-in needs at creation.
@@ -29,6 +29,10 @@ pub struct BuiltinSettings {
     pub overlap_credit: f64,
     /// `default_selector.tie_break`.
     pub tie_break: TieBreak,
+    /// `default_selector.room`.
+    pub room: Room,
+    /// The cache gate's weight (`live_eviction_weight`); 0: off.
+    pub live_eviction_weight: f64,
 }
 
 impl Default for BuiltinSettings {
@@ -41,19 +45,22 @@ impl Default for BuiltinSettings {
             decode_active_request_weight: config::DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT,
             overlap_credit: config::DEFAULT_OVERLAP_CREDIT,
             tie_break: config::DEFAULT_TIE_BREAK,
+            room: config::DEFAULT_ROOM,
+            live_eviction_weight: config::DEFAULT_LIVE_EVICTION_WEIGHT,
         }
     }
 }
 
 impl BuiltinSettings {
     /// Dynamo's weights, the host's defaults before the measured-best ones: what
-    /// `default_selector: {prefill_load_scale: 1.0, overlap_credit: 1.0, tie_break: lowest_row}`
-    /// gives.
+    /// `default_selector: {prefill_load_scale: 1.0, overlap_credit: 1.0, tie_break: lowest_row,
+    /// live_eviction_weight: 0}` gives.
     pub fn dynamo() -> Self {
         BuiltinSettings {
             prefill_load_scale: 1.0,
             overlap_credit: 1.0,
             tie_break: TieBreak::LowestRow,
+            live_eviction_weight: 0.0,
             ..BuiltinSettings::default()
         }
     }
@@ -94,6 +101,8 @@ impl Builtin {
                     ParamDoc::optional("decode_active_request_weight", "f64", &format!("host default_selector.decode_active_request_weight ({:?})", config::DEFAULT_DECODE_ACTIVE_REQUEST_WEIGHT), "weight of active requests; finite, >= 0"),
                     ParamDoc::optional("overlap_credit", "f64", &format!("host default_selector.overlap_credit ({:?})", config::DEFAULT_OVERLAP_CREDIT), "credit per device-cached prompt block (1.0 = the block's prefill); finite, >= 0"),
                     ParamDoc::optional("tie_break", "string", &format!("host default_selector.tie_break ({})", config::DEFAULT_TIE_BREAK), "exact ties: spread (drawn from the request and the row id), or lowest_row"),
+                    ParamDoc::optional("live_eviction_weight", "f64", &format!("host default_selector.live_eviction_weight ({:?})", config::DEFAULT_LIVE_EVICTION_WEIGHT), "the cache gate: cost per prompt block the row must evict from its recently used cache to take the uncached part of the prompt, in prefill blocks (times prefill_load_scale); needs the row's capacity; finite, >= 0"),
+                    ParamDoc::optional("room", "string", &format!("host default_selector.room ({})", config::DEFAULT_ROOM), "what spread counts as a row's room first: free (capacity - indexed blocks) or not_recent (capacity - blocks used within kv_recent_window_ms)"),
                 ],
             ),
             Builtin::RoundRobin => (
@@ -129,6 +138,8 @@ impl Builtin {
                     decode_active_request_weight: Option<f64>,
                     overlap_credit: Option<f64>,
                     tie_break: Option<TieBreak>,
+                    room: Option<Room>,
+                    live_eviction_weight: Option<f64>,
                 }
                 let p: P = params.parse()?;
                 let selector = DefaultSelector {
@@ -151,6 +162,13 @@ impl Builtin {
                         0.0,
                     )?,
                     tie_break: p.tie_break.unwrap_or(settings.tie_break),
+                    room: p.room.unwrap_or(settings.room),
+                    live_eviction_weight: check::finite_at_least(
+                        "live_eviction_weight",
+                        p.live_eviction_weight
+                            .unwrap_or(settings.live_eviction_weight),
+                        0.0,
+                    )?,
                 };
                 selector.log_resolved(instance);
                 plugin_api::export::into_policy_box(selector)
@@ -192,6 +210,10 @@ pub struct DefaultSelector {
     /// one block it would cost to prefill).
     pub overlap_credit: f64,
     pub tie_break: TieBreak,
+    /// What `spread` ranks rows by first: free blocks, or blocks not used lately.
+    pub room: Room,
+    /// The cache gate ([`DefaultSelector::live_eviction`]); 0: off.
+    pub live_eviction_weight: f64,
 }
 
 impl DefaultSelector {
@@ -204,6 +226,8 @@ impl DefaultSelector {
             decode_active_request_weight: settings.decode_active_request_weight,
             overlap_credit: settings.overlap_credit,
             tie_break: settings.tie_break,
+            room: settings.room,
+            live_eviction_weight: settings.live_eviction_weight,
         }
     }
 
@@ -217,6 +241,8 @@ impl DefaultSelector {
             decode_active_request_weight = self.decode_active_request_weight,
             overlap_credit = self.overlap_credit,
             tie_break = self.tie_break.as_str(),
+            room = self.room.as_str(),
+            live_eviction_weight = self.live_eviction_weight,
             host_cache_hit_weight = self.host_weight,
             disk_cache_hit_weight = self.disk_weight,
             "built-in default selector created with resolved settings"
@@ -254,6 +280,51 @@ impl DefaultSelector {
             + self.decode_active_request_weight * load.active_requests[i] as f64
     }
 
+    /// The cache gate: how many blocks row `i` would evict from its recently used cache to
+    /// store the prompt blocks it does not hold, `max(0, uncached - (capacity - recent))`, with
+    /// `recent` the `kv_recent_device_blocks` column (else the indexed device blocks: then
+    /// every held block counts as live). 0 for a row of unknown capacity and without the
+    /// columns, so the gate changes nothing where capacity is unknown.
+    fn live_eviction(
+        &self,
+        ctx: &Context<'_>,
+        gate: Option<(&[f64], &[f64])>,
+        device: f64,
+        i: usize,
+    ) -> f64 {
+        let Some((capacity, used)) = gate else {
+            return 0.0;
+        };
+        let (Some(&capacity), Some(&used)) = (capacity.get(i), used.get(i)) else {
+            return 0.0;
+        };
+        // `max` would read a NaN capacity as 0 room: unknown capacity means no gate.
+        if capacity.is_nan() {
+            return 0.0;
+        }
+        let known = |x: f64| if x.is_nan() { 0.0 } else { x };
+        let uncached = (ctx.request_blocks() as f64 - known(device)).max(0.0);
+        let evicted = uncached - (capacity - known(used)).max(0.0);
+        if evicted > 0.0 {
+            evicted
+        } else {
+            0.0
+        }
+    }
+
+    /// The columns the cache gate reads, when it is on and the host sent them.
+    fn gate_columns<'r>(&self, rows: &Rows<'r>) -> Option<(&'r [f64], &'r [f64])> {
+        if self.live_eviction_weight == 0.0 {
+            return None;
+        }
+        let capacity = rows.kv_capacity_blocks()?;
+        let used = match rows.kv_recent_device_blocks() {
+            Some(recent) => recent,
+            None => rows.kv_indexed_blocks()?.device,
+        };
+        Some((capacity, used))
+    }
+
     /// The order among rows of equal cost: lower wins. Under `spread`, the row with more free
     /// KV blocks first (a prompt nobody caches goes where it evicts least), then the spread rank
     /// of the request (`request`, [`ties::request_key`], computed once per decision);
@@ -279,12 +350,27 @@ impl DefaultSelector {
     fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
         let (request, room) = match self.tie_break {
             TieBreak::LowestRow => (0, None),
-            TieBreak::Spread => (ties::request_key(ctx), ties::RoomColumns::of(rows)),
+            TieBreak::Spread => (
+                ties::request_key(ctx),
+                match self.room {
+                    Room::Free => ties::RoomColumns::of(rows),
+                    Room::NotRecent => ties::RoomColumns::not_recent(rows),
+                },
+            ),
         };
         let trust = rows.kv_index_trust();
+        let gate = self.gate_columns(rows);
         let mut best: Option<(usize, f64, (i64, u64, RowId))> = None;
         for i in 0..rows.len() {
-            let cost = self.cost(ctx, rows, &trust, i);
+            let mut cost = self.cost(ctx, rows, &trust, i);
+            if gate.is_some() {
+                let device = rows
+                    .overlap()
+                    .map_or(0.0, |o| trust.overlap(i, o.device[i]));
+                cost += self.live_eviction_weight
+                    * self.prefill_load_scale
+                    * self.live_eviction(ctx, gate, device, i);
+            }
             let key = self.tie_key(request, room.as_ref(), i, rows.row(i));
             let better = match best {
                 None => true,
@@ -328,6 +414,12 @@ impl Policy for DefaultSelector {
         }
         if self.tie_break != TieBreak::LowestRow {
             e = e.label("tie_break", self.tie_break.as_str());
+        }
+        if self.room != Room::Free {
+            e = e.label("room", self.room.as_str());
+        }
+        if self.live_eviction_weight != 0.0 {
+            e = e.field("live_eviction_weight", self.live_eviction_weight);
         }
         Some(rows.kv_index_trust().explain(rows, e))
     }
@@ -693,8 +785,119 @@ mod tests {
     }
 
     #[test]
+    fn the_cache_gate_prices_evicting_live_cache_and_is_off_without_capacity() {
+        let gated = DefaultSelector::new(&BuiltinSettings::default());
+        assert_eq!(gated.live_eviction_weight, 0.25);
+        let off = DefaultSelector {
+            live_eviction_weight: 0.0,
+            ..gated
+        };
+        // 20-block prompt. Row 10 caches 2 of its blocks, but its full cache is all in recent
+        // use: storing the other 18 evicts 18 live blocks (cost 20 x (18 - 1) + 0.25 x 20 x 18
+        // = 430). Row 11 caches nothing and its full cache went cold: the 20 blocks evict
+        // nothing live (cost 400).
+        let request = TestRequest::new(320, 16);
+        let rows = || {
+            TestRows::new(vec![TestRow::new(10, 0).device(2.0), TestRow::new(11, 0)])
+                .kv_capacity_blocks(vec![80.0; 2])
+                .kv_indexed_device_blocks(vec![80.0; 2])
+        };
+        let recent = rows().kv_recent_device_blocks(vec![80.0, 10.0]);
+        assert_eq!(recent.pick_worker(&off, &request).unwrap().worker_id, 10);
+        assert_eq!(recent.pick_worker(&gated, &request).unwrap().worker_id, 11);
+        let e = recent.explain(&gated, &request).unwrap();
+        assert_eq!(e.get("live_eviction_weight"), Some(0.25));
+        // Without the recent column every indexed block counts as live: row 10 evicts 18
+        // (430), row 11 all 20 (400 + 100): the cache credit decides.
+        assert_eq!(rows().pick_worker(&gated, &request).unwrap().worker_id, 10);
+        // Capacity unknown (no column, or NaN): the gate adds nothing, whatever else is sent.
+        let unknown = TestRows::new(vec![TestRow::new(10, 0).device(2.0), TestRow::new(11, 0)])
+            .kv_indexed_device_blocks(vec![80.0; 2])
+            .kv_recent_device_blocks(vec![80.0, 10.0]);
+        let nan = rows()
+            .kv_capacity_blocks(vec![f64::NAN; 2])
+            .kv_recent_device_blocks(vec![80.0, 10.0]);
+        for rows in [&unknown, &nan] {
+            assert_eq!(rows.pick_worker(&gated, &request).unwrap().worker_id, 10);
+            assert_eq!(
+                rows.explain(&gated, &request).unwrap().get("cost"),
+                rows.explain(&off, &request).unwrap().get("cost")
+            );
+        }
+        let err = Builtin::Default
+            .create(
+                "d",
+                r#"{"live_eviction_weight": -1}"#,
+                &BuiltinSettings::default(),
+            )
+            .err()
+            .expect("refused");
+        assert_eq!(err.key(), "live_eviction_weight");
+    }
+
+    #[test]
+    fn room_not_recent_sends_a_new_prompt_where_the_cache_is_coldest() {
+        // The tie order alone: the cache gate (which also reads the recent column) off.
+        let free = DefaultSelector {
+            live_eviction_weight: 0.0,
+            ..DefaultSelector::new(&BuiltinSettings::default())
+        };
+        let not_recent = DefaultSelector {
+            room: Room::NotRecent,
+            ..free
+        };
+        // Every cache is full; row 12's was not used lately, the others' all was (live sessions).
+        let full = |recent: Option<Vec<f64>>| {
+            let rows = TestRows::new(idle_rows())
+                .kv_capacity_blocks(vec![80.0; 4])
+                .kv_indexed_device_blocks(vec![80.0; 4]);
+            match recent {
+                Some(recent) => rows.kv_recent_device_blocks(recent),
+                None => rows,
+            }
+        };
+        let mut free_rows = std::collections::BTreeSet::new();
+        for s in 0..50 {
+            let request = TestRequest::new(160 + s, 16).session(&format!("s{s}"));
+            let rows = full(Some(vec![80.0, 70.0, 5.0, 80.0]));
+            assert_eq!(
+                rows.pick_worker(&not_recent, &request).unwrap().worker_id,
+                12
+            );
+            let e = rows.explain(&not_recent, &request).unwrap();
+            assert_eq!(e.get_label("room"), Some("not_recent"));
+            // `free` sees four full caches: a spread over all of them.
+            free_rows.insert(rows.pick_worker(&free, &request).unwrap().worker_id);
+            // Without the recent column (an older host, or the window off) it is `free`.
+            assert_eq!(
+                full(None).pick_worker(&not_recent, &request).unwrap(),
+                full(None).pick_worker(&free, &request).unwrap()
+            );
+        }
+        assert_eq!(free_rows.len(), 4, "{free_rows:?}");
+        // Room only breaks exact ties: a row with less backlog still wins.
+        let rows = TestRows::new(vec![
+            TestRow::new(10, 0).decode_blocks(1),
+            TestRow::new(11, 0),
+        ])
+        .kv_capacity_blocks(vec![80.0; 2])
+        .kv_indexed_device_blocks(vec![80.0; 2])
+        .kv_recent_device_blocks(vec![0.0, 80.0]);
+        assert_eq!(
+            rows.pick_worker(&not_recent, &TestRequest::new(160, 16))
+                .unwrap()
+                .worker_id,
+            11
+        );
+    }
+
+    #[test]
     fn spread_sends_a_prompt_nobody_caches_where_the_cache_has_most_room() {
-        let spread = DefaultSelector::new(&BuiltinSettings::default());
+        // The tie order alone: the cache gate, which prices the same room, off.
+        let spread = DefaultSelector {
+            live_eviction_weight: 0.0,
+            ..DefaultSelector::new(&BuiltinSettings::default())
+        };
         let caches = |indexed: Vec<f64>| {
             TestRows::new(idle_rows())
                 .kv_capacity_blocks(vec![80.0; 4])

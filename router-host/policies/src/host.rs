@@ -162,6 +162,7 @@ impl Host {
             drain_stall: Some(router.longest_hang_after()),
             decode_booking: config.booking.decode,
             max_queued: config.max_queued_requests,
+            recent_window: config.kv_recent_window,
         };
         let core = RoutingCore::new(router.clone(), cluster, settings);
         Host {

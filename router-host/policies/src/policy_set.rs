@@ -124,6 +124,8 @@ impl PolicySet {
                 decode_active_request_weight: config.default_selector.decode_active_request_weight,
                 overlap_credit: config.default_selector.overlap_credit,
                 tie_break: config.default_selector.tie_break,
+                room: config.default_selector.room,
+                live_eviction_weight: config.default_selector.live_eviction_weight,
             },
             on_hang: options.on_hang,
         };
@@ -328,12 +330,13 @@ impl PolicySet {
         let mut view = scratch.columns.view.view(instance.inputs);
         // Each extra column is filled only when the host knows it: the capacity when some
         // worker's is known, the indexed blocks (with LOAD) and the index states (with CACHE)
-        // when a KV index answers.
+        // when a KV index answers, the recent blocks beside the indexed ones when the core
+        // tracks them.
         let named = scratch.columns.extra();
         let mut extra = [ExtraColumn {
             name: RStr::from_str(""),
             values: RSlice::EMPTY,
-        }; 5];
+        }; 6];
         let mut sent = 0;
         for (name, values) in named.into_iter().filter(|(_, v)| !v.is_empty()) {
             extra[sent] = ExtraColumn {

@@ -179,3 +179,47 @@ fn room_never_overrides_a_tier() {
         .expect("a row");
     assert_eq!(row, at(10, 0));
 }
+
+#[test]
+fn room_not_recent_sends_a_new_prompt_where_the_cache_is_coldest_and_is_validated() {
+    let not_recent = policy(r#"{"room": "not_recent"}"#);
+    let free = policy(DEFAULTS);
+    // Every cache is full; only row 12's was not used lately.
+    let full = || {
+        TestRows::new(idle())
+            .kv_capacity_blocks(vec![80.0; 4])
+            .kv_indexed_device_blocks(vec![80.0; 4])
+    };
+    let mut free_rows = std::collections::BTreeSet::new();
+    for isl in 1..=50u64 {
+        let request = TestRequest::new(isl * 7, 16).session(&format!("s{isl}"));
+        let rows = full().kv_recent_device_blocks(vec![80.0, 75.0, 10.0, 80.0]);
+        let row = rows.pick_worker(&not_recent, &request).expect("a row");
+        assert_eq!(row, at(12, 0), "isl {}", isl * 7);
+        free_rows.insert(rows.pick_worker(&free, &request).expect("a row"));
+        // Without the column (an older host, or its window off) `not_recent` is `free`.
+        assert_eq!(
+            full().pick_worker(&not_recent, &request).expect("a row"),
+            full().pick_worker(&free, &request).expect("a row")
+        );
+    }
+    assert_eq!(
+        free_rows.len(),
+        4,
+        "free sees four equal full caches: {free_rows:?}"
+    );
+    let e = explained(&not_recent, &idle(), &request());
+    assert_eq!(e.get_label("room"), Some("not_recent"));
+    assert_eq!(
+        explained(&free, &idle(), &request()).get_label("room"),
+        None
+    );
+    let err = invalid(r#"{"room": "empty"}"#);
+    assert_eq!(err.key(), "room");
+    assert!(
+        err.message()
+            .contains("unknown variant `empty`, expected `free` or `not_recent`"),
+        "{}",
+        err.message()
+    );
+}

@@ -123,6 +123,7 @@ fn defaults_are_resolved_per_the_design() {
             load_signal: LoadSignal::PrefillBacklog,
             kv_capacity_limit: None,
             tie_break: TieBreak::Spread,
+            room: Room::Free,
         }
     );
 }

@@ -336,6 +336,7 @@ impl RoutingCore {
             source,
             topology,
             ledger: &self.ledger,
+            recency: None,
         };
         let batch = topology
             .cluster()
@@ -420,6 +421,7 @@ impl RoutingCore {
             source,
             topology,
             ledger: &self.ledger,
+            recency: self.recency.as_ref().map(|r| (r, &*self.clock)),
         };
         with_buffer(&SCRATCH, |scratch| {
             self.selector
@@ -513,6 +515,10 @@ impl RoutingCore {
         }
         drop(shard);
         drop(directory);
+        if let Some(recency) = &self.recency {
+            let cached = source.overlap(decision.row).device;
+            recency.record(snapshot, decision.row, request, cached, self.clock.now());
+        }
         self.selector.notify_dispatch(
             decision.instance,
             &DispatchEvent {

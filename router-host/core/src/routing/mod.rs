@@ -49,6 +49,7 @@ use crate::kv_index::trust::RowTrust;
 use crate::kv_index::KvIndex;
 use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{Cluster, RowId, RowLoad};
+use crate::recency::Recency;
 use crate::select::{InstanceId, Selector};
 use crate::sessions::{Clock, SessionStore, SystemClock};
 use crate::topology::{Slot, SlotAllocator, Topology};
@@ -86,6 +87,9 @@ pub struct CoreSettings {
     /// How many requests the admission queues hold together ([`DEFAULT_MAX_QUEUED`] when
     /// `None`); past it the lowest priority is shed (docs/routing-contract.md §8).
     pub max_queued: Option<usize>,
+    /// The window of the `kv_recent_device_blocks` column (`crate::recency`); `None`: not
+    /// tracked, and the column is not sent.
+    pub recent_window: Option<Duration>,
 }
 
 /// The watchdog's default hang limit (router-host's `hang_after_ms`).
@@ -156,6 +160,8 @@ pub struct RoutingCore {
     /// What each row's engine last reported about its saturation (`observe_engine`); read only
     /// by classes that set engine limits. Holds registered rows only.
     engine: std::sync::RwLock<FastMap<RowId, EngineSignals>>,
+    /// What each row's requests used lately (`kv_recent_device_blocks`), when the window is on.
+    recency: Option<Recency>,
 }
 
 /// Topology publications, numbered across the process so that a thread's cached snapshot can
@@ -209,6 +215,7 @@ impl RoutingCore {
             clock: settings.clock.unwrap_or_else(|| Arc::new(SystemClock)),
             decode_booking: settings.decode_booking,
             engine: std::sync::RwLock::new(FastMap::default()),
+            recency: settings.recent_window.map(Recency::new),
         }
     }
 

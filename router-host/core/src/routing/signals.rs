@@ -10,6 +10,9 @@ use crate::kv_index::KvIndex;
 use crate::ledger::Ledger;
 use plugin_api::Columns;
 
+use crate::recency::Recency;
+use crate::sessions::Clock;
+
 use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
 use crate::topology::Topology;
 
@@ -19,6 +22,8 @@ pub(super) struct CoreSignals<'a, O: ?Sized> {
     pub source: &'a O,
     pub topology: &'a Topology,
     pub ledger: &'a Ledger,
+    /// The recent-use tracker and the clock it reads, when the core keeps one.
+    pub recency: Option<(&'a Recency, &'a dyn Clock)>,
 }
 
 impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
@@ -65,6 +70,13 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
         if self.topology.knows_kv_capacity() {
             out.resize(rows.len(), f64::NAN);
             self.topology.kv_capacity_column(rows, out);
+        }
+    }
+
+    fn kv_recent_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+        match self.recency {
+            Some((recency, clock)) => recency.column(rows, clock.now(), out),
+            None => out.clear(),
         }
     }
 }

@@ -25,6 +25,8 @@ pub struct ColumnSettings {
     /// The built-in `default` type's weights: the implicit `default` instance and every
     /// instance's fallback.
     pub default_selector: DefaultSelectorSettings,
+    /// The window of the `kv_recent_device_blocks` column in ms; 0: off.
+    pub kv_recent_window_ms: u64,
     /// The plugin files loaded, resolved.
     pub plugins: Vec<String>,
     /// The instance serving aggregated requests (every replayed request is aggregated).
@@ -49,6 +51,8 @@ pub struct DefaultSelectorSettings {
     pub decode_active_request_weight: f64,
     pub overlap_credit: f64,
     pub tie_break: String,
+    pub room: String,
+    pub live_eviction_weight: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -111,7 +115,12 @@ impl ColumnSettings {
                 decode_active_request_weight: ds.decode_active_request_weight,
                 overlap_credit: ds.overlap_credit,
                 tie_break: ds.tie_break.to_string(),
+                room: ds.room.to_string(),
+                live_eviction_weight: ds.live_eviction_weight,
             },
+            kv_recent_window_ms: config
+                .kv_recent_window
+                .map_or(0, |w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX)),
             plugins: router
                 .catalog()
                 .libraries()
@@ -157,9 +166,15 @@ impl ColumnSettings {
         ));
         let ds = &self.default_selector;
         lines.push(format!(
-            "default_selector: {{prefill_load_scale: {:?}, decode_active_request_weight: {:?}, overlap_credit: {:?}, tie_break: {}}}",
-            ds.prefill_load_scale, ds.decode_active_request_weight, ds.overlap_credit, ds.tie_break
+            "default_selector: {{prefill_load_scale: {:?}, decode_active_request_weight: {:?}, overlap_credit: {:?}, tie_break: {}, room: {}, live_eviction_weight: {:?}}}",
+            ds.prefill_load_scale,
+            ds.decode_active_request_weight,
+            ds.overlap_credit,
+            ds.tie_break,
+            ds.room,
+            ds.live_eviction_weight
         ));
+        lines.push(format!("kv_recent_window_ms: {}", self.kv_recent_window_ms));
         if !self.plugins.is_empty() {
             let paths: Vec<String> = self
                 .plugins
