@@ -123,9 +123,10 @@ pub const DEFAULT_TIE_BREAK: TieBreak = TieBreak::Spread;
 pub const DEFAULT_LIVE_EVICTION_WEIGHT: f64 = 0.25;
 /// Default `default_selector.room`.
 pub const DEFAULT_ROOM: Room = Room::Free;
-/// Default `kv_recent_window_ms`: how long after its last use a row's cache still counts as
-/// live work in the `kv_recent_device_blocks` column.
-pub const DEFAULT_KV_RECENT_WINDOW: Duration = Duration::from_secs(10);
+/// Default `kv_recent_window_ms`: off (`None`). Nothing shipped reads the
+/// `kv_recent_device_blocks` column to advantage at its defaults (the built-in default's cache
+/// gate measured the same without it), and keeping it costs a lock per row per decision.
+pub const DEFAULT_KV_RECENT_WINDOW: Option<Duration> = None;
 /// Largest accepted `kv_recent_window_ms` (one day).
 pub const MAX_KV_RECENT_WINDOW_MS: u64 = 24 * 3600 * 1000;
 /// Default `booking.prefill`: only the prompt tokens the row has to compute.
@@ -229,7 +230,7 @@ impl Default for RouterConfig {
             session_store: SessionStoreConfig::Memory,
             policy_classes: Vec::new(),
             max_queued_requests: None,
-            kv_recent_window: Some(DEFAULT_KV_RECENT_WINDOW),
+            kv_recent_window: DEFAULT_KV_RECENT_WINDOW,
             engine: None,
             workers: Vec::new(),
             workers_file: None,
@@ -559,7 +560,7 @@ impl Builder<'_> {
                 .max_queued_requests
                 .and_then(|n| usize::try_from(n).ok()),
             kv_recent_window: match raw.kv_recent_window_ms {
-                None => Some(DEFAULT_KV_RECENT_WINDOW),
+                None => DEFAULT_KV_RECENT_WINDOW,
                 Some(0) => None,
                 Some(ms) => Some(Duration::from_millis(ms)),
             },

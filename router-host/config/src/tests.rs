@@ -52,7 +52,7 @@ fn defaults_match_the_design() {
     assert_eq!(config.default_selector.tie_break, TieBreak::Spread);
     assert_eq!(config.default_selector.room, Room::Free);
     assert_eq!(config.default_selector.live_eviction_weight, 0.25);
-    assert_eq!(config.kv_recent_window, Some(Duration::from_secs(10)));
+    assert_eq!(config.kv_recent_window, None, "the recent-use window is off");
     assert_eq!(config.booking.prefill, PrefillBooking::Uncached);
     assert_eq!(config.booking.decode, DecodeBooking::Prompt);
     // A mapping that sets none of them is the same as no mapping.
@@ -822,8 +822,9 @@ fn the_recent_window_and_room_parse_and_bad_values_are_named() {
     );
     assert_eq!(
         parse("kv_recent_window_ms: ~\n").kv_recent_window,
-        Some(DEFAULT_KV_RECENT_WINDOW)
+        DEFAULT_KV_RECENT_WINDOW
     );
+    assert_eq!(parse("").kv_recent_window, None, "off by default");
     let err = parse_err("kv_recent_window_ms: 86400001\n");
     assert!(err.contains("kv_recent_window_ms"), "{err}");
     let err = parse_err("kv_recent_window_ms: -1\n");
