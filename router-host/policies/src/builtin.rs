@@ -276,25 +276,40 @@ impl DefaultSelector {
         }
     }
 
+    /// The row of lowest cost and its cost; among equal costs the lowest [`Self::tie_key`].
+    ///
+    /// A tie key is computed only for rows that tie the best cost so far (and for that best row
+    /// once), not for every row: under `spread` a key is a hash and two column reads, and most
+    /// rows of a large fleet never tie the best. The order is the same as keying every row.
     fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
         let (request, room) = match self.tie_break {
             TieBreak::LowestRow => (0, None),
             TieBreak::Spread => (ties::request_key(ctx), ties::RoomColumns::of(rows)),
         };
         let trust = rows.kv_index_trust();
-        let mut best: Option<(usize, f64, (i64, u64, RowId))> = None;
+        let key = |i: usize| self.tie_key(request, room.as_ref(), i, rows.row(i));
+        let mut best: Option<(usize, f64)> = None;
+        // The best row's key, once a tie asked for it.
+        let mut best_key = None;
         for i in 0..rows.len() {
             let cost = self.cost(ctx, rows, &trust, i);
-            let key = self.tie_key(request, room.as_ref(), i, rows.row(i));
-            let better = match best {
-                None => true,
-                Some((_, c, bkey)) => cost < c || (cost == c && key < bkey),
-            };
-            if better {
-                best = Some((i, cost, key));
+            match best {
+                None => best = Some((i, cost)),
+                Some((_, c)) if cost < c => {
+                    best = Some((i, cost));
+                    best_key = None;
+                }
+                Some((b, c)) if cost == c => {
+                    let k = key(i);
+                    if k < *best_key.get_or_insert_with(|| key(b)) {
+                        best = Some((i, cost));
+                        best_key = Some(k);
+                    }
+                }
+                Some(_) => {}
             }
         }
-        best.map(|(i, c, _)| (i, c))
+        best
     }
 }
 
