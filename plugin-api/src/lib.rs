@@ -42,7 +42,7 @@ pub use columns::Columns;
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
     AffinityTarget, Completion, Context, Dispatch, Explanation, IndexTrust, IndexedBlocks,
-    KvIndexState, Load, Outcome, Overlap, PickError, Policy, Role, Rows, ViewError,
+    KvIndexState, Load, Outcome, Overlap, PickError, Policy, Role, Rows, ViewError, EXPLAIN_TOKEN,
     KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
     KV_INDEX_STATE, KV_LOAD_ONLY_SUFFIX,
 };
