@@ -100,6 +100,36 @@ pub struct IndexOverlap<'a> {
     slots_of: Cell<Option<(usize, usize, RowId, RowId)>>,
     /// Each slot's index state, when the core keeps them (`kv_index_state`).
     trust: Option<&'a RowTrust>,
+    /// Whether no slot's state was other than current when the decision started.
+    all_current: bool,
+}
+
+/// How many slots' index states are not current, kept by every change of one: while none is,
+/// the `kv_index_state` column is all zeros and a decision writes it without reading every
+/// slot. Signed: two feeders' updates may land in either order, so it can dip below zero for a
+/// moment; below or at zero reads as none.
+#[derive(Debug, Default)]
+pub(super) struct NotCurrent(std::sync::atomic::AtomicI64);
+
+impl NotCurrent {
+    /// A slot's state went from `before` to `after`.
+    pub(super) fn changed(
+        &self,
+        before: plugin_api::KvIndexState,
+        after: plugin_api::KvIndexState,
+    ) {
+        use std::sync::atomic::Ordering::Relaxed;
+        match (before.is_current(), after.is_current()) {
+            (true, false) => self.0.fetch_add(1, Relaxed),
+            (false, true) => self.0.fetch_sub(1, Relaxed),
+            _ => 0,
+        };
+    }
+
+    /// Whether every slot is current.
+    pub(super) fn none(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) <= 0
+    }
 }
 
 impl<'a> IndexOverlap<'a> {
@@ -117,12 +147,20 @@ impl<'a> IndexOverlap<'a> {
             walked: Cell::new(false),
             slots_of: Cell::new(None),
             trust: None,
+            all_current: false,
         }
     }
 
     /// Send each row's index state from `trust` with the overlap.
     pub fn with_trust(mut self, trust: &'a RowTrust) -> Self {
         self.trust = Some(trust);
+        self
+    }
+
+    /// Whether every slot of `trust` is known to be current (the column is then written as
+    /// zeros without reading the slots).
+    pub fn all_current(mut self, all_current: bool) -> Self {
+        self.all_current = all_current;
         self
     }
 
@@ -237,6 +275,10 @@ impl OverlapSource for IndexOverlap<'_> {
     fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
         out.clear();
         let Some(trust) = self.trust else { return };
+        if self.all_current {
+            out.resize(rows.len(), 0.0);
+            return;
+        }
         // A row the topology does not know holds nothing: current.
         self.with_slots(rows, false, |b| {
             out.extend(b.slots.iter().map(|&slot| {
@@ -300,6 +342,29 @@ mod tests {
                 "indexed blocks of {r:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_count_of_slots_not_current_follows_every_change() {
+        use KvIndexState::{Current, Lagging, Stale, Unknown};
+        let count = NotCurrent::default();
+        assert!(count.none());
+        count.changed(Current, Stale);
+        count.changed(Current, Unknown);
+        assert!(!count.none());
+        count.changed(Stale, Lagging);
+        count.changed(Current, Current);
+        count.changed(Lagging, Current);
+        assert!(!count.none(), "one slot is still unknown");
+        count.changed(Unknown, Current);
+        assert!(count.none());
+        // Two feeders' updates landing out of order: the dip reads as none, and it settles.
+        count.changed(Stale, Current);
+        assert!(count.none());
+        count.changed(Current, Stale);
+        assert!(count.none());
+        count.changed(Current, Stale);
+        assert!(!count.none());
     }
 
     #[test]
