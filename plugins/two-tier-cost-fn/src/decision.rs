@@ -382,8 +382,9 @@ impl<P: Copy + Ord> Leader<P> {
     }
 
     /// Whether row `i` (`prefix`, its tie in `tie` once computed) orders before this leader;
-    /// if so it becomes the leader.
-    #[inline]
+    /// if so it becomes the leader. Always inlined: called three times a row, it was a call
+    /// each (about a third of the scan).
+    #[inline(always)]
     fn challenge(
         &mut self,
         cols: &Columns<'_>,
