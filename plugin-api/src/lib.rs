@@ -29,7 +29,9 @@
 //!   look at it and see the overlap columns they always saw.
 //! - **1.5**: the [`KV_RECENT_DEVICE_BLOCKS`] extra column ([`Rows::kv_recent_device_blocks`]):
 //!   how much of each row's indexed device cache requests used or stored recently, so a policy
-//!   can send a new prefix where it evicts the least live work ([`ties::RoomColumns::not_recent`]).
+//!   can send a new prefix where it evicts the least live work ([`ties::RoomColumns::not_recent`]);
+//!   and the [`EXPLAIN_TOKEN`] context extension, with which a policy explains the pick it just
+//!   made instead of deciding again. Hosts before 1.5 send neither; a policy then decides again.
 
 pub mod abi;
 mod columns;
@@ -45,7 +47,7 @@ pub use columns::Columns;
 pub use create::{check, CreateContext, CreateError, ParamDoc, Parameters, PolicyType};
 pub use policy::{
     AffinityTarget, Completion, Context, Dispatch, Explanation, IndexTrust, IndexedBlocks,
-    KvIndexState, Load, Outcome, Overlap, PickError, Policy, Role, Rows, ViewError,
+    KvIndexState, Load, Outcome, Overlap, PickError, Policy, Role, Rows, ViewError, EXPLAIN_TOKEN,
     KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS, KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS,
     KV_INDEX_STATE, KV_LOAD_ONLY_SUFFIX, KV_RECENT_DEVICE_BLOCKS,
 };

@@ -234,6 +234,14 @@ pub const KV_INDEX_STATE: &str = "kv_index_state";
 /// [`Rows::kv_recent_device_blocks`].
 pub const KV_RECENT_DEVICE_BLOCKS: &str = "kv_recent_device_blocks";
 
+/// Name of the context extension (since 1.5) (a `U64`) a host may send with a `pick` it will ask to
+/// explain: the same value on that `pick` and on the `explain` that follows it over the same
+/// input, and never again with another input. A policy may keep what its `pick` found under the
+/// token and describe that in `explain` instead of deciding again (a large fleet's decision
+/// scans every row); without a token, or with another one, `explain` decides again. router-host
+/// sends it whenever it asks for an explanation (`serve`: on every request).
+pub const EXPLAIN_TOKEN: &str = "explain_token";
+
 /// How far the host's KV index of a row can be trusted (the [`KV_INDEX_STATE`] column).
 ///
 /// Only [`KvIndexState::Current`] overlap is what the row's engine caches as far as the host

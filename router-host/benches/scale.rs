@@ -37,6 +37,12 @@
 //! ROUTER_BENCH_SCALE_SHAPES=flat ROUTER_BENCH_SCALE_POLICIES=two-tier cargo bench ...
 //! cargo bench -p router-host --bench scale -- --test             # smoke run: 8 and 64 rows
 //! ```
+//!
+//! Instruction counts (the machine is shared, wall time is not): `ROUTER_BENCH_PROFILE=<part>:
+//! <shape>:<rows>:<policy>` builds that one configuration in this process and runs
+//! `ROUTER_BENCH_ITERS` (default 2,000) decisions of one part (`serve`, `route`, `no_lookup`,
+//! `walk`) inside `common::profile_loop`, for
+//! `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*profile_loop*'`.
 
 mod common;
 
@@ -148,12 +154,29 @@ struct Setup {
 }
 
 impl Setup {
-    fn new(shape: Shape, rows: usize, policy: Policy, per_row: usize) -> Setup {
-        let config = match policy {
-            Policy::TwoTier => common::two_tier_config("{}", ""),
-            Policy::Default => {
+    /// `profiled`: under callgrind a decision runs tens of times slower, and the instance would
+    /// be quarantined for its time budget (its decisions then made by the fallback): give it
+    /// a budget it cannot reach.
+    fn new(shape: Shape, rows: usize, policy: Policy, per_row: usize, profiled: bool) -> Setup {
+        let config = match (policy, profiled) {
+            (Policy::TwoTier, false) => common::two_tier_config("{}", ""),
+            (Policy::Default, false) => {
                 RouterConfig::from_yaml_str(&format!("block_size: {BLOCK_SIZE}\n"), None)
                     .expect("default config")
+            }
+            (policy, true) => {
+                let (plugins, kind) = match policy {
+                    Policy::TwoTier => (
+                        format!("plugins: [{{path: {}}}]\n", common::two_tier_so().display()),
+                        "dynamo-two-tier-cost-fn",
+                    ),
+                    Policy::Default => (String::new(), "default"),
+                };
+                let yaml = format!(
+                    "block_size: {BLOCK_SIZE}\n{plugins}worker_selection:\n  aggregated: p\n  \
+                     instances:\n    - {{name: p, type: {kind}, pick_budget_us: 1000000000}}\n"
+                );
+                RouterConfig::from_yaml_str(&yaml, None).expect("profile config")
             }
         };
         let ranks = shape.ranks(rows);
@@ -331,15 +354,7 @@ fn percentiles(samples: usize, mut f: impl FnMut(usize)) -> (f64, f64, f64) {
 
 /// One (shape, rows, policy): build, time, print one `RESULT` line for the parent.
 fn child(spec: &str) {
-    let parts: Vec<&str> = spec.split(':').collect();
-    let (shape, rows, policy) = match parts.as_slice() {
-        [shape, rows, policy] => (
-            Shape::parse(shape).expect("shape"),
-            rows.parse::<usize>().expect("rows"),
-            Policy::parse(policy).expect("policy"),
-        ),
-        _ => panic!("{CHILD}: expected shape:rows:policy, got `{spec}`"),
-    };
+    let (shape, rows, policy) = parse_spec(spec);
     let samples = env_usize("ROUTER_BENCH_SCALE_SAMPLES", 20_000);
     let per_row = env_usize("ROUTER_BENCH_SCALE_PROMPTS", 4);
     // The .so is built (and loaded once) before the baseline is read.
@@ -348,7 +363,7 @@ fn child(spec: &str) {
     }
     let rss_before = status_kib("VmRSS");
     let built = Instant::now();
-    let s = Setup::new(shape, rows, policy, per_row);
+    let s = Setup::new(shape, rows, policy, per_row, false);
     let build_s = built.elapsed().as_secs_f64();
     let rss_after = status_kib("VmRSS");
     let (blocks, pairs) = {
@@ -434,7 +449,67 @@ fn child(spec: &str) {
     );
 }
 
+/// `ROUTER_BENCH_PROFILE=<part>:<shape>:<rows>:<policy>`: one part's decisions in a plain loop.
+fn profile(part: &str, spec: &str) {
+    let (shape, rows, policy) = parse_spec(spec);
+    let per_row = env_usize("ROUTER_BENCH_SCALE_PROMPTS", 4);
+    let s = Setup::new(shape, rows, policy, per_row, true);
+    let iters = common::profile_iters(2_000);
+    let mut p = 0;
+    let mut next = || {
+        p = (p + 1) % PROMPTS;
+        p
+    };
+    match part {
+        "serve" => common::profile_loop(iters, &mut || {
+            let request = s.requests[next()].clone();
+            black_box(s.serve_path(request));
+        }),
+        "route" => common::profile_loop(iters, &mut || {
+            black_box(s.route(next()));
+        }),
+        "no_lookup" => common::profile_loop(iters, &mut || {
+            black_box(s.route_no_overlap(next()));
+        }),
+        "walk" => {
+            let mut buffers = [Vec::new(), Vec::new(), Vec::new()];
+            let mut alive = Vec::new();
+            common::profile_loop(iters, &mut || s.walk(next(), &mut buffers, &mut alive));
+        }
+        other => {
+            panic!("ROUTER_BENCH_PROFILE: unknown part `{other}` (serve, route, no_lookup, walk)")
+        }
+    }
+    // Still the configured instance's decisions (no fallback).
+    let core = s.host.core();
+    let routed = core.route_indexed(&s.requests[0], false).expect("routed");
+    core.complete(routed.id);
+    assert!(
+        routed.decision.fallback.is_none()
+            && routed.decision.decided_by == routed.decision.instance,
+        "the profiled decisions fell back: {:?}",
+        routed.decision.fallback
+    );
+    eprintln!("profiled {part} {spec}: {iters} decisions");
+}
+
+fn parse_spec(spec: &str) -> (Shape, usize, Policy) {
+    let parts: Vec<&str> = spec.split(':').collect();
+    match parts.as_slice() {
+        [shape, rows, policy] => (
+            Shape::parse(shape).expect("shape"),
+            rows.parse::<usize>().expect("rows"),
+            Policy::parse(policy).expect("policy"),
+        ),
+        _ => panic!("expected shape:rows:policy, got `{spec}`"),
+    }
+}
+
 fn main() {
+    if let Some((part, spec)) = common::profile_request() {
+        profile(&part, &spec);
+        return;
+    }
     if let Ok(spec) = std::env::var(CHILD) {
         child(&spec);
         return;

@@ -635,6 +635,15 @@ fn the_index_state_column_reaches_a_plugin_with_the_cache_columns_aligned_with_i
     core.remove_worker(2).unwrap();
     core.add_worker(Worker::new(3)).unwrap();
     assert_eq!(core.kv_index_state(row(3, 0)), Some(KvIndexState::Current));
+    // The column follows every change, back to all current and away from it again (the core
+    // keeps a count of rows not current, and writes the column without reading rows at 0).
+    core.set_kv_index_state(row(1, 1), KvIndexState::Current);
+    assert!(states_seen(&host).iter().all(|(_, s)| s == "current"));
+    core.set_kv_index_state(row(3, 0), KvIndexState::Unknown);
+    assert_eq!(
+        sorted(states_seen(&host)),
+        pairs(&[("1:0", "current"), ("1:1", "current"), ("3:0", "unknown")])
+    );
     // Only with the overlap columns: a load-only policy reads no overlap to distrust.
     let host = Host::new(probe("{inputs: [load]}"), cluster(), &config);
     host.core()

@@ -315,32 +315,35 @@ pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
     load.saturating_sub(min) > abs && load as f64 > rel * min as f64
 }
 
-/// A load signal's least-loaded order (`params.load_signal`), compiled into the scan: under the
-/// default signal the key is `(active requests, tie)`, so each row costs what it did before the
-/// backlog signal existed, plus its tie rank under `tie_break: spread`.
+/// A load signal's least-loaded order (`params.load_signal`), compiled into the scan: the key
+/// is the signal's `Prefix` then the row's [`Tie`]. The tie is computed only when two rows'
+/// prefixes are equal (under `tie_break: spread` it is a hash and two column reads, and in a
+/// large fleet most rows never tie the leaders), so a row costs one prefix read and a few
+/// comparisons; the order is the same as keying every row.
 trait LoadOrder {
-    /// Smaller is less loaded; ties are broken by the [`Tie`], so keys are total.
-    type Key: Copy + Ord;
+    /// Smaller is less loaded; equal prefixes are told apart by the [`Tie`].
+    type Prefix: Copy + Ord;
     /// Whether the key orders by something other than active requests first, so the load
     /// tier's fewest-active row must be tracked on its own.
     const SEPARATE_ACTIVE: bool;
-    fn key(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Key;
-    fn active_key(key: Self::Key) -> (u64, Tie);
+    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Prefix;
+    /// The active requests in a prefix.
+    fn active(prefix: Self::Prefix) -> u64;
 }
 
 /// [`LoadSignal::ActiveRequests`]: fewer active requests first, then the [`Tie`].
 struct ByActive;
 
 impl LoadOrder for ByActive {
-    type Key = (u64, Tie);
+    type Prefix = u64;
     const SEPARATE_ACTIVE: bool = false;
     #[inline]
-    fn key(cols: &Columns<'_>, i: usize, _eff: f64, prompt: Prompt) -> Self::Key {
-        (cols.active[i], cols.tie(i, prompt))
+    fn prefix(cols: &Columns<'_>, i: usize, _eff: f64, _prompt: Prompt) -> u64 {
+        cols.active[i]
     }
     #[inline]
-    fn active_key(key: Self::Key) -> (u64, Tie) {
-        key
+    fn active(prefix: u64) -> u64 {
+        prefix
     }
 }
 
@@ -350,71 +353,119 @@ impl LoadOrder for ByActive {
 struct ByBacklog;
 
 impl LoadOrder for ByBacklog {
-    type Key = (u64, u64, Tie);
+    type Prefix = (u64, u64);
     const SEPARATE_ACTIVE: bool = true;
     #[inline]
-    fn key(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Key {
-        // `as` saturates (and a NaN `eff` was already made 0).
-        let cached =
-            (eff.max(0.0).floor() as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
+    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> (u64, u64) {
+        // `as` truncates toward zero, which for `eff >= 0` is the floor, without a call to
+        // `floor` on every row; it saturates (and a NaN `eff` was already made 0).
+        let cached = (eff.max(0.0) as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
         let backlog = cols.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens));
-        (backlog, cols.active[i], cols.tie(i, prompt))
+        (backlog, cols.active[i])
     }
     #[inline]
-    fn active_key(key: Self::Key) -> (u64, Tie) {
-        (key.1, key.2)
+    fn active(prefix: (u64, u64)) -> u64 {
+        prefix.1
     }
 }
 
-/// Running statistics of one pass over a row set. The load keys of the current winners are
-/// kept, not re-read: each row costs one key read and a few comparisons.
+/// One leader of a scan: its row, the part of its key compared first, and its [`Tie`] once a
+/// comparison needed it.
+#[derive(Clone, Copy)]
+struct Leader<P> {
+    row: usize,
+    prefix: P,
+    tie: Option<Tie>,
+}
+
+impl<P: Copy + Ord> Leader<P> {
+    #[inline]
+    fn new(row: usize, prefix: P) -> Self {
+        Leader {
+            row,
+            prefix,
+            tie: None,
+        }
+    }
+
+    /// Whether row `i` (`prefix`, its tie in `tie` once computed) orders before this leader;
+    /// if so it becomes the leader. Always inlined: called three times a row, it was a call
+    /// each (about a third of the scan).
+    #[inline(always)]
+    fn challenge(
+        &mut self,
+        cols: &Columns<'_>,
+        prompt: Prompt,
+        i: usize,
+        prefix: P,
+        tie: &mut Option<Tie>,
+    ) -> bool {
+        let wins = prefix < self.prefix
+            || (prefix == self.prefix && {
+                let mine = *tie.get_or_insert_with(|| cols.tie(i, prompt));
+                let theirs = *self.tie.get_or_insert_with(|| cols.tie(self.row, prompt));
+                mine < theirs
+            });
+        if wins {
+            *self = Leader {
+                row: i,
+                prefix,
+                tie: *tie,
+            };
+        }
+        wins
+    }
+}
+
+/// Running statistics of one pass over a row set. The keys of the current leaders are kept,
+/// not re-read: each row costs one prefix read and a few comparisons.
 struct Scan<O: LoadOrder> {
     /// Least-loaded by the load signal: the fallback tier's row.
-    least_loaded: usize,
-    least_key: O::Key,
-    /// Fewest active requests (then the tie): the load tier's row. The same row as
-    /// `least_loaded` under [`LoadSignal::ActiveRequests`] (then set after the pass).
-    least_active: usize,
-    least_active_key: (u64, Tie),
+    least: Leader<O::Prefix>,
+    /// Fewest active requests (then the tie): the load tier's row. The same row as `least`
+    /// under [`LoadSignal::ActiveRequests`] (then not tracked).
+    least_active: Leader<u64>,
     max_active: u64,
-    best_row: usize,
-    best_key: O::Key,
+    /// Highest overlap, then least loaded: the cache tier's row.
+    best: Leader<O::Prefix>,
     best_eff: f64,
 }
 
 impl<O: LoadOrder> Scan<O> {
     #[inline]
-    fn first(i: usize, eff: f64, key: O::Key) -> Self {
-        let active_key = O::active_key(key);
+    fn first(i: usize, eff: f64, prefix: O::Prefix) -> Self {
         Scan {
-            least_loaded: i,
-            least_key: key,
-            least_active: i,
-            least_active_key: active_key,
-            max_active: active_key.0,
-            best_row: i,
-            best_key: key,
+            least: Leader::new(i, prefix),
+            least_active: Leader::new(i, O::active(prefix)),
+            max_active: O::active(prefix),
+            best: Leader::new(i, prefix),
             best_eff: eff,
         }
     }
 
-    #[inline]
-    fn add(&mut self, i: usize, eff: f64, key: O::Key) {
-        if key < self.least_key {
-            self.least_loaded = i;
-            self.least_key = key;
+    /// Always inlined into the scan: with the leader comparisons inlined into it, the compiler
+    /// stopped inlining it, and the call cost about 20 instructions a row.
+    #[inline(always)]
+    fn add(&mut self, cols: &Columns<'_>, prompt: Prompt, i: usize, eff: f64, prefix: O::Prefix) {
+        // Row `i`'s tie, computed at most once and only if a comparison needs it.
+        let mut tie = None;
+        self.least.challenge(cols, prompt, i, prefix, &mut tie);
+        let active = O::active(prefix);
+        if O::SEPARATE_ACTIVE {
+            self.least_active
+                .challenge(cols, prompt, i, active, &mut tie);
         }
-        let active_key = O::active_key(key);
-        if O::SEPARATE_ACTIVE && active_key < self.least_active_key {
-            self.least_active = i;
-            self.least_active_key = active_key;
-        }
-        self.max_active = self.max_active.max(active_key.0);
+        self.max_active = self.max_active.max(active);
         // Highest overlap wins; among equal overlap, the least-loaded row.
-        if eff > self.best_eff || (eff == self.best_eff && key < self.best_key) {
-            self.best_row = i;
-            self.best_key = key;
+        if eff > self.best_eff {
+            self.best = Leader {
+                row: i,
+                prefix,
+                tie,
+            };
             self.best_eff = eff;
+        } else if eff == self.best_eff {
+            self.best.challenge(cols, prompt, i, prefix, &mut tie);
         }
     }
 }
@@ -443,24 +494,24 @@ fn scan<O: LoadOrder>(
     let weight = params.host_cache_weight;
     let first = (0..n).find(|&i| in_set(cols.row(i)))?;
     let eff = cols.effective_overlap(first, weight);
-    let mut scan = Scan::<O>::first(first, eff, O::key(cols, first, eff, prompt));
+    let mut scan = Scan::<O>::first(first, eff, O::prefix(cols, first, eff, prompt));
     for i in first + 1..n {
         if in_set(cols.row(i)) {
             let eff = cols.effective_overlap(i, weight);
-            scan.add(i, eff, O::key(cols, i, eff, prompt));
+            scan.add(cols, prompt, i, eff, O::prefix(cols, i, eff, prompt));
         }
     }
     let (least_active, min_active) = if O::SEPARATE_ACTIVE {
-        (scan.least_active, scan.least_active_key.0)
+        (scan.least_active.row, scan.least_active.prefix)
     } else {
-        (scan.least_loaded, O::active_key(scan.least_key).0)
+        (scan.least.row, O::active(scan.least.prefix))
     };
     Some(Summary {
-        least_loaded: scan.least_loaded,
+        least_loaded: scan.least.row,
         least_active,
         min_active,
         max_active: scan.max_active,
-        best_row: scan.best_row,
+        best_row: scan.best.row,
         best_eff: scan.best_eff,
     })
 }
@@ -482,12 +533,13 @@ fn least_loaded_with_room(
     // Both orders as one key: `(active, tie)` orders as `(active, 0, tie)`.
     let key = |i: usize| {
         let eff = cols.effective_overlap(i, params.host_cache_weight);
+        let tie = cols.tie(i, prompt);
         match params.load_signal {
-            LoadSignal::ActiveRequests => {
-                let (active, tie) = ByActive::key(cols, i, eff, prompt);
-                (active, 0, tie)
+            LoadSignal::ActiveRequests => (ByActive::prefix(cols, i, eff, prompt), 0, tie),
+            LoadSignal::PrefillBacklog => {
+                let (backlog, active) = ByBacklog::prefix(cols, i, eff, prompt);
+                (backlog, active, tie)
             }
-            LoadSignal::PrefillBacklog => ByBacklog::key(cols, i, eff, prompt),
         }
     };
     (0..cols.len())

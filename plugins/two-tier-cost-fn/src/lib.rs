@@ -20,6 +20,7 @@
 //! build a [`TwoTierCostFn`] with [`TwoTierCostFn::new`] and call [`Policy::pick`].
 
 pub mod decision;
+mod memo;
 pub mod params;
 
 use plugin_api::{
@@ -127,11 +128,19 @@ impl Policy for TwoTierCostFn {
     }
 
     fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
-        self.decide(ctx, rows).map(|d| d.row)
+        let decision = self.decide(ctx, rows);
+        memo::remember(self, ctx, decision.as_ref().ok());
+        decision.map(|d| d.row)
     }
 
+    /// With the [`plugin_api::EXPLAIN_TOKEN`] of the `pick` just made (router-host sends one
+    /// whenever it asks for an explanation), that pick's decision is described, not made again;
+    /// otherwise it is made here.
     fn explain(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<Explanation> {
-        let decision = self.decide(ctx, rows).ok()?;
+        let decision = match memo::recall(self, ctx) {
+            Some(decision) => decision,
+            None => self.decide(ctx, rows).ok()?,
+        };
         Some(self.explanation(&decision, rows))
     }
 }

@@ -347,6 +347,11 @@ impl DefaultSelector {
         }
     }
 
+    /// The row of lowest cost and its cost; among equal costs the lowest [`Self::tie_key`].
+    ///
+    /// A tie key is computed only for rows that tie the best cost so far (and for that best row
+    /// once), not for every row: under `spread` a key is a hash and two column reads, and most
+    /// rows of a large fleet never tie the best. The order is the same as keying every row.
     fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
         let (request, room) = match self.tie_break {
             TieBreak::LowestRow => (0, None),
@@ -360,7 +365,10 @@ impl DefaultSelector {
         };
         let trust = rows.kv_index_trust();
         let gate = self.gate_columns(rows);
-        let mut best: Option<(usize, f64, (i64, u64, RowId))> = None;
+        let key = |i: usize| self.tie_key(request, room.as_ref(), i, rows.row(i));
+        let mut best: Option<(usize, f64)> = None;
+        // The best row's key, once a tie asked for it.
+        let mut best_key = None;
         for i in 0..rows.len() {
             let mut cost = self.cost(ctx, rows, &trust, i);
             if gate.is_some() {
@@ -371,16 +379,23 @@ impl DefaultSelector {
                     * self.prefill_load_scale
                     * self.live_eviction(ctx, gate, device, i);
             }
-            let key = self.tie_key(request, room.as_ref(), i, rows.row(i));
-            let better = match best {
-                None => true,
-                Some((_, c, bkey)) => cost < c || (cost == c && key < bkey),
-            };
-            if better {
-                best = Some((i, cost, key));
+            match best {
+                None => best = Some((i, cost)),
+                Some((_, c)) if cost < c => {
+                    best = Some((i, cost));
+                    best_key = None;
+                }
+                Some((b, c)) if cost == c => {
+                    let k = key(i);
+                    if k < *best_key.get_or_insert_with(|| key(b)) {
+                        best = Some((i, cost));
+                        best_key = Some(k);
+                    }
+                }
+                Some(_) => {}
             }
         }
-        best.map(|(i, c, _)| (i, c))
+        best
     }
 }
 
@@ -390,13 +405,19 @@ impl Policy for DefaultSelector {
     }
 
     fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
-        self.best(ctx, rows)
-            .map(|(i, _)| i)
+        let best = self.best(ctx, rows);
+        last_pick::remember(self, ctx, best);
+        best.map(|(i, _)| i)
             .ok_or_else(|| PickError::new("no rows"))
     }
 
+    /// With the `EXPLAIN_TOKEN` of the pick just made (serve sends one on every request), that
+    /// pick is described, not made again; otherwise it is made here.
     fn explain(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<Explanation> {
-        let (i, cost) = self.best(ctx, rows)?;
+        let (i, cost) = match last_pick::recall(self, ctx) {
+            Some(best) => best,
+            None => self.best(ctx, rows)?,
+        };
         let mut e = Explanation::new(i, "lowest_cost")
             .field("cost", cost)
             .field("rows", rows.len() as f64)
@@ -422,6 +443,53 @@ impl Policy for DefaultSelector {
             e = e.field("live_eviction_weight", self.live_eviction_weight);
         }
         Some(rows.kv_index_trust().explain(rows, e))
+    }
+}
+
+/// The default's last pick on this thread, kept under the host's `EXPLAIN_TOKEN` for the
+/// `explain` that follows it (`plugin_api::EXPLAIN_TOKEN`; the two-tier plugin keeps its own
+/// the same way): the row and its cost.
+mod last_pick {
+    use std::cell::Cell;
+
+    use plugin_api::abi::ExtensionValue;
+    use plugin_api::{Context, EXPLAIN_TOKEN};
+
+    use super::DefaultSelector;
+
+    thread_local! {
+        /// (instance, token, row, cost).
+        static LAST: Cell<Option<(usize, u64, usize, f64)>> = const { Cell::new(None) };
+    }
+
+    fn token(ctx: &Context<'_>) -> Option<u64> {
+        match ctx.extension(EXPLAIN_TOKEN)? {
+            ExtensionValue::U64(token) => Some(token),
+            _ => None,
+        }
+    }
+
+    fn instance(selector: &DefaultSelector) -> usize {
+        selector as *const DefaultSelector as usize
+    }
+
+    pub(super) fn remember(
+        selector: &DefaultSelector,
+        ctx: &Context<'_>,
+        best: Option<(usize, f64)>,
+    ) {
+        let last = token(ctx)
+            .zip(best)
+            .map(|(token, (row, cost))| (instance(selector), token, row, cost));
+        // `try_with`: a pick during thread teardown keeps nothing.
+        let _ = LAST.try_with(|cell| cell.set(last));
+    }
+
+    /// The pick with this call's token, taken (it answers one `explain`).
+    pub(super) fn recall(selector: &DefaultSelector, ctx: &Context<'_>) -> Option<(usize, f64)> {
+        let token = token(ctx)?;
+        let (of, kept, row, cost) = LAST.try_with(Cell::take).ok()??;
+        (of == instance(selector) && kept == token).then_some((row, cost))
     }
 }
 
@@ -523,6 +591,72 @@ mod tests {
         assert_eq!(
             (old.prefill_load_scale, old.overlap_credit, old.tie_break),
             (1.0, 1.0, TieBreak::LowestRow)
+        );
+    }
+
+    /// `f` over `rows` with `request`'s context, carrying an `EXPLAIN_TOKEN` when given.
+    fn with_token<R>(
+        rows: &TestRows,
+        token: Option<u64>,
+        f: impl FnOnce(&Context<'_>, &Rows<'_>) -> R,
+    ) -> R {
+        use abi_stable::std_types::{RSlice, RStr};
+        use plugin_api::abi::{Extension, ExtensionValue, RawRequestContext};
+        let view = rows.view(Inputs::CACHE | Inputs::LOAD);
+        let rows = Rows::from_raw(&view).expect("a consistent view");
+        TestRequest::new(160, 16).with_raw(|raw| {
+            let extension = [Extension {
+                name: RStr::from_str(plugin_api::EXPLAIN_TOKEN),
+                value: ExtensionValue::U64(token.unwrap_or(0)),
+            }];
+            let raw = RawRequestContext {
+                extensions: match token {
+                    Some(_) => RSlice::from_slice(&extension),
+                    None => RSlice::EMPTY,
+                },
+                ..*raw
+            };
+            f(&Context::from_raw(&raw), &rows)
+        })
+    }
+
+    #[test]
+    fn explain_with_the_picks_token_describes_that_pick_and_otherwise_decides() {
+        let policy = selector();
+        // 10 blocks of prompt, cached whole on worker `on`: the lowest cost.
+        let cached_on = |on: u64| {
+            let row = |w: u64| TestRow::new(w, 0).device(if w == on { 10.0 } else { 0.0 });
+            TestRows::new(vec![row(29), row(41)])
+        };
+        let (on_29, on_41) = (cached_on(29), cached_on(41));
+        let pick = |rows: &TestRows, token| with_token(rows, token, |c, r| policy.pick(c, r));
+        let explain = |rows: &TestRows, token| {
+            with_token(rows, token, |c, r| policy.explain(c, r)).expect("an explanation")
+        };
+        assert_eq!(pick(&on_29, Some(5)), Ok(0));
+        let e = explain(&on_29, Some(5));
+        assert_eq!(
+            e,
+            explain(&on_29, None),
+            "the same explanation as deciding again"
+        );
+        // The kept pick answers (shown by a host breaking the contract: the same token over
+        // another input still describes the pick it named)...
+        assert_eq!(pick(&on_29, Some(6)), Ok(0));
+        assert_eq!(explain(&on_41, Some(6)).row, 0);
+        // ...once, for its own token and instance only.
+        assert_eq!(explain(&on_41, Some(6)).row, 1);
+        assert_eq!(pick(&on_29, Some(7)), Ok(0));
+        assert_eq!(explain(&on_41, Some(8)).row, 1);
+        assert_eq!(pick(&on_29, Some(9)), Ok(0));
+        assert_eq!(explain(&on_41, None).row, 1);
+        assert_eq!(pick(&on_29, Some(10)), Ok(0));
+        let other = selector();
+        assert_eq!(
+            with_token(&on_41, Some(10), |c, r| other.explain(c, r))
+                .expect("an explanation")
+                .row,
+            1
         );
     }
 

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
 use plugin_api::abi::{
-    opt_str, CompleteEvent, DispatchEvent, ExtraColumn, RawAffinityTarget, RawExplanation,
-    RawRequestContext,
+    opt_str, CompleteEvent, DispatchEvent, Extension, ExtensionValue, ExtraColumn,
+    RawAffinityTarget, RawExplanation, RawRequestContext,
 };
 use plugin_api::Explanation;
 use router_core::ledger::Charge;
@@ -315,6 +315,16 @@ impl PolicySet {
         }
         scratch.materialise(&narrowed, instance.inputs, signals);
         let request = selection.request;
+        // A pick that will be explained carries a token naming this input, so the policy can
+        // explain the pick it made instead of deciding again (`plugin_api::EXPLAIN_TOKEN`).
+        let token = [Extension {
+            name: RStr::from_str(plugin_api::EXPLAIN_TOKEN),
+            value: ExtensionValue::U64(if selection.explain {
+                next_explain_token()
+            } else {
+                0
+            }),
+        }];
         let ctx = RawRequestContext {
             prompt_tokens: request.isl_tokens,
             request_blocks: self.request_blocks(request.isl_tokens),
@@ -325,7 +335,11 @@ impl PolicySet {
             session_id: opt_str(request.session_id.as_deref()),
             expected_output_tokens: request.expected_output_tokens.into(),
             priority: request.priority,
-            extensions: RSlice::EMPTY,
+            extensions: if selection.explain {
+                RSlice::from_slice(&token)
+            } else {
+                RSlice::EMPTY
+            },
         };
         let mut view = scratch.columns.view.view(instance.inputs);
         // Each extra column is filled only when the host knows it: the capacity when some
@@ -463,6 +477,12 @@ impl PolicySet {
             instance.policy.on_complete(event);
         }
     }
+}
+
+/// A token no other explained pick in this process carries.
+fn next_explain_token() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Ask `instance` to explain the pick it just made, and how long that took (nanoseconds). A

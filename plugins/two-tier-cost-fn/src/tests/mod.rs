@@ -2,6 +2,7 @@
 
 mod behaviour;
 mod conformance;
+mod explain_token;
 mod index_trust;
 mod kv_capacity_limit;
 mod prefill_backlog;

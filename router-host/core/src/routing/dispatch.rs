@@ -153,7 +153,8 @@ impl RoutingCore {
         self.with_topology(|topology| {
             with_buffer(&OVERLAP, |buffers| {
                 let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers)
-                    .with_trust(&self.trust);
+                    .with_trust(&self.trust)
+                    .all_current(self.not_current.none());
                 self.route_on(topology, request, &source, explain)
             })
         })
@@ -177,7 +178,8 @@ impl RoutingCore {
         let admitted = self.with_topology(|topology| {
             with_buffer(&OVERLAP, |buffers| {
                 let source = IndexOverlap::new(topology, &self.kv, &request.blocks, buffers)
-                    .with_trust(&self.trust);
+                    .with_trust(&self.trust)
+                    .all_current(self.not_current.none());
                 self.admit(topology, &request, &source, explain)
             })
         })?;

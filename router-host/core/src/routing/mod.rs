@@ -142,6 +142,9 @@ pub struct RoutingCore {
     /// Per slot, how far its KV index can be trusted: read by decisions without a lock,
     /// written by the row's event feeder (`workers.rs` `set_kv_index_state`).
     trust: RowTrust,
+    /// How many slots of `trust` are not current: while none is, a decision sends the
+    /// `kv_index_state` column as zeros without reading every slot.
+    not_current: signals::NotCurrent,
     sessions: Option<Arc<dyn SessionStore>>,
     classes: Vec<ClassSpec>,
     queues: Mutex<Lanes>,
@@ -198,6 +201,7 @@ impl RoutingCore {
             writer: Mutex::new(alloc),
             kv: ShardedLock::new(kv),
             trust: RowTrust::with_slots(topology_slots),
+            not_current: signals::NotCurrent::default(),
             sessions: settings.sessions,
             classes: settings.classes,
             queues: Mutex::new(Lanes::new(
@@ -351,6 +355,17 @@ impl RoutingCore {
 
     pub fn admission_stats(&self) -> AdmissionStats {
         lock(&self.queues).stats
+    }
+
+    /// Set `slot`'s index state, keeping the count of slots not current.
+    fn set_trust(
+        &self,
+        slot: crate::topology::Slot,
+        state: plugin_api::KvIndexState,
+    ) -> plugin_api::KvIndexState {
+        let before = self.trust.set(slot, state);
+        self.not_current.changed(before, state);
+        before
     }
 
     /// Read access to the KV-overlap index (rows are slots).

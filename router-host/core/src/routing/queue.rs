@@ -38,7 +38,8 @@ impl RoutingCore {
                 let topology = self.topology.load();
                 f(
                     &IndexOverlap::new(&topology, &self.kv, &request.blocks, buffers)
-                        .with_trust(&self.trust),
+                        .with_trust(&self.trust)
+                        .all_current(self.not_current.none()),
                 )
             })
         })

@@ -90,7 +90,13 @@ pub struct OverlapBuffers {
     pub host: Vec<u32>,
     pub disk: Vec<u32>,
     pub alive: Vec<u64>,
+    /// The slot of each row handed to the policy ([`NO_SLOT`] for a row not registered),
+    /// resolved once per decision for every column filled from a slot-indexed table.
+    slots: Vec<u32>,
 }
+
+/// In [`OverlapBuffers`]' slot column: a row the topology does not know.
+const NO_SLOT: u32 = u32::MAX;
 
 /// A request's overlap from the core's KV index, walked on first use (a policy that does not
 /// read the CACHE columns never pays for it): `held[slot]` leading blocks of the prompt are on
@@ -102,8 +108,40 @@ pub struct IndexOverlap<'a> {
     blocks: &'a [u64],
     buffers: RefCell<&'a mut OverlapBuffers>,
     walked: Cell<bool>,
+    /// The rows (address, length, first and last) `buffers.slots` was resolved for.
+    slots_of: Cell<Option<(usize, usize, RowId, RowId)>>,
     /// Each slot's index state, when the core keeps them (`kv_index_state`).
     trust: Option<&'a RowTrust>,
+    /// Whether no slot's state was other than current when the decision started.
+    all_current: bool,
+}
+
+/// How many slots' index states are not current, kept by every change of one: while none is,
+/// the `kv_index_state` column is all zeros and a decision writes it without reading every
+/// slot. Signed: two feeders' updates may land in either order, so it can dip below zero for a
+/// moment; below or at zero reads as none.
+#[derive(Debug, Default)]
+pub(super) struct NotCurrent(std::sync::atomic::AtomicI64);
+
+impl NotCurrent {
+    /// A slot's state went from `before` to `after`.
+    pub(super) fn changed(
+        &self,
+        before: plugin_api::KvIndexState,
+        after: plugin_api::KvIndexState,
+    ) {
+        use std::sync::atomic::Ordering::Relaxed;
+        match (before.is_current(), after.is_current()) {
+            (true, false) => self.0.fetch_add(1, Relaxed),
+            (false, true) => self.0.fetch_sub(1, Relaxed),
+            _ => 0,
+        };
+    }
+
+    /// Whether every slot is current.
+    pub(super) fn none(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) <= 0
+    }
 }
 
 impl<'a> IndexOverlap<'a> {
@@ -119,13 +157,22 @@ impl<'a> IndexOverlap<'a> {
             blocks,
             buffers: RefCell::new(buffers),
             walked: Cell::new(false),
+            slots_of: Cell::new(None),
             trust: None,
+            all_current: false,
         }
     }
 
     /// Send each row's index state from `trust` with the overlap.
     pub fn with_trust(mut self, trust: &'a RowTrust) -> Self {
         self.trust = Some(trust);
+        self
+    }
+
+    /// Whether every slot of `trust` is known to be current (the column is then written as
+    /// zeros without reading the slots).
+    pub fn all_current(mut self, all_current: bool) -> Self {
+        self.all_current = all_current;
         self
     }
 
@@ -138,6 +185,7 @@ impl<'a> IndexOverlap<'a> {
                 host,
                 disk,
                 alive,
+                ..
             } = &mut **buffers;
             if self.blocks.is_empty() {
                 held.clear();
@@ -149,6 +197,37 @@ impl<'a> IndexOverlap<'a> {
             }
         }
         f(&buffers)
+    }
+
+    /// Run `f` over the walk's buffers with `rows`' slots resolved (walking the index first if
+    /// `walk`). The columns of one decision are all filled for the same rows: their slots are
+    /// looked up once, not once per column.
+    fn with_slots<R>(&self, rows: &[RowId], walk: bool, f: impl FnOnce(&OverlapBuffers) -> R) -> R {
+        if walk {
+            self.with_walk(|_| ());
+        }
+        let mut buffers = self.buffers.borrow_mut();
+        let of = match (rows.first(), rows.last()) {
+            (Some(&first), Some(&last)) => Some((rows.as_ptr() as usize, rows.len(), first, last)),
+            _ => None,
+        };
+        if of.is_none() || self.slots_of.get() != of {
+            buffers.slots.clear();
+            buffers.slots.extend(
+                self.topology
+                    .slots(rows)
+                    .map(|slot| slot.unwrap_or(NO_SLOT)),
+            );
+            self.slots_of.set(of);
+        }
+        f(&buffers)
+    }
+}
+
+/// `out[i] = counts[slots[i]]` (0 past `counts`, and for a row without a slot).
+fn gather(counts: &[u32], slots: &[u32], out: &mut [f64]) {
+    for (out, &slot) in out.iter_mut().zip(slots) {
+        *out = f64::from(counts.get(slot as usize).copied().unwrap_or(0));
     }
 }
 
@@ -174,45 +253,54 @@ impl OverlapSource for IndexOverlap<'_> {
         let Columns {
             device, host, disk, ..
         } = out;
-        self.with_walk(|b| {
-            for (slot, device) in self.topology.slots(rows).zip(device.iter_mut()) {
-                *device = blocks_in(&b.held, slot);
-            }
+        self.with_slots(rows, true, |b| {
+            gather(&b.held, &b.slots, device);
             if b.host.is_empty() && b.disk.is_empty() {
                 host.fill(0.0);
                 disk.fill(0.0);
                 return;
             }
-            let columns = host.iter_mut().zip(disk.iter_mut());
-            for (slot, (host, disk)) in self.topology.slots(rows).zip(columns) {
-                *host = blocks_in(&b.host, slot);
-                *disk = blocks_in(&b.disk, slot);
-            }
+            gather(&b.host, &b.slots, host);
+            gather(&b.disk, &b.slots, disk);
         });
     }
 
     fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
         let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
-        out.iter_mut().for_each(Vec::clear);
         let [device, host, disk] = out;
-        for slot in self.topology.slots(rows) {
-            // A row the topology does not know holds nothing the index could count.
-            let held = slot.map_or([0; 3], |slot| kv.held_by_tier(slot));
-            device.push(held[0] as f64);
-            host.push(held[1] as f64);
-            disk.push(held[2] as f64);
+        for column in [&mut *device, &mut *host, &mut *disk] {
+            column.clear();
+            column.resize(rows.len(), 0.0);
         }
+        self.with_slots(rows, false, |b| {
+            let columns = device.iter_mut().zip(host.iter_mut()).zip(disk.iter_mut());
+            for (&slot, ((device, host), disk)) in b.slots.iter().zip(columns) {
+                // A row the topology does not know holds nothing the index could count.
+                if slot != NO_SLOT {
+                    let [d, h, k] = kv.held_by_tier(slot);
+                    (*device, *host, *disk) = (d as f64, h as f64, k as f64);
+                }
+            }
+        });
     }
 
     fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
         out.clear();
         let Some(trust) = self.trust else { return };
+        if self.all_current {
+            out.resize(rows.len(), 0.0);
+            return;
+        }
         // A row the topology does not know holds nothing: current.
-        out.extend(
-            self.topology
-                .slots(rows)
-                .map(|slot| slot.map_or(0.0, |slot| trust.get(slot).code())),
-        );
+        self.with_slots(rows, false, |b| {
+            out.extend(b.slots.iter().map(|&slot| {
+                if slot == NO_SLOT {
+                    0.0
+                } else {
+                    trust.get(slot).code()
+                }
+            }));
+        });
     }
 
     fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
@@ -220,5 +308,117 @@ impl OverlapSource for IndexOverlap<'_> {
             (Some(trust), Some(slot)) => trust.get(slot),
             _ => plugin_api::KvIndexState::Current,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_index::{KvEvent, KvEventKind};
+    use crate::model::{Cluster, Worker};
+    use crate::topology::SlotAllocator;
+    use plugin_api::KvIndexState;
+
+    fn row(worker_id: u64, dp_rank: u32) -> RowId {
+        RowId { worker_id, dp_rank }
+    }
+
+    /// The columns of one row set from one `IndexOverlap`, against its per-row answers.
+    fn check(source: &IndexOverlap<'_>, rows: &[RowId]) {
+        let mut columns = Columns::default();
+        columns.device.resize(rows.len(), f64::NAN);
+        columns.host.resize(rows.len(), f64::NAN);
+        columns.disk.resize(rows.len(), f64::NAN);
+        source.overlap_columns(rows, &mut columns);
+        let mut states = Vec::new();
+        source.kv_index_state_column(rows, &mut states);
+        let mut indexed: [Vec<f64>; 3] = Default::default();
+        source.kv_indexed_columns(rows, &mut indexed);
+        let kv = source.kv.read().unwrap_or_else(PoisonError::into_inner);
+        for (i, &r) in rows.iter().enumerate() {
+            let one = source.overlap(r);
+            assert_eq!(
+                (columns.device[i], columns.host[i], columns.disk[i]),
+                (one.device, one.host, one.disk),
+                "overlap of {r:?}"
+            );
+            assert_eq!(states[i], source.kv_index_state(r).code(), "state of {r:?}");
+            let held = source
+                .topology
+                .slot(r)
+                .map_or([0; 3], |slot| kv.held_by_tier(slot));
+            let held = held.map(|h| h as f64);
+            assert_eq!(
+                [indexed[0][i], indexed[1][i], indexed[2][i]],
+                held,
+                "indexed blocks of {r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_count_of_slots_not_current_follows_every_change() {
+        use KvIndexState::{Current, Lagging, Stale, Unknown};
+        let count = NotCurrent::default();
+        assert!(count.none());
+        count.changed(Current, Stale);
+        count.changed(Current, Unknown);
+        assert!(!count.none());
+        count.changed(Stale, Lagging);
+        count.changed(Current, Current);
+        count.changed(Lagging, Current);
+        assert!(!count.none(), "one slot is still unknown");
+        count.changed(Unknown, Current);
+        assert!(count.none());
+        // Two feeders' updates landing out of order: the dip reads as none, and it settles.
+        count.changed(Stale, Current);
+        assert!(count.none());
+        count.changed(Current, Stale);
+        assert!(count.none());
+        count.changed(Current, Stale);
+        assert!(!count.none());
+    }
+
+    #[test]
+    fn columns_follow_the_rows_asked_for_whatever_their_order_and_set() {
+        let cluster = Cluster::new(vec![
+            Worker::new(3).with_ranks(0, 2),
+            Worker::new(7).with_ranks(0, 1),
+            Worker::new(9).with_ranks(0, 2),
+        ])
+        .unwrap();
+        let topology = SlotAllocator::default().initial(cluster);
+        let mut index = KvIndex::new(topology.slot_bound());
+        // Slot s caches the first s + 1 blocks of the prompt.
+        let prompt = [11, 12, 13, 14, 15];
+        for slot in 0..topology.slot_bound() as u32 {
+            for &block in &prompt[..=slot as usize] {
+                index.apply(&KvEvent::on_device(slot, KvEventKind::Stored, block));
+            }
+        }
+        let kv = ShardedLock::new(index);
+        let trust = RowTrust::with_slots(topology.slot_bound());
+        let slot = topology.slot(row(9, 0)).unwrap();
+        trust.set(slot, KvIndexState::Lagging);
+        let mut buffers = OverlapBuffers::default();
+        let source = IndexOverlap::new(&topology, &kv, &prompt, &mut buffers).with_trust(&trust);
+        let all = [row(3, 0), row(3, 1), row(7, 0), row(9, 0), row(9, 1)];
+        check(&source, &all);
+        // The same decision asks for other rows: a narrowed set, another order, a row the
+        // topology does not know, a set as long as the first.
+        check(&source, &all[1..3]);
+        check(&source, &[row(9, 1), row(3, 0), row(8, 0), row(3, 1)]);
+        check(
+            &source,
+            &[row(9, 1), row(9, 0), row(7, 0), row(3, 1), row(3, 0)],
+        );
+        check(&source, &all);
+        // Every row's columns really differ, so a stale slot would have shown.
+        let mut columns = Columns::default();
+        columns.device.resize(all.len(), 0.0);
+        columns.host.resize(all.len(), 0.0);
+        columns.disk.resize(all.len(), 0.0);
+        source.overlap_columns(&all, &mut columns);
+        assert_eq!(columns.device, [1.0, 2.0, 3.0, 4.0, 5.0]);
     }
 }

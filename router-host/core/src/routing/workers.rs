@@ -131,7 +131,7 @@ impl RoutingCore {
                 self.ledger.reset(slot);
                 shards[shard_of_slot(slot)].held.forget(slot);
                 cached_blocks += kv.clear_row(slot);
-                self.trust.set(slot, KvIndexState::Current);
+                self.set_trust(slot, KvIndexState::Current);
             }
             drop(kv);
             drop(shards);
@@ -199,7 +199,7 @@ impl RoutingCore {
     /// the state it replaces, `None` for a row not registered.
     pub fn set_kv_index_state(&self, row: RowId, state: KvIndexState) -> Option<KvIndexState> {
         let slot = self.topology.load().slot(row)?;
-        Some(self.trust.set(slot, state))
+        Some(self.set_trust(slot, state))
     }
 
     /// `row`'s KV index state (`None` for a row not registered).
