@@ -229,3 +229,123 @@ fn a_device_only_index_has_no_offload_columns() {
     index.apply(&event(1, KvEventKind::Evicted, 1, Tier::Host));
     assert!(index.is_empty());
 }
+
+/// The holder sets against a plain model, in the sparse layout (past 256 rows) and across the
+/// switch to it: random stores, evictions and clears over a few blocks held by many rows, so
+/// that sets spill to bitsets and return inline, on every tier, with rows added midway.
+#[test]
+fn holder_sets_match_a_model_across_the_spill_threshold() {
+    use std::collections::HashSet;
+    let mut x = 0x853c_49e6_748f_ea9bu64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for (rows, grown) in [(40usize, 300usize), (300, 300), (1_000, 1_100)] {
+        let mut index = KvIndex::new(rows);
+        let mut rows = rows;
+        let mut held: Vec<[HashSet<u64>; 3]> = vec![Default::default(); grown];
+        let (mut device, mut host, mut disk, mut alive) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut out = Vec::new();
+        let mut peak_spilled = 0;
+        for step in 0..6_000u64 {
+            if step == 3_000 {
+                index.ensure_rows(grown);
+                rows = grown;
+            }
+            // Phases of mostly stores then mostly evictions, so that holder counts climb past
+            // the inline capacity and fall back below it.
+            let storing = (step / 500) % 2 == 0;
+            // Rows drawn from a few at a time, so that a block gathers holders.
+            let row = (next(12) * 7 + next(3) * (rows as u64 / 3)) as u32 % rows as u32;
+            let tier = if next(4) == 0 {
+                Tier::ALL[1 + next(2) as usize]
+            } else {
+                Tier::Device
+            };
+            let t = tier as usize;
+            let block = next(12);
+            match next(40) {
+                0 => {
+                    let n: usize = held[row as usize].iter().map(HashSet::len).sum();
+                    assert_eq!(index.clear_row(row), n as u64, "step {step}");
+                    held[row as usize].iter_mut().for_each(HashSet::clear);
+                }
+                1 => {
+                    let n = held[row as usize][t].len() as u64;
+                    assert_eq!(index.clear_row_tier(row, tier), n, "step {step}");
+                    held[row as usize][t].clear();
+                }
+                k if (k % 4 != 0) == storing => {
+                    if held[row as usize][t].insert(block) {
+                        index.apply(&event(row, KvEventKind::Stored, block, tier));
+                    }
+                }
+                _ => {
+                    if held[row as usize][t].remove(&block) {
+                        index.apply(&event(row, KvEventKind::Evicted, block, tier));
+                    }
+                }
+            }
+            peak_spilled = peak_spilled.max(index.device.spill_sets());
+            if step % 7 != 0 {
+                continue;
+            }
+            for tier in Tier::ALL.into_iter().filter(|_| step % 98 == 0) {
+                let t = tier as usize;
+                for block in 0..12 {
+                    for (r, sets) in held.iter().enumerate().take(rows) {
+                        assert_eq!(
+                            index.holds_in(r as u32, block, tier),
+                            sets[t].contains(&block),
+                            "rows {rows}, step {step}, row {r}, block {block}, {tier:?}"
+                        );
+                    }
+                }
+                let pairs: usize = held.iter().map(|sets| sets[t].len()).sum();
+                assert_eq!(index.holdings_in(tier), pairs as u64, "step {step}");
+            }
+            let query: Vec<u64> = (0..1 + next(6)).map(|_| next(12)).collect();
+            index.overlaps(&query, &mut out, &mut alive);
+            index.overlaps_by_tier(&query, &mut device, &mut host, &mut disk, &mut alive);
+            for (r, sets) in held.iter().enumerate().take(rows) {
+                let on = |tiers: &[usize], b: &u64| tiers.iter().any(|&t| sets[t].contains(b));
+                let run = |tiers: &[usize]| query.iter().take_while(|b| on(tiers, b)).count();
+                let (d, dh, all) = (run(&[0]), run(&[0, 1]), run(&[0, 1, 2]));
+                assert_eq!(out[r] as usize, d, "rows {rows}, step {step}, row {r}");
+                let got = |v: &Vec<u32>| v.get(r).copied().unwrap_or(0) as usize;
+                assert_eq!(
+                    (got(&device), got(&host), got(&disk)),
+                    (d, dh - d, all - dh),
+                    "rows {rows}, step {step}, row {r}"
+                );
+                for tier in Tier::ALL {
+                    let n = sets[tier as usize].len() as u64;
+                    assert_eq!(index.held_by(r as u32, tier), n);
+                }
+            }
+            let distinct: HashSet<u64> = held.iter().flatten().flatten().copied().collect();
+            assert_eq!(index.len(), distinct.len(), "step {step}");
+        }
+        if rows > 64 * super::holders::DENSE_MAX_WORDS {
+            assert!(
+                peak_spilled > 0,
+                "rows {rows}: some block was held by more than {} rows",
+                super::holders::SMALL
+            );
+        }
+        // Everything evicted: no block and no spilled set is left.
+        for (r, sets) in held.iter().enumerate() {
+            for (t, tier) in Tier::ALL.into_iter().enumerate() {
+                for &block in &sets[t] {
+                    index.apply(&event(r as u32, KvEventKind::Evicted, block, tier));
+                }
+            }
+        }
+        assert!(index.is_empty());
+        assert_eq!(index.device.spill_sets(), 0);
+    }
+}
