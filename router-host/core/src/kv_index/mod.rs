@@ -13,6 +13,9 @@
 //! so the index's memory grows with the (row, block) pairs rather than with blocks x rows, and the
 //! walk, once the survivors are a few rows, tests those few rows per block.
 //!
+//! Each row also keeps the slots it holds (`row_slots`), so clearing a row (its engine restarted,
+//! or reported `AllBlocksCleared`) touches the row's own blocks only, not the whole index.
+//!
 //! On a large index each hash lookup is a cache miss or two, and the walk's lookups were most of
 //! a routing decision. Engines store a prompt's blocks in order, so each slot also remembers the
 //! block stored after it (`SlotInfo`): along a cached prompt the walk follows those hints
@@ -107,6 +110,12 @@ pub struct KvIndex {
     /// Per row: how many blocks it holds on each tier (in [`Tier::ALL`] order), kept with the
     /// holder sets so that a policy can read what a row's cache holds without a scan.
     held: Vec<[u64; 3]>,
+    /// Per row: the slots it holds on some tier, so that clearing a row visits only those. An
+    /// entry is added when the row starts holding a slot on a tier and left in place when it
+    /// stops (a stale entry is skipped, and dropped by the next compaction), so a list has
+    /// entries for every slot the row holds and at most about twice as many in all
+    /// (see `update.rs`).
+    row_slots: Vec<Vec<u32>>,
     free: Vec<u32>,
     events: u64,
 }
@@ -141,6 +150,7 @@ impl KvIndex {
             info: Vec::new(),
             last_stored: vec![NO_SLOT; rows],
             held: vec![[0; 3]; rows],
+            row_slots: vec![Vec::new(); rows],
             free: Vec::new(),
             events: 0,
         }

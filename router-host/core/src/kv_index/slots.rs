@@ -68,6 +68,17 @@ impl KvIndex {
                 .all(|sets| sets.is_empty(slot))
     }
 
+    /// Whether `row` holds `slot`'s block on some tier.
+    pub(super) fn row_holds_slot(&self, row: u32, slot: u32) -> bool {
+        self.info[slot as usize].live
+            && (self.device.contains(slot, row)
+                || self
+                    .offload
+                    .iter()
+                    .flat_map(|o| o.iter())
+                    .any(|sets| sets.contains(slot, row)))
+    }
+
     /// Row just stored `slot` after `previous`: make that the hint of `previous` unless it already
     /// has a live one and `slot` is a block the index already knew. A block seen for the first time
     /// is the continuation of a prompt (its predecessor is the block stored just before it);

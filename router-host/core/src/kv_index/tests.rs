@@ -337,7 +337,7 @@ fn holder_sets_match_a_model_across_the_spill_threshold() {
                 super::holders::SMALL
             );
         }
-        // Everything evicted: no block and no spilled set is left.
+        // Everything evicted: no block, no spilled set and no slot-list entry is left.
         for (r, sets) in held.iter().enumerate() {
             for (t, tier) in Tier::ALL.into_iter().enumerate() {
                 for &block in &sets[t] {
@@ -347,5 +347,76 @@ fn holder_sets_match_a_model_across_the_spill_threshold() {
         }
         assert!(index.is_empty());
         assert_eq!(index.device.spill_sets(), 0);
+        for r in 0..rows as u32 {
+            assert_eq!(index.clear_row(r), 0);
+            assert!(index.row_slots[r as usize].is_empty());
+        }
     }
+}
+
+/// Clearing one row (an engine restart) leaves every other row's holdings as they were, on
+/// blocks held by few rows (inline) and by many (spilled), and touches only that row's slots.
+#[test]
+fn clearing_a_row_leaves_other_rows_intact() {
+    for rows in [128usize, 4_096] {
+        let mut index = KvIndex::new(rows);
+        // Block 0 held by every 100th row (spilled at 4,096 rows), blocks 1..=3 by rows 0 to 2,
+        // block 10 + r by row r alone.
+        let many: Vec<u32> = (0..rows as u32).step_by(100).collect();
+        for &r in &many {
+            index.apply(&stored(r, 0));
+        }
+        for r in 0..3 {
+            for b in 1..=3 {
+                index.apply(&stored(r, b));
+            }
+            index.apply(&stored(r, 10 + u64::from(r)));
+            index.apply(&event(r, KvEventKind::Stored, 20, Tier::Host));
+        }
+        let blocks = index.len();
+        assert_eq!(index.clear_row(0), 6);
+        assert!((0..=3).chain([10, 20]).all(|b| !index.holds(0, b)));
+        assert!(!index.holds_in(0, 20, Tier::Host));
+        for &r in &many[1..] {
+            assert!(
+                index.holds(r, 0),
+                "rows {rows}: row {r} still holds block 0"
+            );
+        }
+        for r in 1..3 {
+            assert!((1..=3).all(|b| index.holds(r, b)));
+            assert!(index.holds(r, 10 + u64::from(r)) && index.holds_in(r, 20, Tier::Host));
+            assert_eq!(index.held_by_tier(r), [4, 1, 0]);
+        }
+        assert_eq!(index.len(), blocks - 1, "only block 10 went with row 0");
+        let (mut out, mut alive) = (Vec::new(), Vec::new());
+        index.overlaps(&[0, 1, 2, 3], &mut out, &mut alive);
+        assert_eq!((out[0], out[1], out[2], out[100]), (0, 0, 0, 1));
+        index.overlaps(&[1, 2, 3, 11], &mut out, &mut alive);
+        assert_eq!((out[0], out[1], out[2]), (0, 4, 3));
+        // The cleared row's list is empty; the others keep theirs.
+        assert!(index.row_slots[0].is_empty());
+        assert_eq!(index.row_slots[1].len(), 5);
+    }
+}
+
+/// A row's slot list stays bounded however often it stores and evicts the same blocks.
+#[test]
+fn a_rows_slot_list_stays_bounded_under_churn() {
+    let mut index = KvIndex::new(1_000);
+    for round in 0..10_000u64 {
+        let block = round % 5;
+        index.apply(&stored(7, block));
+        index.apply(&event(7, KvEventKind::Evicted, block, Tier::Device));
+        index.apply(&stored(7, 100 + round % 3));
+    }
+    let held = index.held_by(7, Tier::Device) as usize;
+    assert_eq!(held, 3);
+    assert!(
+        index.row_slots[7].len() < 2 * held + 32,
+        "{} entries for {held} blocks",
+        index.row_slots[7].len()
+    );
+    assert_eq!(index.clear_row(7), 3);
+    assert!(index.is_empty());
 }

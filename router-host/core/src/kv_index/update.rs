@@ -3,6 +3,10 @@
 use super::holders::TierSets;
 use super::{KvEvent, KvEventKind, KvIndex, Tier, NO_SLOT};
 
+/// A row's slot list is compacted once it has this many entries more than twice the blocks the
+/// row holds (so a compaction's cost is spread over at least as many events as it visits).
+const ROW_SLOTS_SLACK: usize = 32;
+
 impl KvIndex {
     pub fn apply(&mut self, event: &KvEvent) {
         self.events += 1;
@@ -31,6 +35,7 @@ impl KvIndex {
                     .is_some_and(|sets| sets.insert(slot, row))
                 {
                     self.held[row as usize][event.tier as usize] += 1;
+                    self.note_held(row, slot);
                 }
                 if event.tier == Tier::Device {
                     let previous = std::mem::replace(&mut self.last_stored[row as usize], slot);
@@ -54,6 +59,27 @@ impl KvIndex {
         }
     }
 
+    /// `row` started holding `slot` on a tier: remember it in the row's slot list. Evictions
+    /// leave their entries behind; once they could outnumber the live ones the list is
+    /// compacted, so it stays under twice the row's holdings plus [`ROW_SLOTS_SLACK`].
+    fn note_held(&mut self, row: u32, slot: u32) {
+        let held: u64 = self.held[row as usize].iter().sum();
+        let list = &mut self.row_slots[row as usize];
+        list.push(slot);
+        if list.len() >= 2 * held as usize + ROW_SLOTS_SLACK {
+            self.compact_row_slots(row);
+        }
+    }
+
+    /// Keep one entry per slot `row` still holds.
+    fn compact_row_slots(&mut self, row: u32) {
+        let mut list = std::mem::take(&mut self.row_slots[row as usize]);
+        list.sort_unstable();
+        list.dedup();
+        list.retain(|&slot| self.row_holds_slot(row, slot));
+        self.row_slots[row as usize] = list;
+    }
+
     /// Make room for rows `0..rows` (never shrinks). Re-lays every holder set when the word
     /// count changes: rare (a worker joined past a multiple of 64 rows), linear in the index
     /// size.
@@ -72,11 +98,12 @@ impl KvIndex {
         self.rows = rows;
         self.last_stored.resize(rows, NO_SLOT);
         self.held.resize(rows, [0; 3]);
+        self.row_slots.resize(rows, Vec::new());
     }
 
     /// Forget every block `row` holds on any tier (its worker left, or its engine restarted);
-    /// returns how many (row, block, tier) entries it had. Linear in the number of distinct
-    /// blocks.
+    /// returns how many (row, block, tier) entries it had. Linear in the number of blocks the
+    /// row holds.
     pub fn clear_row(&mut self, row: u32) -> u64 {
         let cleared = Tier::ALL.iter().map(|&t| self.clear_row_tier(row, t)).sum();
         if let Some(last) = self.last_stored.get_mut(row as usize) {
@@ -86,14 +113,15 @@ impl KvIndex {
     }
 
     /// Forget the blocks `row` holds on `tier` (the engine cleared that cache); returns how many
-    /// it held there.
+    /// it held there. Visits the row's own slot list only: this runs under the index's write
+    /// lock, which every decision waits on.
     pub fn clear_row_tier(&mut self, row: u32, tier: Tier) -> u64 {
         if row as usize >= self.rows || self.sets(tier).is_none() {
             return 0;
         }
-        // Every slot in slot order: a pass over the tier's holder sets.
+        let mut list = std::mem::take(&mut self.row_slots[row as usize]);
         let mut cleared = 0;
-        for slot in 0..self.info.len() as u32 {
+        for &slot in &list {
             if self
                 .sets_mut(tier)
                 .is_some_and(|sets| sets.remove(slot, row))
@@ -104,6 +132,12 @@ impl KvIndex {
                 }
             }
         }
+        debug_assert_eq!(cleared, self.held[row as usize][tier as usize]);
+        // What is left: the slots the row still holds on other tiers, once each.
+        list.sort_unstable();
+        list.dedup();
+        list.retain(|&slot| self.row_holds_slot(row, slot));
+        self.row_slots[row as usize] = list;
         self.held[row as usize][tier as usize] = 0;
         if tier == Tier::Device {
             self.last_stored[row as usize] = NO_SLOT;
