@@ -134,9 +134,15 @@ struct SlotInfo {
     block: u64,
     /// `false` once the slot is freed (until it is reused).
     live: bool,
+    /// Scratch for a row's slot-list compaction (`update.rs`), `false` outside it; in the
+    /// struct's padding.
+    listed: bool,
     next_block: u64,
     next_slot: u32,
 }
+
+// The compaction mark lives in padding: a slot's entry stays 24 bytes.
+const _: () = assert!(std::mem::size_of::<SlotInfo>() == 24);
 
 impl KvIndex {
     pub fn new(rows: usize) -> Self {

@@ -11,6 +11,7 @@ impl KvIndex {
         let fresh = SlotInfo {
             block,
             live: true,
+            listed: false,
             next_block: 0,
             next_slot: NO_SLOT,
         };

@@ -71,12 +71,21 @@ impl KvIndex {
         }
     }
 
-    /// Keep one entry per slot `row` still holds.
+    /// Keep one entry per slot `row` still holds, in list order. Duplicates (a slot freed and
+    /// reused, or a block evicted and stored again) are found by marking each kept slot, then
+    /// unmarking: two linear passes, no sort (a churning row compacts often).
     fn compact_row_slots(&mut self, row: u32) {
         let mut list = std::mem::take(&mut self.row_slots[row as usize]);
-        list.sort_unstable();
-        list.dedup();
-        list.retain(|&slot| self.row_holds_slot(row, slot));
+        list.retain(|&slot| {
+            let keep = !self.info[slot as usize].listed && self.row_holds_slot(row, slot);
+            if keep {
+                self.info[slot as usize].listed = true;
+            }
+            keep
+        });
+        for &slot in &list {
+            self.info[slot as usize].listed = false;
+        }
         self.row_slots[row as usize] = list;
     }
 
@@ -134,10 +143,11 @@ impl KvIndex {
         }
         debug_assert_eq!(cleared, self.held[row as usize][tier as usize]);
         // What is left: the slots the row still holds on other tiers, once each.
-        list.sort_unstable();
-        list.dedup();
-        list.retain(|&slot| self.row_holds_slot(row, slot));
+        if self.offload.is_none() {
+            list.clear();
+        }
         self.row_slots[row as usize] = list;
+        self.compact_row_slots(row);
         self.held[row as usize][tier as usize] = 0;
         if tier == Tier::Device {
             self.last_stored[row as usize] = NO_SLOT;
