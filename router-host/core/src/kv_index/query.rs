@@ -271,18 +271,39 @@ impl KvIndex {
                     listed
                 }
                 (_, false, View::Bits(held)) => {
-                    let mut any = 0;
-                    for (w, (alive, &held)) in bits.iter_mut().zip(held).enumerate() {
-                        let mut dropped = *alive & !held;
-                        while dropped != 0 {
-                            let bit = dropped.trailing_zeros() as usize;
-                            out[w * 64 + bit] = depth;
-                            dropped &= dropped - 1;
+                    // As the dense walk: most blocks drop nobody, so one test comes first.
+                    let dropped = bits
+                        .iter()
+                        .zip(held)
+                        .fold(0, |dropped, (&alive, &held)| dropped | (alive & !held));
+                    if dropped == 0 {
+                        1
+                    } else {
+                        let mut left = 0;
+                        for (w, (alive, &held)) in bits.iter_mut().zip(held).enumerate() {
+                            let mut dropped = *alive & !held;
+                            while dropped != 0 {
+                                let bit = dropped.trailing_zeros() as usize;
+                                out[w * 64 + bit] = depth;
+                                dropped &= dropped - 1;
+                            }
+                            *alive &= held;
+                            left += alive.count_ones() as usize;
                         }
-                        *alive &= held;
-                        any |= *alive;
+                        // Few survivors left: test just them from here on.
+                        if left <= SMALL {
+                            for (w, &alive) in bits.iter().enumerate() {
+                                let mut alive = alive;
+                                while alive != 0 {
+                                    list[listed] = (w * 64) as u32 + alive.trailing_zeros();
+                                    listed += 1;
+                                    alive &= alive - 1;
+                                }
+                            }
+                            listing = true;
+                        }
+                        left
                     }
-                    (any != 0) as usize
                 }
                 (_, false, View::Rows(rows)) => {
                     // Every survivor stops here but the few holding this block (whose entry is
