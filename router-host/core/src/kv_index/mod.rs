@@ -2,12 +2,19 @@
 //!
 //! Real engines publish "block stored" and "block removed" events; the router keeps an index of
 //! which worker holds which block and, per request, counts the leading run of the prompt's blocks
-//! each worker holds. This is that index (used today by `replay`, whose simulated engines publish
-//! the events): one global map `block id -> bitset of
-//! rows holding it`, so one walk over the prompt's blocks answers every row at once (each step
-//! ANDs the surviving rows with the block's holders; a row drops out at the first block it lacks).
-//! Cost per request: one hash lookup per block of the longest overlap, independent of the number
-//! of rows up to 64 (one word per 64 rows beyond that).
+//! each worker holds. This is that index: one global map `block id -> slot`, and per slot the set
+//! of rows holding the block, so one walk over the prompt's blocks answers every row at once (each
+//! step intersects the surviving rows with the block's holders; a row drops out at the first block
+//! it lacks). Cost per request: one hash lookup per block of the longest overlap.
+//!
+//! The holder sets (`holders.rs`): up to 256 rows a bitset per slot (one word per 64 rows, so
+//! the walk ANDs a word or a few per block); beyond that a small sorted array of row ids per slot,
+//! spilled to a bitset only while many rows hold the block. A block is mostly held by a few rows,
+//! so the index's memory grows with the (row, block) pairs rather than with blocks x rows, and the
+//! walk, once the survivors are a few rows, tests those few rows per block.
+//!
+//! Each row also keeps the slots it holds (`row_slots`), so clearing a row (its engine restarted,
+//! or reported `AllBlocksCleared`) touches the row's own blocks only, not the whole index.
 //!
 //! On a large index each hash lookup is a cache miss or two, and the walk's lookups were most of
 //! a routing decision. Engines store a prompt's blocks in order, so each slot also remembers the
@@ -17,14 +24,16 @@
 //! waiting for the current slot's data: a prompt's blocks are often in consecutive slots.
 //!
 //! Engines that offload KV to host memory or disk report those tiers too. Each slot then also
-//! has a host and a disk bitset (allocated on the first offload event, so a device-only index
+//! has host and disk holder sets (allocated on the first offload event, so a device-only index
 //! costs nothing more), and a row's overlap per tier follows what an engine can reuse: the
 //! leading run on the device, then the blocks after it that the row holds on the host or the
 //! device, then the blocks after those held on any tier ([`KvIndex::overlaps_by_tier`]).
 //!
-//! Here: the events, tiers and [`KvIndex`]'s layout; `slots.rs` keeps the slot table and its
-//! hints, `update.rs` applies events, `query.rs` answers holdings and overlaps.
+//! Here: the events, tiers and [`KvIndex`]'s layout; `holders.rs` keeps the holder sets,
+//! `slots.rs` the slot table and its hints, `update.rs` applies events, `query.rs` answers
+//! holdings and overlaps.
 
+mod holders;
 mod query;
 mod slots;
 #[cfg(test)]
@@ -35,6 +44,8 @@ mod update;
 use crate::model::RowId;
 
 use crate::fast_hash::FastMap;
+
+use holders::TierSets;
 
 /// A cache event for one row (its slot, see `crate::topology`; replay numbers rows
 /// `worker_id * dp_size + dp_rank`, which is the same numbering for its fixed cluster).
@@ -84,21 +95,27 @@ pub enum KvEventKind {
 #[derive(Debug, Clone)]
 pub struct KvIndex {
     rows: usize,
+    /// Bitset words for `rows` (one per 64 rows, at least one).
     words: usize,
     slots: FastMap<u64, u32>,
-    /// `words` bitset words per slot: the rows holding the slot's block on the device.
-    masks: Vec<u64>,
-    /// `2 * words` per slot (host, then disk) once an offload tier was reported; empty before.
-    offload: Vec<u64>,
-    /// Whether `offload` is allocated (a row reported a block off the device).
-    has_offload: bool,
+    /// Per slot, the rows holding its block on the device.
+    device: TierSets,
+    /// Per slot, the rows holding its block on the host, then on disk; `None` until a row
+    /// reported a block off the device.
+    offload: Option<Box<[TierSets; 2]>>,
     /// Per slot: its block and a successor hint (see [`SlotInfo`]).
     info: Vec<SlotInfo>,
     /// Per row: the slot of its last `Stored` event, or [`NO_SLOT`].
     last_stored: Vec<u32>,
     /// Per row: how many blocks it holds on each tier (in [`Tier::ALL`] order), kept with the
-    /// bitsets so that a policy can read what a row's cache holds without a scan.
+    /// holder sets so that a policy can read what a row's cache holds without a scan.
     held: Vec<[u64; 3]>,
+    /// Per row: the slots it holds on some tier, so that clearing a row visits only those. An
+    /// entry is added when the row starts holding a slot on a tier and left in place when it
+    /// stops (a stale entry is skipped, and dropped by the next compaction), so a list has
+    /// entries for every slot the row holds and at most about twice as many in all
+    /// (see `update.rs`).
+    row_slots: Vec<Vec<u32>>,
     free: Vec<u32>,
     events: u64,
 }
@@ -117,22 +134,29 @@ struct SlotInfo {
     block: u64,
     /// `false` once the slot is freed (until it is reused).
     live: bool,
+    /// Scratch for a row's slot-list compaction (`update.rs`), `false` outside it; in the
+    /// struct's padding.
+    listed: bool,
     next_block: u64,
     next_slot: u32,
 }
 
+// The compaction mark lives in padding: a slot's entry stays 24 bytes.
+const _: () = assert!(std::mem::size_of::<SlotInfo>() == 24);
+
 impl KvIndex {
     pub fn new(rows: usize) -> Self {
+        let words = rows.div_ceil(64).max(1);
         KvIndex {
             rows,
-            words: rows.div_ceil(64).max(1),
+            words,
             slots: FastMap::default(),
-            masks: Vec::new(),
-            offload: Vec::new(),
-            has_offload: false,
+            device: TierSets::new(words, 0),
+            offload: None,
             info: Vec::new(),
             last_stored: vec![NO_SLOT; rows],
             held: vec![[0; 3]; rows],
+            row_slots: vec![Vec::new(); rows],
             free: Vec::new(),
             events: 0,
         }

@@ -1,14 +1,17 @@
-//! The slot table: a slot per block with its per-tier row bitsets, and the successor hints
+//! The slot table: a slot per block with its per-tier holder sets, and the successor hints
 //! the walk follows (see [`SlotInfo`]).
 
+use super::holders::TierSets;
 use super::{KvIndex, SlotInfo, Tier, NO_SLOT};
 
 impl KvIndex {
-    /// A slot for a block the index does not hold, its bitsets all zero (a freed slot's are).
+    /// A slot for a block the index does not hold, its holder sets all empty (a freed slot's
+    /// are).
     pub(super) fn new_slot(&mut self, block: u64) -> u32 {
         let fresh = SlotInfo {
             block,
             live: true,
+            listed: false,
             next_block: 0,
             next_slot: NO_SLOT,
         };
@@ -19,9 +22,9 @@ impl KvIndex {
             }
             None => {
                 let slot = self.info.len() as u32;
-                self.masks.resize(self.masks.len() + self.words, 0);
-                if self.has_offload {
-                    self.offload.resize(self.offload.len() + 2 * self.words, 0);
+                self.device.push_slot();
+                for sets in self.offload.iter_mut().flat_map(|o| o.iter_mut()) {
+                    sets.push_slot();
                 }
                 self.info.push(fresh);
                 slot
@@ -31,39 +34,50 @@ impl KvIndex {
         slot
     }
 
-    /// Index of `word` of `slot`'s bitset for `tier` in [`Self::tier_words_mut`]`(tier)`.
-    pub(super) fn word_at(&self, slot: u32, tier: Tier, word: usize) -> usize {
+    /// No row holds `slot`'s block any more: the slot goes back to the free list.
+    pub(super) fn free_slot(&mut self, slot: u32) {
+        let block = self.info[slot as usize].block;
+        self.slots.remove(&block);
+        self.info[slot as usize].live = false;
+        self.free.push(slot);
+    }
+
+    /// The holder sets of `tier` (`None` for an offload tier before any offload event).
+    pub(super) fn sets(&self, tier: Tier) -> Option<&TierSets> {
         match tier {
-            Tier::Device => slot as usize * self.words + word,
-            Tier::Host => slot as usize * 2 * self.words + word,
-            Tier::Disk => (slot as usize * 2 + 1) * self.words + word,
+            Tier::Device => Some(&self.device),
+            Tier::Host => self.offload.as_deref().map(|o| &o[0]),
+            Tier::Disk => self.offload.as_deref().map(|o| &o[1]),
         }
     }
 
-    pub(super) fn tier_words_mut(&mut self, tier: Tier) -> &mut [u64] {
+    pub(super) fn sets_mut(&mut self, tier: Tier) -> Option<&mut TierSets> {
         match tier {
-            Tier::Device => &mut self.masks,
-            Tier::Host | Tier::Disk => &mut self.offload,
-        }
-    }
-
-    pub(super) fn tier_words(&self, tier: Tier) -> &[u64] {
-        match tier {
-            Tier::Device => &self.masks,
-            Tier::Host | Tier::Disk => &self.offload,
+            Tier::Device => Some(&mut self.device),
+            Tier::Host => self.offload.as_deref_mut().map(|o| &mut o[0]),
+            Tier::Disk => self.offload.as_deref_mut().map(|o| &mut o[1]),
         }
     }
 
     /// No row holds the slot's block on any tier.
     pub(super) fn slot_is_empty(&self, slot: u32) -> bool {
-        let words = self.words;
-        let device = &self.masks[slot as usize * words..][..words];
-        let offload: &[u64] = if self.has_offload {
-            &self.offload[slot as usize * 2 * words..][..2 * words]
-        } else {
-            &[]
-        };
-        device.iter().chain(offload).all(|&w| w == 0)
+        self.device.is_empty(slot)
+            && self
+                .offload
+                .iter()
+                .flat_map(|o| o.iter())
+                .all(|sets| sets.is_empty(slot))
+    }
+
+    /// Whether `row` holds `slot`'s block on some tier.
+    pub(super) fn row_holds_slot(&self, row: u32, slot: u32) -> bool {
+        self.info[slot as usize].live
+            && (self.device.contains(slot, row)
+                || self
+                    .offload
+                    .iter()
+                    .flat_map(|o| o.iter())
+                    .any(|sets| sets.contains(slot, row)))
     }
 
     /// Row just stored `slot` after `previous`: make that the hint of `previous` unless it already
