@@ -52,7 +52,10 @@ fn defaults_match_the_design() {
     assert_eq!(config.default_selector.tie_break, TieBreak::Spread);
     assert_eq!(config.default_selector.room, Room::Free);
     assert_eq!(config.default_selector.live_eviction_weight, 0.25);
-    assert_eq!(config.kv_recent_window, None, "the recent-use window is off");
+    assert_eq!(
+        config.kv_recent_window, None,
+        "the recent-use window is off"
+    );
     assert_eq!(config.booking.prefill, PrefillBooking::Uncached);
     assert_eq!(config.booking.decode, DecodeBooking::Prompt);
     // A mapping that sets none of them is the same as no mapping.
