@@ -212,7 +212,8 @@ pub struct DefaultSelector {
     pub tie_break: TieBreak,
     /// What `spread` ranks rows by first: free blocks, or blocks not used lately.
     pub room: Room,
-    /// The cache gate ([`DefaultSelector::live_eviction`]); 0: off.
+    /// The cache gate's weight (`live_eviction_weight`: the blocks a row would evict from its
+    /// recently used cache, priced in prefill blocks); 0: off.
     pub live_eviction_weight: f64,
 }
 
