@@ -112,12 +112,8 @@ impl KvIndex {
         let mut depth = 0u32;
         let mut previous = NO_SLOT;
         for &block in blocks {
-            let slot = match self.successor(previous, block) {
-                Some(slot) => slot,
-                None => match self.slots.get(&block) {
-                    Some(&slot) => slot,
-                    None => break,
-                },
+            let Some(slot) = self.walk_step(previous, block) else {
+                break;
             };
             previous = slot;
             levels.fill(0);
@@ -173,12 +169,8 @@ impl KvIndex {
         let mut depth = 0;
         let mut previous = NO_SLOT;
         for &block in blocks {
-            let slot = match self.successor(previous, block) {
-                Some(slot) => slot,
-                None => match self.slots.get(&block) {
-                    Some(&slot) => slot,
-                    None => break,
-                },
+            let Some(slot) = self.walk_step(previous, block) else {
+                break;
             };
             previous = slot;
             let mask = &masks[slot as usize * words..][..words];
@@ -231,12 +223,8 @@ impl KvIndex {
         let mut depth = 0u32;
         let mut previous = NO_SLOT;
         for &block in blocks {
-            let slot = match self.successor(previous, block) {
-                Some(slot) => slot,
-                None => match self.slots.get(&block) {
-                    Some(&slot) => slot,
-                    None => break,
-                },
+            let Some(slot) = self.walk_step(previous, block) else {
+                break;
             };
             previous = slot;
             let holders = self.device.view(slot);

@@ -102,6 +102,14 @@ impl KvIndex {
         }
     }
 
+    /// The slot of `block` in a walk that found `previous` last: its successor when the chain
+    /// allows, else the block map's; `None` once the block is not indexed (the walk ends).
+    #[inline(always)]
+    pub(super) fn walk_step(&self, previous: u32, block: u64) -> Option<u32> {
+        self.successor(previous, block)
+            .or_else(|| self.slots.get(&block).copied())
+    }
+
     /// The slot of `block` if the hint of slot `previous` names it and still holds it (see
     /// [`SlotInfo`]); `None` means "look it up".
     ///
