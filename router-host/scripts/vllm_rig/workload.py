@@ -36,6 +36,8 @@ class Reply:
     text: str
     completion_tokens: int | None
     error: str | None = None
+    # The decision's reason (`x-router-reason`), for chat turns.
+    reason: str | None = None
 
 
 def session_script(seed: int) -> tuple[str, str, list[str]]:
@@ -99,7 +101,8 @@ def chat(client, sid: str, turn: int, messages: list, stream: bool) -> Reply:
             usage = parsed.usage.completion_tokens if parsed.usage else None
             err = None if parsed.choices[0].finish_reason else "no finish_reason"
         return Reply(sid, turn, "chat", stream, raw.headers.get("x-router-worker"),
-                     raw.headers.get("x-router-session"), text, usage, err)
+                     raw.headers.get("x-router-session"), text, usage, err,
+                     reason=raw.headers.get("x-router-reason"))
     except Exception as e:  # every failure is reported as a failed request, with its message
         return Reply(sid, turn, "chat", stream, None, None, "", None, f"{type(e).__name__}: {e}")
 
