@@ -82,11 +82,28 @@ async fn probe_loop(app: Arc<App>) {
 /// on).
 const SHARE_LOAD_IDLE: Duration = Duration::from_secs(1);
 
+/// Least time from one round's start to an early one's (a booking or a release was seen):
+/// the change is published this soon under load.
+const EARLY_ROUND_MIN: Duration = Duration::from_millis(5);
+/// Every round waits at least this many times as long as the round before took, so rounds take
+/// at most about a fifth of the time whatever they carry (a large fleet's rounds carry more
+/// rows; a slow store answers later).
+const ROUND_COST_FACTOR: u32 = 4;
+
+/// How long after a round's start the next one runs, given how long that round took: the
+/// regular one after the period, an early one after [`EARLY_ROUND_MIN`] but never after the
+/// period; both no sooner than [`ROUND_COST_FACTOR`] times the round.
+fn next_rounds_after(took: Duration, period: Duration) -> (Duration, Duration) {
+    let cost = took.saturating_mul(ROUND_COST_FACTOR);
+    let regular = period.max(cost);
+    (regular, EARLY_ROUND_MIN.max(cost).min(regular))
+}
+
 /// Share the booked load with the other replicas (docs/replicas.md, "Shared load"): one round
 /// every `session_affinity.store.load_publish_ms` of the configuration serving now, on its core,
-/// and sooner when a request was booked or released, but never less than a quarter period
-/// after the round before. A round is blocking store I/O bounded by its timeout: it runs on the blocking
-/// pool, never on a request's path.
+/// and sooner when a request was booked or released ([`next_rounds_after`]). A round is
+/// blocking store I/O bounded by its timeout: it runs on the blocking pool, never on a
+/// request's path.
 async fn share_load(app: Arc<App>) {
     loop {
         let loaded = app.current.load();
@@ -103,8 +120,9 @@ async fn share_load(app: Arc<App>) {
                 if let Err(err) = round.await {
                     tracing::error!(error = %err, "shared load: a round failed to run");
                 }
+                let (regular, early) = next_rounds_after(started.elapsed(), period);
                 let left = |d: Duration| d.saturating_sub(started.elapsed());
-                (left(period), Some(left(period / 4)))
+                (left(regular), Some(left(early)))
             }
             None => (SHARE_LOAD_IDLE, None),
         };
@@ -189,5 +207,27 @@ async fn watch_workers_file(app: Arc<App>) {
         );
         // Logged and counted by the reload itself, success or not.
         let _ = app.reload().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_follow_the_period_and_the_floor_unless_a_round_was_slow() {
+        let ms = Duration::from_millis;
+        let period = ms(20);
+        // A quick round: the period, and the floor for an early one.
+        assert_eq!(
+            next_rounds_after(Duration::from_micros(300), period),
+            (period, EARLY_ROUND_MIN)
+        );
+        // A round of 3 ms: an early one waits 12.
+        assert_eq!(next_rounds_after(ms(3), period), (period, ms(12)));
+        // A slow round (a large fleet, a slow store): both wait four times as long.
+        assert_eq!(next_rounds_after(ms(30), period), (ms(120), ms(120)));
+        // A long period: an early round still comes after the floor.
+        assert_eq!(next_rounds_after(ms(1), ms(10_000)), (ms(10_000), ms(5)));
     }
 }
