@@ -519,7 +519,7 @@ fn share_load_settings_parse_with_their_defaults_and_places() {
         panic!("redis")
     };
     assert!(r.share_load, "on by default with a shared store");
-    assert_eq!(r.load_publish, Duration::from_millis(200));
+    assert_eq!(r.load_publish, Duration::from_millis(20));
 
     let config = RouterConfig::from_yaml_str(
         &format!("{base}    share_load: false\n    load_publish_ms: 50\n"),

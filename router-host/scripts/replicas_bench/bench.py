@@ -666,7 +666,7 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=160)
     p.add_argument("--concurrency", type=int, default=32, help="sessions at a time")
     p.add_argument("--modes", default="bindings,shared", help="of bindings, shared; comma-separated")
-    p.add_argument("--load-publish-ms", type=int, help="store.load_publish_ms (default: serve's, 200)")
+    p.add_argument("--load-publish-ms", type=int, help="store.load_publish_ms (default: serve's own)")
     p.add_argument("--config-overlay", type=Path,
                    help="YAML merged into every replica's config after the generated keys")
     p.add_argument("--run-timeout", type=float, default=240.0, help="most one run's load may take, s")
@@ -740,7 +740,7 @@ def main() -> int:
                  "concurrency": a.concurrency, "requests": n_requests, "reps": a.reps,
                  "replica_counts": replica_counts, "haproxy": haproxy_version, "max_tokens": MAX_TOKENS,
                  "router_timeouts_ms": ROUTER_TIMEOUTS, "sample_interval_s": SAMPLE_S,
-                 "load_publish_ms": a.load_publish_ms or 200,
+                 "load_publish_ms": a.load_publish_ms if a.load_publish_ms is not None else "serve's default",
                  "config": router_config(a.plugin, engines, redis, "rb:RUN:", True, a.load_publish_ms, a.overlay),
                  "overlay": a.overlay,
                  "processes": {"redis": redis.proc.argv, **{f"engine-{e.id}": e.proc.argv for e in engines},
