@@ -24,8 +24,8 @@
 use abi_stable::std_types::{RResult, RSlice, RStr};
 
 use crate::abi::{
-    ExtraColumn, Inputs, PickFailure, PolicyBox, RawAffinityTarget, RawCandidateView,
-    RawRequestContext, RoleCode, RowId,
+    Extension, ExtensionValue, ExtraColumn, Inputs, PickFailure, PolicyBox, RawAffinityTarget,
+    RawCandidateView, RawRequestContext, RoleCode, RowId,
 };
 use crate::columns::Columns;
 use crate::create::{CreateContext, CreateError, Parameters, PolicyType};
@@ -144,6 +144,55 @@ impl TestRequest {
 
     /// Run `f` with the ABI context for this request.
     pub fn with_raw<R>(&self, f: impl FnOnce(&RawRequestContext<'_>) -> R) -> R {
+        self.with_raw_extensions(RSlice::EMPTY, f)
+    }
+
+    /// Run `f` with the context for this request carrying `token` as its [`EXPLAIN_TOKEN`]
+    /// extension, as a host sends it on a `pick` it will ask to explain and on that `explain`;
+    /// with `None`, the context carries no extension (a host that sends no token).
+    ///
+    /// To test that `explain` describes the `pick` just made: build the rows once
+    /// (`Rows::from_raw(&rows.view(inputs))`), then call `pick` and `explain` each inside a
+    /// `with_explain_token` with the same token.
+    ///
+    /// ```
+    /// use plugin_api::abi::ExtensionValue;
+    /// use plugin_api::testing::TestRequest;
+    /// use plugin_api::EXPLAIN_TOKEN;
+    ///
+    /// let request = TestRequest::new(160, 16);
+    /// let token = |token| {
+    ///     request.with_explain_token(token, |ctx| match ctx.extension(EXPLAIN_TOKEN) {
+    ///         Some(ExtensionValue::U64(token)) => Some(token),
+    ///         _ => None,
+    ///     })
+    /// };
+    /// assert_eq!(token(Some(7)), Some(7));
+    /// assert_eq!(token(None), None);
+    /// ```
+    ///
+    /// [`EXPLAIN_TOKEN`]: crate::EXPLAIN_TOKEN
+    pub fn with_explain_token<R>(
+        &self,
+        token: Option<u64>,
+        f: impl FnOnce(&Context<'_>) -> R,
+    ) -> R {
+        let extension = token.map(|token| Extension {
+            name: RStr::from_str(crate::EXPLAIN_TOKEN),
+            value: ExtensionValue::U64(token),
+        });
+        let extensions = match &extension {
+            Some(extension) => RSlice::from_slice(std::slice::from_ref(extension)),
+            None => RSlice::EMPTY,
+        };
+        self.with_raw_extensions(extensions, |raw| f(&Context::from_raw(raw)))
+    }
+
+    fn with_raw_extensions<R>(
+        &self,
+        extensions: RSlice<'_, Extension<'_>>,
+        f: impl FnOnce(&RawRequestContext<'_>) -> R,
+    ) -> R {
         let raw = RawRequestContext {
             prompt_tokens: self.prompt_tokens,
             request_blocks: self.request_blocks(),
@@ -162,7 +211,7 @@ impl TestRequest {
             session_id: crate::abi::opt_str(self.session_id.as_deref()),
             expected_output_tokens: self.expected_output_tokens.into(),
             priority: self.priority,
-            extensions: RSlice::EMPTY,
+            extensions,
         };
         f(&raw)
     }

@@ -21,59 +21,17 @@
 mod common;
 
 use std::hint::black_box;
-use std::path::Path;
 
+use common::prose::{self, dir, vocabulary_words, Length};
 use criterion::Throughput;
 use router_host::serve::tokenize::LocalTokenizer;
 
 const PROMPTS: usize = 64;
 
-fn dir() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bpe-tokenizer")
-}
-
-/// The vocabulary's whole words (`Ġword` entries), as the live bench picks them.
-fn vocabulary_words() -> Vec<String> {
-    let text = std::fs::read_to_string(dir().join("tokenizer.json")).expect("the fixture");
-    let doc: serde_json::Value = serde_json::from_str(&text).expect("JSON");
-    let vocab = doc["model"]["vocab"].as_object().expect("a BPE vocab");
-    let mut words: Vec<String> = vocab
-        .keys()
-        .filter_map(|k| k.strip_prefix('Ġ'))
-        .filter(|w| w.len() > 1 && w.chars().all(|c| c.is_ascii_alphabetic()))
-        .map(str::to_owned)
-        .collect();
-    words.sort();
-    words
-}
-
 fn prompts(words: &[String], count: usize, words_each: usize, seed: u64) -> Vec<String> {
     let mut rng = common::Rng::new(seed);
     (0..count)
-        .map(|_| {
-            let mut text = String::new();
-            let mut left = 0u64;
-            for i in 0..words_each {
-                if i > 0 {
-                    text.push(' ');
-                }
-                if rng.below(12) == 0 {
-                    for _ in 0..3 + rng.below(7) {
-                        text.push(char::from(b'a' + rng.below(26) as u8));
-                    }
-                } else {
-                    text.push_str(&words[rng.below(words.len() as u64) as usize]);
-                }
-                if left == 0 {
-                    left = 6 + rng.below(15);
-                }
-                left -= 1;
-                if left == 0 {
-                    text.push('.');
-                }
-            }
-            text
-        })
+        .map(|_| prose::text(words, Length::Words(words_each), &mut rng))
         .collect()
 }
 

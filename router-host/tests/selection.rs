@@ -8,7 +8,7 @@ use router_host::kv_index::KvEventKind;
 use router_host::loader::SearchPath;
 use router_host::model::NoSignals;
 use router_host::model::{AffinityTarget, Cluster, Request, RowId, RowLoad, TierOverlap, Worker};
-use router_host::policy_set::{PolicySet, Scratch, Selection};
+use router_host::policy_set::{Decision, PolicySet, Scratch, Selection};
 
 /// A router whose aggregated role uses `instance_yaml` (one instance named `p`).
 fn policy_set(plugins: &[&str], instance_yaml: &str) -> PolicySet {
@@ -23,10 +23,19 @@ fn policy_set(plugins: &[&str], instance_yaml: &str) -> PolicySet {
 }
 
 fn probe(parameters: &str) -> PolicySet {
-    policy_set(
-        &["fixture_probe"],
-        &format!("    - name: p\n      type: probe\n      parameters: {parameters}\n"),
-    )
+    probe_config("", parameters).1
+}
+
+/// A config of `head` (top-level keys, one a line) whose aggregated role is the probe plugin
+/// with `parameters`, and its router.
+fn probe_config(head: &str, parameters: &str) -> (RouterConfig, PolicySet) {
+    let yaml = format!(
+        "{head}plugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n      parameters: {parameters}\n",
+        common::plugin("fixture_probe").display()
+    );
+    let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
+    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+    (config, router)
 }
 
 fn row(worker_id: u64, dp_rank: u32) -> RowId {
@@ -49,16 +58,21 @@ fn cluster() -> Cluster {
     .unwrap()
 }
 
-/// The rows the probe reported receiving, and its target label.
-fn probe_saw(router: &PolicySet, request: &Request) -> (Vec<String>, String) {
-    let d = router
+/// `router`'s explained decision for `request` over [`cluster`].
+fn explained(router: &PolicySet, request: &Request) -> Decision {
+    router
         .select(
             &cluster(),
             Selection::of(request).explained(),
             &NoSignals,
             &mut Scratch::default(),
         )
-        .expect("routed");
+        .expect("routed")
+}
+
+/// The rows the probe reported receiving, and its target label.
+fn probe_saw(router: &PolicySet, request: &Request) -> (Vec<String>, String) {
+    let d = explained(router, request);
     let e = d.explanation.expect("probe explains");
     let rows = e
         .get_label("row_list")
@@ -164,14 +178,7 @@ fn plugin_sees_only_the_columns_it_declared() {
         ("[cache, load]", "true", "true"),
     ] {
         let router = probe(&format!("{{inputs: {inputs}}}"));
-        let d = router
-            .select(
-                &cluster(),
-                Selection::of(&Request::default()).explained(),
-                &NoSignals,
-                &mut Scratch::default(),
-            )
-            .unwrap();
+        let d = explained(&router, &Request::default());
         let e = d.explanation.unwrap();
         assert_eq!(e.get_label("cache"), Some(cache), "inputs {inputs}");
         assert_eq!(e.get_label("load"), Some(load), "inputs {inputs}");
@@ -318,14 +325,7 @@ fn two_plugin_files_in_one_process_keep_their_own_policies() {
     let tier_instance = router.instances().iter().find(|i| i.name == "t").unwrap();
     assert_eq!(probe_instance.type_name, "probe");
     assert_eq!(tier_instance.type_name, "dynamo-two-tier-cost-fn");
-    let d = router
-        .select(
-            &cluster(),
-            Selection::of(&Request::default()).explained(),
-            &NoSignals,
-            &mut Scratch::default(),
-        )
-        .unwrap();
+    let d = explained(&router, &Request::default());
     assert_eq!(d.row, row(1, 1), "probe returned index 1");
     assert_eq!(d.explanation.unwrap().reason, "probe");
 }
@@ -347,6 +347,44 @@ fn the_same_file_listed_twice_or_through_a_symlink_is_loaded_once() {
     assert_eq!(router.catalog().libraries().len(), 1);
 }
 
+/// The probe's `label` (a column it received, or `none` for every row when it got none) by row
+/// (its `row_list`), from the explanation of `decision`.
+fn by_row(decision: Decision, label: &str) -> Vec<(String, String)> {
+    let e = decision.explanation.expect("probe explains");
+    let rows: Vec<&str> = e
+        .get_label("row_list")
+        .expect("row_list")
+        .split(',')
+        .collect();
+    let values = e.get_label(label).expect("label");
+    let values: Vec<&str> = if values == "none" {
+        vec!["none"; rows.len()]
+    } else {
+        values.split(',').collect()
+    };
+    assert_eq!(values.len(), rows.len(), "one {label} per row: {values:?}");
+    rows.iter()
+        .zip(values)
+        .map(|(r, v)| (r.to_string(), v.to_string()))
+        .collect()
+}
+
+/// One explained decision through the core's KV index for a prompt of `blocks` (16 tokens
+/// each), completed at once.
+fn indexed_decision(host: &Host, blocks: &[u64]) -> Decision {
+    let request = Request {
+        isl_tokens: 16 * blocks.len() as u64,
+        blocks: blocks.to_vec(),
+        ..Default::default()
+    };
+    let routed = match host.core().submit_indexed(request, true) {
+        Ok(Submitted::Dispatched(routed)) => routed,
+        other => panic!("not dispatched: {other:?}"),
+    };
+    assert!(host.complete(routed.id));
+    routed.decision
+}
+
 /// The probe's `kv_capacity` label (the `kv_capacity_blocks` column it received, or `none`)
 /// by row, from one decision of a core over `workers`.
 fn capacity_seen(host: &Host) -> Vec<(String, String)> {
@@ -354,19 +392,7 @@ fn capacity_seen(host: &Host) -> Vec<(String, String)> {
         .route(&Request::default(), &NoOverlap, true)
         .expect("routed");
     assert!(host.complete(routed.id));
-    let e = routed.decision.explanation.expect("probe explains");
-    let rows = e.get_label("row_list").expect("row_list").split(',');
-    let label = e.get_label("kv_capacity").expect("kv_capacity label");
-    if label == "none" {
-        return rows.map(|r| (r.to_string(), "none".to_string())).collect();
-    }
-    let values: Vec<&str> = label.split(',').collect();
-    let rows: Vec<&str> = rows.collect();
-    assert_eq!(values.len(), rows.len(), "one capacity per row: {label}");
-    rows.iter()
-        .zip(values)
-        .map(|(r, v)| (r.to_string(), v.to_string()))
-        .collect()
+    by_row(routed.decision, "kv_capacity")
 }
 
 fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
@@ -383,12 +409,7 @@ fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
 
 #[test]
 fn the_kv_capacity_column_reaches_a_plugin_with_load_aligned_with_its_rows() {
-    let yaml = format!(
-        "plugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n",
-        common::plugin("fixture_probe").display()
-    );
-    let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-    let router = PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+    let (config, router) = probe_config("", "{}");
     let mut sized = Worker::new(1).with_ranks(0, 2);
     sized.total_kv_blocks = Some(256);
     let cluster = Cluster::new(vec![sized, Worker::new(2)]).unwrap();
@@ -423,13 +444,7 @@ fn the_kv_capacity_column_comes_only_with_the_load_columns() {
     let mut sized = Worker::new(1);
     sized.total_kv_blocks = Some(256);
     for (inputs, expected) in [("[cache]", "none"), ("[load]", "256"), ("[]", "none")] {
-        let yaml = format!(
-            "plugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n      parameters: {{inputs: {inputs}}}\n",
-            common::plugin("fixture_probe").display()
-        );
-        let config = RouterConfig::from_yaml_str(&yaml, None).expect("valid config");
-        let router =
-            PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+        let (config, router) = probe_config("", &format!("{{inputs: {inputs}}}"));
         let host = Host::new(router, Cluster::new(vec![sized.clone()]).unwrap(), &config);
         assert_eq!(
             capacity_seen(&host),
@@ -441,30 +456,7 @@ fn the_kv_capacity_column_comes_only_with_the_load_columns() {
 
 /// The probe's `kv_indexed_device` label by row, from one decision through the core's KV index.
 fn indexed_seen(host: &Host) -> Vec<(String, String)> {
-    let request = Request {
-        isl_tokens: 64,
-        blocks: vec![1, 2, 3, 4],
-        ..Default::default()
-    };
-    let routed = match host.core().submit_indexed(request, true) {
-        Ok(Submitted::Dispatched(routed)) => routed,
-        other => panic!("not dispatched: {other:?}"),
-    };
-    assert!(host.complete(routed.id));
-    let e = routed.decision.explanation.expect("probe explains");
-    let rows: Vec<String> = e
-        .get_label("row_list")
-        .expect("row_list")
-        .split(',')
-        .map(str::to_string)
-        .collect();
-    let label = e.get_label("kv_indexed_device").expect("label");
-    if label == "none" {
-        return rows.into_iter().map(|r| (r, "none".to_string())).collect();
-    }
-    let values: Vec<String> = label.split(',').map(str::to_string).collect();
-    assert_eq!(values.len(), rows.len(), "one count per row: {label}");
-    rows.into_iter().zip(values).collect()
+    by_row(indexed_decision(host, &[1, 2, 3, 4]), "kv_indexed_device")
 }
 
 #[test]
@@ -504,50 +496,19 @@ fn the_indexed_blocks_columns_count_what_each_row_holds_from_kv_events() {
 /// The probe's `kv_recent_device` label by row, and the row chosen, from one decision through
 /// the core's KV index for a prompt of blocks `blocks`.
 fn recent_seen(host: &Host, blocks: &[u64]) -> (Vec<(String, String)>, String) {
-    let request = Request {
-        isl_tokens: 16 * blocks.len() as u64,
-        blocks: blocks.to_vec(),
-        ..Default::default()
-    };
-    let routed = match host.core().submit_indexed(request, true) {
-        Ok(Submitted::Dispatched(routed)) => routed,
-        other => panic!("not dispatched: {other:?}"),
-    };
-    assert!(host.complete(routed.id));
-    let chosen = routed.decision.row;
-    let e = routed.decision.explanation.expect("probe explains");
-    let rows: Vec<String> = e
-        .get_label("row_list")
-        .expect("row_list")
-        .split(',')
-        .map(str::to_string)
-        .collect();
-    let label = e.get_label("kv_recent_device").expect("label");
-    let values: Vec<String> = if label == "none" {
-        vec!["none".to_string(); rows.len()]
-    } else {
-        label.split(',').map(str::to_string).collect()
-    };
-    assert_eq!(values.len(), rows.len(), "one count per row: {label}");
-    (
-        sorted(rows.into_iter().zip(values).collect()),
-        format!("{}:{}", chosen.worker_id, chosen.dp_rank),
-    )
+    let decision = indexed_decision(host, blocks);
+    let chosen = format!("{}:{}", decision.row.worker_id, decision.row.dp_rank);
+    (sorted(by_row(decision, "kv_recent_device")), chosen)
 }
 
 #[test]
 fn the_recent_blocks_column_counts_what_routed_requests_used_capped_at_what_is_indexed() {
     // An hour's window: nothing expires while the test runs, however slow the machine.
-    let yaml = |window_ms: u64| {
-        format!(
-            "kv_recent_window_ms: {window_ms}\nplugins:\n  - path: {}\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: probe\n      parameters: {{inputs: [load]}}\n",
-            common::plugin("fixture_probe").display()
-        )
-    };
-    let host_with = |window_ms| {
-        let config = RouterConfig::from_yaml_str(&yaml(window_ms), None).expect("valid config");
-        let router =
-            PolicySet::from_config(&config, &SearchPath::default()).expect("router starts");
+    let host_with = |window_ms: u64| {
+        let (config, router) = probe_config(
+            &format!("kv_recent_window_ms: {window_ms}\n"),
+            "{inputs: [load]}",
+        );
         let cluster = Cluster::new(vec![Worker::new(1), Worker::new(2)]).unwrap();
         Host::new(router, cluster, &config)
     };
@@ -583,26 +544,7 @@ fn the_recent_blocks_column_counts_what_routed_requests_used_capped_at_what_is_i
 
 /// The probe's `kv_index_state` label by row, from one decision through the core's KV index.
 fn states_seen(host: &Host) -> Vec<(String, String)> {
-    let request = Request {
-        isl_tokens: 64,
-        blocks: vec![1, 2, 3, 4],
-        ..Default::default()
-    };
-    let routed = match host.core().submit_indexed(request, true) {
-        Ok(Submitted::Dispatched(routed)) => routed,
-        other => panic!("not dispatched: {other:?}"),
-    };
-    assert!(host.complete(routed.id));
-    let e = routed.decision.explanation.expect("probe explains");
-    let rows = e.get_label("row_list").expect("row_list").split(',');
-    let label = e.get_label("kv_index_state").expect("label");
-    if label == "none" {
-        return rows.map(|r| (r.to_string(), "none".to_string())).collect();
-    }
-    let values: Vec<&str> = label.split(',').collect();
-    rows.zip(values)
-        .map(|(r, v)| (r.to_string(), v.to_string()))
-        .collect()
+    by_row(indexed_decision(host, &[1, 2, 3, 4]), "kv_index_state")
 }
 
 #[test]

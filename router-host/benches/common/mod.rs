@@ -18,6 +18,8 @@ use router_host::loader::SearchPath;
 use router_host::model::{Cluster, Request, RowId, Worker};
 use router_host::policy_set::PolicySet;
 
+pub mod prose;
+
 /// Workers and ranks of the benchmark cluster (16 workers x 8 ranks).
 pub const WORKERS: u32 = 16;
 pub const RANKS: u32 = 8;

@@ -601,24 +601,9 @@ mod tests {
         token: Option<u64>,
         f: impl FnOnce(&Context<'_>, &Rows<'_>) -> R,
     ) -> R {
-        use abi_stable::std_types::{RSlice, RStr};
-        use plugin_api::abi::{Extension, ExtensionValue, RawRequestContext};
         let view = rows.view(Inputs::CACHE | Inputs::LOAD);
         let rows = Rows::from_raw(&view).expect("a consistent view");
-        TestRequest::new(160, 16).with_raw(|raw| {
-            let extension = [Extension {
-                name: RStr::from_str(plugin_api::EXPLAIN_TOKEN),
-                value: ExtensionValue::U64(token.unwrap_or(0)),
-            }];
-            let raw = RawRequestContext {
-                extensions: match token {
-                    Some(_) => RSlice::from_slice(&extension),
-                    None => RSlice::EMPTY,
-                },
-                ..*raw
-            };
-            f(&Context::from_raw(&raw), &rows)
-        })
+        TestRequest::new(160, 16).with_explain_token(token, |ctx| f(ctx, &rows))
     }
 
     #[test]

@@ -22,6 +22,7 @@
 
 pub mod app;
 pub mod background;
+pub mod cache_stats;
 pub mod coalesce;
 pub mod decider;
 pub mod engine_calls;

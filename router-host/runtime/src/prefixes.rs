@@ -38,6 +38,7 @@ use std::sync::Arc;
 use quick_cache::Equivalent;
 use tokenizers::Tokenizer;
 
+use super::cache_stats::{CacheStats, Counters};
 use super::words::Words;
 
 /// The least text between two cuts.
@@ -93,24 +94,12 @@ impl quick_cache::Weighter<ChunkKey, Arc<Chunk>> for ChunkWeight {
     }
 }
 
-/// Chunks looked up, and what the cache holds now.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PrefixStats {
-    /// Chunks whose ids came from the cache.
-    pub hits: u64,
-    /// Chunks tokenized (and cached).
-    pub misses: u64,
-    pub entries: u64,
-    pub bytes: u64,
-}
-
 /// The cached chunks of prompts' open ends.
 pub struct Prefixes {
     cache: quick_cache::sync::Cache<ChunkKey, Arc<Chunk>, ChunkWeight>,
     /// The last chunk number given out (0 is the root: no chunk).
     numbers: AtomicU64,
-    hits: AtomicU64,
-    misses: AtomicU64,
+    counters: Counters,
 }
 
 impl std::fmt::Debug for Prefixes {
@@ -139,16 +128,14 @@ impl Prefixes {
                 ChunkWeight,
             ),
             numbers: AtomicU64::new(0),
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
+            counters: Counters::default(),
         }
     }
 
     /// Empty the cache and zero the counters (after probes, so they count only requests).
     pub fn reset(&self) {
         self.cache.clear();
-        self.hits.store(0, Ordering::Relaxed);
-        self.misses.store(0, Ordering::Relaxed);
+        self.counters.reset();
     }
 
     /// Append the ids of `text` (a piece without added tokens, no special tokens around it), as
@@ -200,22 +187,15 @@ impl Prefixes {
             parent = number;
             start = cut;
         }
-        if hits > 0 {
-            self.hits.fetch_add(hits, Ordering::Relaxed);
-        }
-        if misses > 0 {
-            self.misses.fetch_add(misses, Ordering::Relaxed);
-        }
+        self.counters.hit(hits);
+        self.counters.miss(misses);
         words.encode(tokenizer, &text[start..], out)
     }
 
-    pub fn stats(&self) -> PrefixStats {
-        PrefixStats {
-            hits: self.hits.load(Ordering::Relaxed),
-            misses: self.misses.load(Ordering::Relaxed),
-            entries: self.cache.len() as u64,
-            bytes: self.cache.weight(),
-        }
+    /// Chunks looked up (hits: ids from the cache; misses: tokenized and cached), and what the
+    /// cache holds now.
+    pub fn stats(&self) -> CacheStats {
+        self.counters.stats(&self.cache)
     }
 }
 

@@ -23,13 +23,13 @@
 //! - any probe text (added tokens between texts with and without whitespace, digits, accents)
 //!   whose ids differ from the whole text's.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::Tokenizer;
 
-use super::prefixes::{PrefixStats, Prefixes, CHUNK_BYTES};
+use super::cache_stats::{CacheStats, Counters};
+use super::prefixes::{Prefixes, CHUNK_BYTES};
 use super::words::{WordStats, Words};
 
 /// Pieces shorter than this are tokenized every time (cheaper than hashing and storing them).
@@ -56,15 +56,6 @@ impl quick_cache::Weighter<Box<str>, Arc<[u32]>> for ByteWeight {
     }
 }
 
-/// Hits and misses of the cache, and what it holds now.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SegmentStats {
-    pub hits: u64,
-    pub misses: u64,
-    pub entries: u64,
-    pub bytes: u64,
-}
-
 /// A tokenizer's added tokens and what its post-processor adds, with the closed pieces' ids.
 pub struct SegmentCache {
     /// How pieces are tokenized: split into words here (serve/words.rs) when that is exact for
@@ -84,8 +75,7 @@ pub struct SegmentCache {
     before: Vec<u32>,
     after: Vec<u32>,
     cache: quick_cache::sync::Cache<Box<str>, Arc<[u32]>, ByteWeight>,
-    hits: AtomicU64,
-    misses: AtomicU64,
+    counters: Counters,
 }
 
 impl std::fmt::Debug for SegmentCache {
@@ -215,8 +205,7 @@ impl SegmentCache {
                 (capacity_bytes - word_bytes - prefix_bytes).max(1),
                 ByteWeight,
             ),
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
+            counters: Counters::default(),
         };
         cache.self_check(tokenizer, &added)?;
         cache.cache.clear();
@@ -226,8 +215,7 @@ impl SegmentCache {
         if let Some(prefixes) = &cache.prefixes {
             prefixes.reset();
         }
-        cache.hits.store(0, Ordering::Relaxed);
-        cache.misses.store(0, Ordering::Relaxed);
+        cache.counters.reset();
         Ok(cache)
     }
 
@@ -315,11 +303,11 @@ impl SegmentCache {
             return self.tokenize(tokenizer, piece, out);
         }
         if let Some(ids) = self.cache.get(piece) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
+            self.counters.hit(1);
             out.extend_from_slice(&ids);
             return Ok(());
         }
-        self.misses.fetch_add(1, Ordering::Relaxed);
+        self.counters.miss(1);
         let start = out.len();
         self.tokenize(tokenizer, piece, out)?;
         self.cache.insert(piece.into(), out[start..].into());
@@ -358,17 +346,13 @@ impl SegmentCache {
     }
 
     /// What the chunks of open ends did, when they are cached.
-    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+    pub fn prefix_stats(&self) -> Option<CacheStats> {
         self.prefixes.as_ref().map(Prefixes::stats)
     }
 
-    pub fn stats(&self) -> SegmentStats {
-        SegmentStats {
-            hits: self.hits.load(Ordering::Relaxed),
-            misses: self.misses.load(Ordering::Relaxed),
-            entries: self.cache.len() as u64,
-            bytes: self.cache.weight(),
-        }
+    /// Closed pieces looked up, and what the cache holds now.
+    pub fn stats(&self) -> CacheStats {
+        self.counters.stats(&self.cache)
     }
 }
 

@@ -493,12 +493,12 @@ impl LocalTokenizer {
     }
 
     /// What the prefix cache did (serve/prefixes.rs), when it is on.
-    pub fn prefix_stats(&self) -> Option<super::prefixes::PrefixStats> {
+    pub fn prefix_stats(&self) -> Option<super::cache_stats::CacheStats> {
         self.segments.as_ref().and_then(|s| s.prefix_stats())
     }
 
     /// What the segment cache did, when there is one.
-    pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
+    pub fn segment_stats(&self) -> Option<super::cache_stats::CacheStats> {
         self.segments
             .as_ref()
             .map(super::segments::SegmentCache::stats)

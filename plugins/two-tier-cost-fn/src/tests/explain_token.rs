@@ -1,45 +1,24 @@
 //! `explain` carrying the `pick`'s [`EXPLAIN_TOKEN`] describes that pick instead of deciding
 //! again; without the token, or with another one, it decides over its own input.
 
-use plugin_api::abi::{Extension, ExtensionValue, RawRequestContext};
-// The ABI types a host builds its context from (the crate the safe layer re-exports for this).
-use plugin_api::__private::abi_stable::std_types::{RSlice, RStr};
-use plugin_api::{Context, Inputs, EXPLAIN_TOKEN};
+use plugin_api::Inputs;
 
 use super::*;
-
-/// Run `f` with `request`'s context, carrying `token` when given.
-fn with_token<R>(
-    request: &TestRequest,
-    token: Option<u64>,
-    f: impl FnOnce(&Context<'_>) -> R,
-) -> R {
-    request.with_raw(|raw| {
-        let extension = [Extension {
-            name: RStr::from_str(EXPLAIN_TOKEN),
-            value: ExtensionValue::U64(token.unwrap_or(0)),
-        }];
-        let raw = RawRequestContext {
-            extensions: match token {
-                Some(_) => RSlice::from_slice(&extension),
-                None => RSlice::EMPTY,
-            },
-            ..*raw
-        };
-        f(&Context::from_raw(&raw))
-    })
-}
 
 fn pick(policy: &TwoTierCostFn, rows: &TestRows, token: Option<u64>) -> usize {
     let view = rows.view(Inputs::CACHE | Inputs::LOAD);
     let rows = Rows::from_raw(&view).expect("a consistent view");
-    with_token(&request(), token, |ctx| policy.pick(ctx, &rows)).expect("a row is picked")
+    request()
+        .with_explain_token(token, |ctx| policy.pick(ctx, &rows))
+        .expect("a row is picked")
 }
 
 fn explain(policy: &TwoTierCostFn, rows: &TestRows, token: Option<u64>) -> Explanation {
     let view = rows.view(Inputs::CACHE | Inputs::LOAD);
     let rows = Rows::from_raw(&view).expect("a consistent view");
-    with_token(&request(), token, |ctx| policy.explain(ctx, &rows)).expect("an explanation")
+    request()
+        .with_explain_token(token, |ctx| policy.explain(ctx, &rows))
+        .expect("an explanation")
 }
 
 /// Rows A then B, of which `worker` caches the whole prompt (the cache tier picks it).

@@ -65,6 +65,23 @@ impl View<'_> {
     }
 }
 
+/// A slot's holders on one tier, for changing them ([`TierSets::slot_mut`]).
+enum SlotMut<'a> {
+    /// A bitset: the dense layout's, or a spilled set with the cell that counts it and the spill
+    /// pool's free list (to give the set back when it returns inline).
+    Bits {
+        bits: &'a mut [u64],
+        spilled: Option<(&'a mut Holders, &'a mut Vec<u32>)>,
+    },
+    /// An inline cell, with the spill pool (sets of `words` words) to spill into.
+    Inline {
+        cell: &'a mut Holders,
+        words: usize,
+        spill: &'a mut Vec<u64>,
+        free: &'a mut Vec<u32>,
+    },
+}
+
 /// Per slot, the rows holding its block on one tier.
 #[derive(Debug, Clone)]
 pub(super) enum TierSets {
@@ -153,16 +170,14 @@ impl TierSets {
         }
     }
 
-    /// Add `row` to `slot`'s holders; whether it was not there.
-    pub(super) fn insert(&mut self, slot: u32, row: u32) -> bool {
-        let (word, bit) = (row as usize / 64, 1u64 << (row % 64));
+    /// `slot`'s holders, for changing them.
+    #[inline(always)]
+    fn slot_mut(&mut self, slot: u32) -> SlotMut<'_> {
         match self {
-            TierSets::Dense { words, bits } => {
-                let w = &mut bits[slot as usize * *words + word];
-                let new = *w & bit == 0;
-                *w |= bit;
-                new
-            }
+            TierSets::Dense { words, bits } => SlotMut::Bits {
+                bits: &mut bits[slot as usize * *words..][..*words],
+                spilled: None,
+            },
             TierSets::Sparse {
                 words,
                 cells,
@@ -170,15 +185,42 @@ impl TierSets {
                 free,
             } => {
                 let cell = &mut cells[slot as usize];
-                if let Some(at) = cell.spilled() {
-                    let w = &mut spill[at * *words + word];
-                    if *w & bit != 0 {
-                        return false;
-                    }
-                    *w |= bit;
-                    cell.len += 1;
-                    return true;
+                match cell.spilled() {
+                    Some(at) => SlotMut::Bits {
+                        bits: &mut spill[at * *words..][..*words],
+                        spilled: Some((cell, free)),
+                    },
+                    None => SlotMut::Inline {
+                        cell,
+                        words: *words,
+                        spill,
+                        free,
+                    },
                 }
+            }
+        }
+    }
+
+    /// Add `row` to `slot`'s holders; whether it was not there.
+    pub(super) fn insert(&mut self, slot: u32, row: u32) -> bool {
+        let (word, bit) = (row as usize / 64, 1u64 << (row % 64));
+        match self.slot_mut(slot) {
+            SlotMut::Bits { bits, spilled } => {
+                if bits[word] & bit != 0 {
+                    return false;
+                }
+                bits[word] |= bit;
+                if let Some((cell, _)) = spilled {
+                    cell.len += 1;
+                }
+                true
+            }
+            SlotMut::Inline {
+                cell,
+                words,
+                spill,
+                free,
+            } => {
                 let len = cell.count() as usize;
                 let Err(at) = cell.rows[..len].binary_search(&row) else {
                     return false;
@@ -193,11 +235,11 @@ impl TierSets {
                 let set = match free.pop() {
                     Some(set) => set as usize,
                     None => {
-                        spill.resize(spill.len() + *words, 0);
-                        spill.len() / *words - 1
+                        spill.resize(spill.len() + words, 0);
+                        spill.len() / words - 1
                     }
                 };
-                let bits = &mut spill[set * *words..][..*words];
+                let bits = &mut spill[set * words..][..words];
                 for &r in &cell.rows {
                     bits[r as usize / 64] |= 1 << (r % 64);
                 }
@@ -212,43 +254,33 @@ impl TierSets {
     /// Take `row` out of `slot`'s holders; whether it was there.
     pub(super) fn remove(&mut self, slot: u32, row: u32) -> bool {
         let (word, bit) = (row as usize / 64, 1u64 << (row % 64));
-        match self {
-            TierSets::Dense { words, bits } => {
-                let w = &mut bits[slot as usize * *words + word];
-                let held = *w & bit != 0;
-                *w &= !bit;
-                held
-            }
-            TierSets::Sparse {
-                words,
-                cells,
-                spill,
-                free,
-            } => {
-                let cell = &mut cells[slot as usize];
-                if let Some(at) = cell.spilled() {
-                    let bits = &mut spill[at * *words..][..*words];
-                    if bits[word] & bit == 0 {
-                        return false;
-                    }
-                    bits[word] &= !bit;
-                    cell.len -= 1;
-                    if cell.count() <= UNSPILL {
-                        // Back inline; the pool's set is left zeroed for its next use.
-                        let mut n = 0;
-                        for (w, bits) in bits.iter_mut().enumerate() {
-                            let mut b = std::mem::take(bits);
-                            while b != 0 {
-                                cell.rows[n] = (w * 64) as u32 + b.trailing_zeros();
-                                n += 1;
-                                b &= b - 1;
-                            }
-                        }
-                        cell.len = n as u32;
-                        free.push(at as u32);
-                    }
-                    return true;
+        match self.slot_mut(slot) {
+            SlotMut::Bits { bits, spilled } => {
+                if bits[word] & bit == 0 {
+                    return false;
                 }
+                bits[word] &= !bit;
+                let Some((cell, free)) = spilled else {
+                    return true;
+                };
+                cell.len -= 1;
+                if cell.count() <= UNSPILL {
+                    // Back inline; the pool's set is left zeroed for its next use.
+                    free.push(cell.rows[0]);
+                    let mut n = 0;
+                    for (w, bits) in bits.iter_mut().enumerate() {
+                        let mut b = std::mem::take(bits);
+                        while b != 0 {
+                            cell.rows[n] = (w * 64) as u32 + b.trailing_zeros();
+                            n += 1;
+                            b &= b - 1;
+                        }
+                    }
+                    cell.len = n as u32;
+                }
+                true
+            }
+            SlotMut::Inline { cell, .. } => {
                 let len = cell.count() as usize;
                 let Ok(at) = cell.rows[..len].binary_search(&row) else {
                     return false;
@@ -299,5 +331,100 @@ impl TierSets {
                 words, spill, free, ..
             } => spill.len() / words - free.len(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(sets: &TierSets, slot: u32) -> Vec<u32> {
+        let mut bits = vec![0u64; 8];
+        sets.view(slot).or_into(&mut bits);
+        (0..8 * 64)
+            .filter(|&r| bits[r / 64] & (1 << (r % 64)) != 0)
+            .map(|r| r as u32)
+            .collect()
+    }
+
+    /// Insert and remove answer whether they changed the set, on every layout: dense, inline,
+    /// spilled, and back inline; the other slot is never touched.
+    #[test]
+    fn insert_and_remove_say_whether_the_set_changed_on_every_layout() {
+        for words in [1, DENSE_MAX_WORDS + 1] {
+            let mut sets = TierSets::new(words, 2);
+            let many: Vec<u32> = (0..SMALL as u32 + 3)
+                .map(|i| (i * 37) % (64 * words) as u32)
+                .collect();
+            for (n, &row) in many.iter().enumerate() {
+                assert!(sets.insert(1, row), "words {words}: row {row} is new");
+                assert!(!sets.insert(1, row), "words {words}: row {row} again");
+                assert_eq!(sets.count(1), n as u64 + 1);
+                assert!(sets.contains(1, row));
+                let spilled = words > DENSE_MAX_WORDS && n >= SMALL;
+                assert_eq!(
+                    sets.spill_sets(),
+                    usize::from(spilled),
+                    "words {words}, {n}"
+                );
+            }
+            let mut sorted = many.clone();
+            sorted.sort_unstable();
+            assert_eq!(rows(&sets, 1), sorted);
+            assert!(sets.is_empty(0));
+            let absent = (0..64 * words as u32)
+                .find(|r| !many.contains(r))
+                .unwrap_or(0);
+            assert!(!sets.remove(1, absent), "words {words}: an absent row");
+            assert!(
+                !sets.remove(0, many[0]),
+                "words {words}: another slot's row"
+            );
+            for (n, &row) in many.iter().enumerate().rev() {
+                assert!(sets.remove(1, row), "words {words}: row {row} was there");
+                assert!(!sets.remove(1, row), "words {words}: row {row} is gone");
+                assert!(!sets.contains(1, row));
+                assert_eq!(sets.count(1), n as u64);
+                // Spilled until the count falls to UNSPILL.
+                let spilled = words > DENSE_MAX_WORDS && n > UNSPILL as usize;
+                assert_eq!(
+                    sets.spill_sets(),
+                    usize::from(spilled),
+                    "words {words}, {n}"
+                );
+                assert_eq!(rows(&sets, 1), {
+                    let mut left = many[..n].to_vec();
+                    left.sort_unstable();
+                    left
+                });
+            }
+            assert!(sets.is_empty(1));
+        }
+    }
+
+    /// A set that returns inline gives its spill set back, and the next spill reuses it.
+    #[test]
+    fn a_spill_set_is_reused_after_its_slot_returns_inline() {
+        let words = DENSE_MAX_WORDS + 1;
+        let mut sets = TierSets::new(words, 2);
+        for row in 0..=SMALL as u32 {
+            sets.insert(0, row * 40);
+        }
+        for row in UNSPILL..=SMALL as u32 {
+            sets.remove(0, row * 40);
+        }
+        assert_eq!(sets.spill_sets(), 0);
+        for row in 0..=SMALL as u32 {
+            sets.insert(1, row * 41);
+        }
+        assert_eq!(sets.spill_sets(), 1);
+        let TierSets::Sparse { spill, .. } = &sets else {
+            panic!("sparse at {words} words");
+        };
+        assert_eq!(spill.len(), words, "one set in the pool, used twice");
+        assert_eq!(
+            rows(&sets, 0),
+            (0..UNSPILL).map(|r| r * 40).collect::<Vec<_>>()
+        );
     }
 }
