@@ -786,6 +786,55 @@ async fn a_reload_keeps_the_rows_blocks_in_the_new_configuration() {
     router.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_removed_by_a_reload_leaves_no_gauges_behind() {
+    let (e1, e2) = (Engine::start(1).await, Engine::start(2).await);
+    let (mut p1, mut p2) = (Publisher::bind(0).await, Publisher::bind(0).await);
+    let router = TestRouter::start("serve_kv_removed", &yaml(&[(&e1, &p1), (&e2, &p2)])).await;
+    p1.prime(&router, 1).await;
+    p2.prime(&router, 2).await;
+    let tokens: Vec<u32> = (1..=8).collect();
+    p2.send(vec![stored_map(&[1, 2], None, &tokens, 4)]).await;
+    let series = |worker: u64| -> Vec<String> {
+        let row = format!("worker=\"{worker}\",dp_rank=\"0\"");
+        router
+            .handle
+            .metrics_text()
+            .lines()
+            .filter(|l| !l.starts_with('#') && l.contains(&row))
+            .map(|l| l.split_once(' ').map_or(l, |(name, _)| name).to_owned())
+            .collect()
+    };
+    let gauges = [
+        "router_kv_subscriber_connected{",
+        "router_kv_index_state{",
+        "router_kv_index_blocks{",
+        "router_kv_event_lag_seconds{",
+    ];
+    let has = |worker: u64, name: &str| series(worker).iter().any(|s| s.starts_with(name));
+    assert!(
+        eventually(WAIT, || gauges.iter().all(|g| has(2, g))).await,
+        "{:?}",
+        series(2)
+    );
+
+    std::fs::write(&router.config, yaml(&[(&e1, &p1)])).expect("rewrite the config");
+    assert_eq!(router.handle.reload().await.expect("reload"), 2);
+    assert!(
+        eventually(WAIT, || gauges.iter().all(|g| !has(2, g))).await,
+        "worker 2's gauges stayed: {:?}",
+        series(2)
+    );
+    // Its counters stay, and worker 1's gauges are untouched.
+    assert!(has(2, "router_kv_event_batches_total{"), "{:?}", series(2));
+    assert_eq!(
+        router.metric("router_kv_subscriber_connected{worker=\"1\",dp_rank=\"0\"}"),
+        1.0
+    );
+    assert!(gauges.iter().all(|g| has(1, g)), "{:?}", series(1));
+    router.stop().await;
+}
+
 /// `router_kv_index_state` of worker `worker`'s rank 0: the state whose gauge is 1 (and the
 /// others' 0).
 fn index_state(router: &TestRouter, worker: u64) -> &'static str {

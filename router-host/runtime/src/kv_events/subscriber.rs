@@ -331,7 +331,8 @@ impl Subscriber {
     /// bug panicked) sets the connected gauge to 0 and is retried after a backoff of
     /// [`BACKOFF_MIN`] doubling to [`BACKOFF_MAX`]; the backoff starts over after a session
     /// that stayed subscribed for [`BACKOFF_MAX`] (so a publisher that breaks the protocol
-    /// right after subscribing is retried, and logged, at most every 5 s).
+    /// right after subscribing is retried, and logged, at most every 5 s). Stopped (its worker
+    /// left the configuration), it removes its row's gauges.
     pub(super) async fn run(mut self) {
         self.set_connected(false);
         self.publish_trust();
@@ -358,7 +359,26 @@ impl Subscriber {
             }
             backoff = (backoff * 2).min(BACKOFF_MAX);
         }
-        self.set_connected(false);
+        self.forget_gauges();
+    }
+
+    /// The row's worker left the configuration: its gauges go from `/metrics` (a removed
+    /// worker shown as disconnected, stale or holding blocks would page an operator for an
+    /// engine nobody runs). Its counters stay: what happened, happened.
+    fn forget_gauges(&self) {
+        let row = self.row_labels();
+        self.metrics.connected.remove(&row);
+        self.metrics.lag.remove(&row);
+        for tier in Tier::ALL {
+            self.metrics.blocks.remove(&self.tier_labels(tier));
+        }
+        for state in KvIndexState::ALL {
+            self.metrics.index_state.remove(&RowStateLabels {
+                worker: row.worker.clone(),
+                dp_rank: row.dp_rank.clone(),
+                state: state.as_str(),
+            });
+        }
     }
 
     fn session_failed(&mut self, err: &ProtocolError) {
