@@ -342,6 +342,77 @@ impl Ledger {
         }
     }
 
+    /// [`Ledger::fill`] for `rows` rows that are the slots `base, base + 1, ...` in order (as
+    /// many as the shortest load column allows): the cells are read in sequence, chunk by chunk, with no
+    /// worker lookup (a slot without a cell reads idle, as [`Ledger::load`] does).
+    pub fn fill_run(&self, base: Slot, rows: usize, out: &mut Columns) {
+        if self.extras.load(Ordering::Acquire) {
+            self.fill_run_with::<true>(base, rows, out);
+        } else {
+            self.fill_run_with::<false>(base, rows, out);
+        }
+    }
+
+    #[inline(always)]
+    fn fill_run_with<const WHOLE: bool>(&self, base: Slot, rows: usize, out: &mut Columns) {
+        let Columns {
+            available,
+            active_requests: active,
+            active_prefill_tokens: prefill,
+            decode_blocks: decode,
+            ..
+        } = out;
+        let n = rows
+            .min(available.len())
+            .min(active.len())
+            .min(prefill.len())
+            .min(decode.len());
+        let mut done = 0;
+        while done < n {
+            let slot = base as usize + done;
+            let start = slot & (CHUNK - 1);
+            let in_chunk = (CHUNK - start).min(n - done);
+            let cells = self
+                .chunks
+                .get(slot >> CHUNK_BITS)
+                .and_then(OnceLock::get)
+                .and_then(|cells| cells.get(start..start + in_chunk));
+            let range = done..done + in_chunk;
+            let columns = available[range.clone()]
+                .iter_mut()
+                .zip(&mut active[range.clone()])
+                .zip(&mut prefill[range.clone()])
+                .zip(&mut decode[range]);
+            match cells {
+                Some(cells) => {
+                    for (cell, (((available, active), prefill), decode)) in
+                        cells.iter().zip(columns)
+                    {
+                        let load = if WHOLE {
+                            cell.load()
+                        } else {
+                            cell.load_booked_only()
+                        };
+                        *available = load.available;
+                        *active = load.active_requests;
+                        *prefill = load.active_prefill_tokens;
+                        *decode = load.decode_blocks;
+                    }
+                }
+                None => {
+                    let idle = RowLoad::default();
+                    for (((available, active), prefill), decode) in columns {
+                        *available = idle.available;
+                        *active = idle.active_requests;
+                        *prefill = idle.active_prefill_tokens;
+                        *decode = idle.decode_blocks;
+                    }
+                }
+            }
+            done += in_chunk;
+        }
+    }
+
     /// [`Ledger::fill`]'s way for a row whose cell is not in its run's slice (a run split
     /// across chunks, a rank the worker does not have): out of line, so that the common loop
     /// keeps its pointers in registers.
@@ -487,6 +558,69 @@ mod tests {
             .collect();
         assert_eq!(first, vec![10, 20, 0]);
         assert_eq!(short, first, "fills as many rows as the shortest column");
+    }
+
+    /// `fill_run` agrees with `load` slot by slot: within a chunk, across a chunk edge, into
+    /// slots without cells, with the booked counters alone and whole, and for fewer rows than
+    /// the columns hold.
+    #[test]
+    fn fill_run_matches_load_slot_by_slot() {
+        let ledger = Ledger::with_slots(2048);
+        for (slot, n) in [(0, 1), (1019, 3), (1023, 5), (1024, 6), (2047, 7)] {
+            ledger.book(slot, c(10 * n, n));
+        }
+        let run = |ledger: &Ledger, base: u32, rows: usize, len: usize| {
+            let mut out = Columns {
+                available: vec![false; len],
+                active_requests: vec![9; len],
+                active_prefill_tokens: vec![9; len],
+                decode_blocks: vec![9; len],
+                ..Columns::default()
+            };
+            ledger.fill_run(base, rows, &mut out);
+            (0..len)
+                .map(|i| RowLoad {
+                    available: out.available[i],
+                    active_requests: out.active_requests[i],
+                    active_prefill_tokens: out.active_prefill_tokens[i],
+                    decode_blocks: out.decode_blocks[i],
+                })
+                .collect::<Vec<_>>()
+        };
+        let check = |ledger: &Ledger, step: &str| {
+            for (base, rows) in [(0, 8), (1016, 16), (1019, 1), (2040, 20), (3000, 4)] {
+                let got = run(ledger, base, rows, rows);
+                for (i, load) in got.iter().enumerate() {
+                    assert_eq!(
+                        *load,
+                        ledger.load(base + i as u32),
+                        "{step}: slot {base} + {i}"
+                    );
+                }
+            }
+            // Fewer rows than the columns: the rest is left as it was.
+            let got = run(ledger, 1022, 3, 5);
+            assert_eq!(
+                got[..3],
+                [1022, 1023, 1024].map(|s| ledger.load(s)),
+                "{step}"
+            );
+            assert_eq!((got[3].active_requests, got[4].decode_blocks), (9, 9));
+        };
+        check(&ledger, "booked");
+        ledger.observe(1023, Some(40));
+        ledger.set_shared(
+            1024,
+            Some(RowLoad {
+                available: true,
+                active_requests: 2,
+                active_prefill_tokens: 5,
+                decode_blocks: 1,
+            }),
+        );
+        check(&ledger, "whole");
+        assert_eq!(run(&ledger, 1023, 2, 2)[0].active_requests, 40);
+        assert_eq!(run(&ledger, 1023, 2, 2)[1].active_requests, 3);
     }
 
     /// `fill` reads the booked counters alone until a cell gets an observation or a shared

@@ -54,6 +54,10 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
     fn columns_end(&self) {
         self.source.columns_end();
     }
+
+    fn slot_run(&self, rows: &[RowId], topology: &Topology) -> Option<u32> {
+        self.source.slot_run(rows, topology)
+    }
 }
 
 impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
@@ -70,7 +74,12 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
             load_columns_by_row(rows, out, |row| self.load(row));
             return;
         }
-        self.ledger.fill(self.topology, rows, out);
+        // Rows that are a run of slots (every row eligible, in slot order) read the ledger's
+        // cells in order, without a worker lookup per row.
+        match self.source.slot_run(rows, self.topology) {
+            Some(base) => self.ledger.fill_run(base, rows.len(), out),
+            None => self.ledger.fill(self.topology, rows, out),
+        }
     }
 
     fn kv_capacity_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
@@ -344,6 +353,13 @@ impl OverlapSource for IndexOverlap<'_> {
         self.slots_resolved.set(false);
     }
 
+    fn slot_run(&self, rows: &[RowId], topology: &Topology) -> Option<u32> {
+        if !std::ptr::eq(self.topology, topology) || self.announced.get() != Some(key(rows)) {
+            return None;
+        }
+        self.with_slots(rows, false, |b| b.slots_run)
+    }
+
     fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
         out.clear();
         let Some(trust) = self.trust else { return };
@@ -540,6 +556,80 @@ mod tests {
         rows[1] = row(3, 1);
         source.columns_begin(&rows);
         assert_eq!(device(&source, &rows), [1.0, 2.0, 4.0, 5.0]);
+        source.columns_end();
+    }
+
+    /// Announced rows that are a run of slots read the ledger as a run; other rows, and rows
+    /// not announced, by worker. Both give every row its own load.
+    #[test]
+    fn load_columns_read_a_run_of_slots_as_one() {
+        let cluster = Cluster::new(vec![
+            Worker::new(3).with_ranks(0, 2),
+            Worker::new(7).with_ranks(0, 1),
+            Worker::new(9).with_ranks(0, 2),
+        ])
+        .unwrap();
+        let topology = SlotAllocator::default().initial(cluster);
+        let kv = ShardedLock::new(KvIndex::new(topology.slot_bound()));
+        let ledger = Ledger::with_slots(topology.slot_bound());
+        for (r, slot) in topology.rows() {
+            for _ in 0..=slot {
+                ledger.book(
+                    slot,
+                    crate::ledger::Charge {
+                        prefill_tokens: 100,
+                        decode_blocks: u64::from(r.dp_rank),
+                    },
+                );
+            }
+        }
+        let mut buffers = OverlapBuffers::default();
+        let source = IndexOverlap::new(&topology, &kv, &[], &mut buffers);
+        let signals = CoreSignals {
+            source: &source,
+            topology: &topology,
+            ledger: &ledger,
+            recency: None,
+        };
+        let load = |rows: &[RowId]| {
+            let n = rows.len();
+            let mut out = Columns {
+                available: vec![false; n],
+                active_requests: vec![0; n],
+                active_prefill_tokens: vec![0; n],
+                decode_blocks: vec![0; n],
+                ..Columns::default()
+            };
+            signals.load_columns(rows, &mut out);
+            for (i, &r) in rows.iter().enumerate() {
+                assert_eq!(
+                    out.active_requests[i],
+                    signals.load(r).active_requests,
+                    "{r:?}"
+                );
+                assert_eq!(out.decode_blocks[i], signals.load(r).decode_blocks, "{r:?}");
+            }
+            out.active_requests
+        };
+        let all: Vec<RowId> = topology.rows().map(|(r, _)| r).collect();
+        assert_eq!(source.slot_run(&all, &topology), None, "not announced");
+        assert_eq!(load(&all), [1, 2, 3, 4, 5]);
+        source.columns_begin(&all);
+        assert_eq!(source.slot_run(&all, &topology), Some(0));
+        assert_eq!(source.slot_run(&all[1..], &topology), None, "other rows");
+        let other = topology.clone();
+        assert_eq!(source.slot_run(&all, &other), None, "another topology");
+        assert_eq!(load(&all), [1, 2, 3, 4, 5]);
+        source.columns_end();
+        let scattered = [row(9, 1), row(3, 0), row(8, 0), row(7, 0)];
+        source.columns_begin(&scattered);
+        assert_eq!(source.slot_run(&scattered, &topology), None);
+        assert_eq!(load(&scattered), [5, 1, 0, 3]);
+        source.columns_end();
+        let tail = &all[2..];
+        source.columns_begin(tail);
+        assert_eq!(source.slot_run(tail, &topology), Some(2));
+        assert_eq!(load(tail), [3, 4, 5]);
         source.columns_end();
     }
 
