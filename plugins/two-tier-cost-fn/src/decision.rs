@@ -323,10 +323,13 @@ pub fn exceeds(load: u64, min: u64, abs: u64, rel: f64) -> bool {
 trait LoadOrder {
     /// Smaller is less loaded; equal prefixes are told apart by the [`Tie`].
     type Prefix: Copy + Ord;
+    /// What [`LoadOrder::prefix`] needs of the request, worked out once per pass.
+    type Request: Copy;
     /// Whether the key orders by something other than active requests first, so the load
     /// tier's fewest-active row must be tracked on its own.
     const SEPARATE_ACTIVE: bool;
-    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> Self::Prefix;
+    fn request(prompt: Prompt) -> Self::Request;
+    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, request: Self::Request) -> Self::Prefix;
     /// The active requests in a prefix.
     fn active(prefix: Self::Prefix) -> u64;
 }
@@ -336,9 +339,12 @@ struct ByActive;
 
 impl LoadOrder for ByActive {
     type Prefix = u64;
+    type Request = ();
     const SEPARATE_ACTIVE: bool = false;
     #[inline]
-    fn prefix(cols: &Columns<'_>, i: usize, _eff: f64, _prompt: Prompt) -> u64 {
+    fn request(_prompt: Prompt) {}
+    #[inline]
+    fn prefix(cols: &Columns<'_>, i: usize, _eff: f64, _request: ()) -> u64 {
         cols.active[i]
     }
     #[inline]
@@ -352,20 +358,67 @@ impl LoadOrder for ByActive {
 /// fewer active requests, then the [`Tie`].
 struct ByBacklog;
 
+/// The prompt as [`ByBacklog`] reads it: its tokens, tokens per block, and the blocks that
+/// cover it (capped at 2^53, where every integer is still an `f64`).
+#[derive(Clone, Copy)]
+struct Backlog {
+    tokens: u64,
+    block_size: u64,
+    full: f64,
+}
+
+impl Backlog {
+    fn of(prompt: Prompt) -> Self {
+        let block_size = u64::from(prompt.block_size.max(1));
+        Backlog {
+            tokens: prompt.tokens,
+            block_size,
+            full: prompt.tokens.div_ceil(block_size).min(1 << 53) as f64,
+        }
+    }
+
+    /// The prompt tokens a row caching `eff` blocks holds: `floor(eff)` blocks' worth, at most
+    /// the prompt. Below `full`, `floor(eff)` is fewer blocks than cover the prompt, so their
+    /// tokens are fewer than the prompt's: no cap, no overflow, and a plain truncation (no
+    /// saturating conversion); the rest takes the general way.
+    #[inline(always)]
+    fn cached(self, eff: f64) -> u64 {
+        let eff = eff.max(0.0);
+        if eff < self.full {
+            // `as` truncates toward zero, which for `eff >= 0` is the floor.
+            (eff as i64 as u64) * self.block_size
+        } else {
+            self.cached_at_least_full(eff)
+        }
+    }
+
+    #[inline(never)]
+    fn cached_at_least_full(self, eff: f64) -> u64 {
+        (eff as u64)
+            .saturating_mul(self.block_size)
+            .min(self.tokens)
+    }
+}
+
 impl LoadOrder for ByBacklog {
-    type Prefix = (u64, u64);
+    /// `(backlog, active)` as one integer, backlog in the high half: ordered as the pair is,
+    /// in one comparison instead of two.
+    type Prefix = u128;
+    type Request = Backlog;
     const SEPARATE_ACTIVE: bool = true;
     #[inline]
-    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, prompt: Prompt) -> (u64, u64) {
-        // `as` truncates toward zero, which for `eff >= 0` is the floor, without a call to
-        // `floor` on every row; it saturates (and a NaN `eff` was already made 0).
-        let cached = (eff.max(0.0) as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
-        let backlog = cols.prefill[i].saturating_add(prompt.tokens - cached.min(prompt.tokens));
-        (backlog, cols.active[i])
+    fn request(prompt: Prompt) -> Backlog {
+        Backlog::of(prompt)
     }
     #[inline]
-    fn active(prefix: (u64, u64)) -> u64 {
-        prefix.1
+    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, request: Backlog) -> u128 {
+        // A NaN `eff` was already made 0.
+        let backlog = cols.prefill[i].saturating_add(request.tokens - request.cached(eff));
+        (u128::from(backlog) << 64) | u128::from(cols.active[i])
+    }
+    #[inline]
+    fn active(prefix: u128) -> u64 {
+        prefix as u64
     }
 }
 
@@ -492,13 +545,14 @@ fn scan<O: LoadOrder>(
 ) -> Option<Summary> {
     let n = cols.len();
     let weight = params.host_cache_weight;
+    let request = O::request(prompt);
     let first = (0..n).find(|&i| in_set(cols.row(i)))?;
     let eff = cols.effective_overlap(first, weight);
-    let mut scan = Scan::<O>::first(first, eff, O::prefix(cols, first, eff, prompt));
+    let mut scan = Scan::<O>::first(first, eff, O::prefix(cols, first, eff, request));
     for i in first + 1..n {
         if in_set(cols.row(i)) {
             let eff = cols.effective_overlap(i, weight);
-            scan.add(cols, prompt, i, eff, O::prefix(cols, i, eff, prompt));
+            scan.add(cols, prompt, i, eff, O::prefix(cols, i, eff, request));
         }
     }
     let (least_active, min_active) = if O::SEPARATE_ACTIVE {
@@ -535,10 +589,10 @@ fn least_loaded_with_room(
         let eff = cols.effective_overlap(i, params.host_cache_weight);
         let tie = cols.tie(i, prompt);
         match params.load_signal {
-            LoadSignal::ActiveRequests => (ByActive::prefix(cols, i, eff, prompt), 0, tie),
+            LoadSignal::ActiveRequests => (ByActive::prefix(cols, i, eff, ()), 0, tie),
             LoadSignal::PrefillBacklog => {
-                let (backlog, active) = ByBacklog::prefix(cols, i, eff, prompt);
-                (backlog, active, tie)
+                let prefix = ByBacklog::prefix(cols, i, eff, Backlog::of(prompt));
+                ((prefix >> 64) as u64, prefix as u64, tie)
             }
         }
     };
@@ -669,4 +723,80 @@ pub fn decide(
         target: Some(kept),
         soft_affinity,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the backlog key read before [`Backlog`]: the definition.
+    fn cached_by_definition(eff: f64, prompt: Prompt) -> u64 {
+        let cached = (eff.max(0.0) as u64).saturating_mul(u64::from(prompt.block_size.max(1)));
+        cached.min(prompt.tokens)
+    }
+
+    #[test]
+    fn backlog_cached_tokens_match_the_definition() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let tokens = [
+            0,
+            1,
+            15,
+            16,
+            17,
+            4_096,
+            4_097,
+            (1 << 53) - 1,
+            1 << 53,
+            (1 << 57) + 3,
+            u64::MAX - 1,
+            u64::MAX,
+        ];
+        let block_sizes = [0, 1, 2, 16, 17, 512, u32::MAX];
+        for &tokens in &tokens {
+            for &block_size in &block_sizes {
+                let prompt = Prompt {
+                    tokens,
+                    block_size,
+                    spread: None,
+                };
+                let full = tokens.div_ceil(u64::from(block_size.max(1))) as f64;
+                let mut effs = vec![
+                    f64::NAN,
+                    f64::NEG_INFINITY,
+                    -1.5,
+                    -0.0,
+                    0.0,
+                    0.5,
+                    1.0,
+                    full - 1.0,
+                    full - 0.5,
+                    full,
+                    full + 0.5,
+                    full * 2.0,
+                    full / 2.0,
+                    full * 0.75,
+                    f64::from_bits(full.to_bits().saturating_sub(1)),
+                    (1u64 << 53) as f64,
+                    1e300,
+                    f64::INFINITY,
+                ];
+                effs.extend((0..200).map(|_| (next() % 10_000) as f64 / 7.0));
+                effs.extend((0..50).map(|_| f64::from_bits(next() >> 2)));
+                for eff in effs {
+                    assert_eq!(
+                        Backlog::of(prompt).cached(eff),
+                        cached_by_definition(eff, prompt),
+                        "tokens {tokens}, block size {block_size}, eff {eff}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -347,6 +347,24 @@ pub trait OverlapSource {
         let _ = row;
         plugin_api::KvIndexState::Current
     }
+
+    /// The column fills up to [`OverlapSource::columns_end`] are for `rows`, which the caller
+    /// keeps borrowed and unchanged until then: a source may look each row up once for all of
+    /// them. A fill for any other slice still gets that slice's own answer.
+    fn columns_begin(&self, rows: &[RowId]) {
+        let _ = rows;
+    }
+
+    /// The fills announced by [`OverlapSource::columns_begin`] are done; forget its rows.
+    fn columns_end(&self) {}
+
+    /// `Some(base)` when the announced `rows` are, in `topology`, exactly the slots `base,
+    /// base + 1, ...` (then a slot-indexed table is read as one slice). `None` when the source
+    /// does not know, `rows` are not the announced ones, or they are not such a run.
+    fn slot_run(&self, rows: &[RowId], topology: &crate::topology::Topology) -> Option<u32> {
+        let _ = (rows, topology);
+        None
+    }
 }
 
 /// Everything selection reads per row: the request's overlap (as an [`OverlapSource`], so the

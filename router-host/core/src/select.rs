@@ -290,6 +290,7 @@ impl Scratch {
         inputs: Inputs,
         signals: &S,
     ) {
+        signals.columns_begin(rows);
         let c = &mut self.columns.view;
         c.worker_id.clear();
         c.dp_rank.clear();
@@ -329,6 +330,7 @@ impl Scratch {
             extra.kv_indexed_blocks.iter_mut().for_each(Vec::clear);
             extra.kv_recent_device_blocks.clear();
         }
+        signals.columns_end();
     }
 }
 

@@ -110,6 +110,10 @@ pub struct KvIndex {
     /// Per row: how many blocks it holds on each tier (in [`Tier::ALL`] order), kept with the
     /// holder sets so that a policy can read what a row's cache holds without a scan.
     held: Vec<[u64; 3]>,
+    /// The same counts per tier as `f64`, one column per tier indexed by row: what a decision
+    /// lends policies as `kv_indexed_*_blocks`, kept with `held` so that a decision copies them
+    /// instead of converting every row's count.
+    held_columns: [Vec<f64>; 3],
     /// Per row: the slots it holds on some tier, so that clearing a row visits only those. An
     /// entry is added when the row starts holding a slot on a tier and left in place when it
     /// stops (a stale entry is skipped, and dropped by the next compaction), so a list has
@@ -156,6 +160,7 @@ impl KvIndex {
             info: Vec::new(),
             last_stored: vec![NO_SLOT; rows],
             held: vec![[0; 3]; rows],
+            held_columns: std::array::from_fn(|_| vec![0.0; rows]),
             row_slots: vec![Vec::new(); rows],
             free: Vec::new(),
             events: 0,

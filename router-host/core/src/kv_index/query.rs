@@ -21,6 +21,14 @@ impl KvIndex {
         self.held.get(row as usize).copied().unwrap_or([0; 3])
     }
 
+    /// Blocks each row holds on each tier as `f64` columns (in [`Tier::ALL`] order), indexed by
+    /// row and [`KvIndex::rows`] long: the same counts as [`KvIndex::held_by_tier`], kept as
+    /// events arrive, so that a decision lends them by copying a slice.
+    pub fn held_columns(&self) -> [&[f64]; 3] {
+        let [device, host, disk] = &self.held_columns;
+        [device, host, disk]
+    }
+
     /// (row, block) pairs held on the device, over all rows.
     pub fn holdings(&self) -> u64 {
         self.holdings_in(Tier::Device)

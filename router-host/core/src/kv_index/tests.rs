@@ -194,6 +194,13 @@ fn overlaps_by_tier_match_a_naive_reference() {
                         sets[t].len() as u64,
                         "step {step}"
                     );
+                    // The f64 column a decision copies follows every store, eviction, clear
+                    // and growth too.
+                    assert_eq!(
+                        index.held_columns()[t].get(r).copied(),
+                        Some(sets[t].len() as f64),
+                        "step {step}, row {r}, {tier:?}"
+                    );
                 }
                 for (t, tier) in Tier::ALL.into_iter().enumerate().filter(|_| step % 16 == 0) {
                     for b in query {
@@ -202,6 +209,7 @@ fn overlaps_by_tier_match_a_naive_reference() {
                 }
             }
         }
+        assert!(index.held_columns().iter().all(|c| c.len() == grown));
         for (t, tier) in Tier::ALL.into_iter().enumerate() {
             let pairs: usize = held.iter().map(|sets| sets[t].len()).sum();
             assert_eq!(index.holdings_in(tier), pairs as u64, "{tier:?}");

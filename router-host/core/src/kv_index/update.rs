@@ -34,7 +34,7 @@ impl KvIndex {
                     .sets_mut(event.tier)
                     .is_some_and(|sets| sets.insert(slot, row))
                 {
-                    self.held[row as usize][event.tier as usize] += 1;
+                    self.count_held(row, event.tier, |n| n + 1);
                     self.note_held(row, slot);
                 }
                 if event.tier == Tier::Device {
@@ -50,13 +50,22 @@ impl KvIndex {
                     .sets_mut(event.tier)
                     .is_some_and(|sets| sets.remove(slot, row))
                 {
-                    self.held[row as usize][event.tier as usize] -= 1;
+                    self.count_held(row, event.tier, |n| n - 1);
                 }
                 if self.slot_is_empty(slot) {
                     self.free_slot(slot);
                 }
             }
         }
+    }
+
+    /// Change `row`'s count of blocks on `tier`, and its `f64` copy with it (`row` is known).
+    #[inline]
+    fn count_held(&mut self, row: u32, tier: Tier, f: impl FnOnce(u64) -> u64) {
+        let (row, tier) = (row as usize, tier as usize);
+        let n = f(self.held[row][tier]);
+        self.held[row][tier] = n;
+        self.held_columns[tier][row] = n as f64;
     }
 
     /// `row` started holding `slot` on a tier: remember it in the row's slot list. Evictions
@@ -107,6 +116,9 @@ impl KvIndex {
         self.rows = rows;
         self.last_stored.resize(rows, NO_SLOT);
         self.held.resize(rows, [0; 3]);
+        for column in &mut self.held_columns {
+            column.resize(rows, 0.0);
+        }
         self.row_slots.resize(rows, Vec::new());
     }
 
@@ -148,7 +160,7 @@ impl KvIndex {
         }
         self.row_slots[row as usize] = list;
         self.compact_row_slots(row);
-        self.held[row as usize][tier as usize] = 0;
+        self.count_held(row, tier, |_| 0);
         if tier == Tier::Device {
             self.last_stored[row as usize] = NO_SLOT;
         }

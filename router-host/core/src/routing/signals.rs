@@ -46,6 +46,18 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
     fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
         self.source.kv_index_state(row)
     }
+
+    fn columns_begin(&self, rows: &[RowId]) {
+        self.source.columns_begin(rows);
+    }
+
+    fn columns_end(&self) {
+        self.source.columns_end();
+    }
+
+    fn slot_run(&self, rows: &[RowId], topology: &Topology) -> Option<u32> {
+        self.source.slot_run(rows, topology)
+    }
 }
 
 impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
@@ -62,7 +74,12 @@ impl<O: OverlapSource + ?Sized> Signals for CoreSignals<'_, O> {
             load_columns_by_row(rows, out, |row| self.load(row));
             return;
         }
-        self.ledger.fill(self.topology, rows, out);
+        // Rows that are a run of slots (every row eligible, in slot order) read the ledger's
+        // cells in order, without a worker lookup per row.
+        match self.source.slot_run(rows, self.topology) {
+            Some(base) => self.ledger.fill_run(base, rows.len(), out),
+            None => self.ledger.fill(self.topology, rows, out),
+        }
     }
 
     fn kv_capacity_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
@@ -93,6 +110,9 @@ pub struct OverlapBuffers {
     /// The slot of each row handed to the policy ([`NO_SLOT`] for a row not registered),
     /// resolved once per decision for every column filled from a slot-indexed table.
     slots: Vec<u32>,
+    /// `Some(base)` when `slots` is exactly `base, base + 1, ...` (every row registered, in slot
+    /// order, as when every row is eligible): a column is then a copy of a slice of its table.
+    slots_run: Option<u32>,
 }
 
 /// In [`OverlapBuffers`]' slot column: a row the topology does not know.
@@ -108,8 +128,13 @@ pub struct IndexOverlap<'a> {
     blocks: &'a [u64],
     buffers: RefCell<&'a mut OverlapBuffers>,
     walked: Cell<bool>,
-    /// The rows (address, length, first and last) `buffers.slots` was resolved for.
-    slots_of: Cell<Option<(usize, usize, RowId, RowId)>>,
+    /// The rows (address and length) announced by `columns_begin`, until `columns_end`. The
+    /// caller keeps those rows borrowed and unchanged in between, so the address and length
+    /// name their content; outside that window every fill resolves its own rows.
+    announced: Cell<Option<(usize, usize)>>,
+    /// Whether `buffers.slots` holds the announced rows' slots (resolved on the first fill that
+    /// needs them, so that a policy reading no slot-indexed column never pays for it).
+    slots_resolved: Cell<bool>,
     /// Each slot's index state, when the core keeps them (`kv_index_state`).
     trust: Option<&'a RowTrust>,
     /// Whether no slot's state was other than current when the decision started.
@@ -157,7 +182,8 @@ impl<'a> IndexOverlap<'a> {
             blocks,
             buffers: RefCell::new(buffers),
             walked: Cell::new(false),
-            slots_of: Cell::new(None),
+            announced: Cell::new(None),
+            slots_resolved: Cell::new(false),
             trust: None,
             all_current: false,
         }
@@ -200,34 +226,74 @@ impl<'a> IndexOverlap<'a> {
     }
 
     /// Run `f` over the walk's buffers with `rows`' slots resolved (walking the index first if
-    /// `walk`). The columns of one decision are all filled for the same rows: their slots are
-    /// looked up once, not once per column.
+    /// `walk`). The columns of one decision are all filled for the same rows (announced with
+    /// `columns_begin`): their slots are looked up once, not once per column.
     fn with_slots<R>(&self, rows: &[RowId], walk: bool, f: impl FnOnce(&OverlapBuffers) -> R) -> R {
         if walk {
             self.with_walk(|_| ());
         }
         let mut buffers = self.buffers.borrow_mut();
-        let of = match (rows.first(), rows.last()) {
-            (Some(&first), Some(&last)) => Some((rows.as_ptr() as usize, rows.len(), first, last)),
-            _ => None,
-        };
-        if of.is_none() || self.slots_of.get() != of {
-            buffers.slots.clear();
-            buffers.slots.extend(
-                self.topology
-                    .slots(rows)
-                    .map(|slot| slot.unwrap_or(NO_SLOT)),
-            );
-            self.slots_of.set(of);
+        let announced = self.announced.get() == Some(key(rows));
+        if !(announced && self.slots_resolved.get()) {
+            resolve_slots(self.topology, rows, &mut buffers);
+            self.slots_resolved.set(announced);
         }
         f(&buffers)
     }
 }
 
+fn key(rows: &[RowId]) -> (usize, usize) {
+    (rows.as_ptr() as usize, rows.len())
+}
+
+/// `buffers.slots` (and `slots_run`) for `rows`.
+fn resolve_slots(topology: &Topology, rows: &[RowId], buffers: &mut OverlapBuffers) {
+    let slots = &mut buffers.slots;
+    slots.clear();
+    slots.extend(topology.slots(rows).map(|slot| slot.unwrap_or(NO_SLOT)));
+    // One pass without an early exit (it vectorises): any slot off the run leaves a bit set.
+    buffers.slots_run = match slots.first() {
+        Some(&base) if u32::try_from(slots.len()).is_ok_and(|n| base < NO_SLOT - n) => {
+            let off = slots
+                .iter()
+                .zip(base..)
+                .fold(0, |off, (&slot, expected)| off | (slot ^ expected));
+            (off == 0).then_some(base)
+        }
+        _ => None,
+    };
+}
+
+/// The slice `run` of a slot-indexed table, when the slots are a run and the table covers it.
+fn run_of<T>(table: &[T], run: Option<u32>, len: usize) -> Option<&[T]> {
+    let base = run? as usize;
+    table.get(base..base.checked_add(len)?)
+}
+
 /// `out[i] = counts[slots[i]]` (0 past `counts`, and for a row without a slot).
-fn gather(counts: &[u32], slots: &[u32], out: &mut [f64]) {
-    for (out, &slot) in out.iter_mut().zip(slots) {
+fn gather(counts: &[u32], b: &OverlapBuffers, out: &mut [f64]) {
+    if let Some(counts) = run_of(counts, b.slots_run, out.len()) {
+        for (out, &count) in out.iter_mut().zip(counts) {
+            *out = f64::from(count);
+        }
+        return;
+    }
+    for (out, &slot) in out.iter_mut().zip(&b.slots) {
         *out = f64::from(counts.get(slot as usize).copied().unwrap_or(0));
+    }
+}
+
+/// `out = column[slots[i]]` for every row, as long as the slots (0 past `column`, and for a
+/// row without a slot); a copy when the slots are a run.
+fn gather_f64(column: &[f64], b: &OverlapBuffers, out: &mut Vec<f64>) {
+    out.clear();
+    match run_of(column, b.slots_run, b.slots.len()) {
+        Some(run) => out.extend_from_slice(run),
+        None => out.extend(
+            b.slots
+                .iter()
+                .map(|&slot| column.get(slot as usize).copied().unwrap_or(0.0)),
+        ),
     }
 }
 
@@ -254,34 +320,44 @@ impl OverlapSource for IndexOverlap<'_> {
             device, host, disk, ..
         } = out;
         self.with_slots(rows, true, |b| {
-            gather(&b.held, &b.slots, device);
+            gather(&b.held, b, device);
             if b.host.is_empty() && b.disk.is_empty() {
                 host.fill(0.0);
                 disk.fill(0.0);
                 return;
             }
-            gather(&b.host, &b.slots, host);
-            gather(&b.disk, &b.slots, disk);
+            gather(&b.host, b, host);
+            gather(&b.disk, b, disk);
         });
     }
 
+    /// Copies of the index's own `f64` counts ([`KvIndex::held_columns`]), kept as events
+    /// arrive: a copy of a slice when the rows are a run of slots, a gather otherwise. A row the
+    /// topology does not know holds nothing the index could count.
     fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
         let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
-        let [device, host, disk] = out;
-        for column in [&mut *device, &mut *host, &mut *disk] {
-            column.clear();
-            column.resize(rows.len(), 0.0);
-        }
         self.with_slots(rows, false, |b| {
-            let columns = device.iter_mut().zip(host.iter_mut()).zip(disk.iter_mut());
-            for (&slot, ((device, host), disk)) in b.slots.iter().zip(columns) {
-                // A row the topology does not know holds nothing the index could count.
-                if slot != NO_SLOT {
-                    let [d, h, k] = kv.held_by_tier(slot);
-                    (*device, *host, *disk) = (d as f64, h as f64, k as f64);
-                }
+            for (column, out) in kv.held_columns().into_iter().zip(out.iter_mut()) {
+                gather_f64(column, b, out);
             }
         });
+    }
+
+    fn columns_begin(&self, rows: &[RowId]) {
+        self.announced.set(Some(key(rows)));
+        self.slots_resolved.set(false);
+    }
+
+    fn columns_end(&self) {
+        self.announced.set(None);
+        self.slots_resolved.set(false);
+    }
+
+    fn slot_run(&self, rows: &[RowId], topology: &Topology) -> Option<u32> {
+        if !std::ptr::eq(self.topology, topology) || self.announced.get() != Some(key(rows)) {
+            return None;
+        }
+        self.with_slots(rows, false, |b| b.slots_run)
     }
 
     fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
@@ -314,7 +390,7 @@ impl OverlapSource for IndexOverlap<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_index::{KvEvent, KvEventKind};
+    use crate::kv_index::{KvEvent, KvEventKind, Tier};
     use crate::model::{Cluster, Worker};
     use crate::topology::SlotAllocator;
     use plugin_api::KvIndexState;
@@ -420,5 +496,208 @@ mod tests {
         columns.disk.resize(all.len(), 0.0);
         source.overlap_columns(&all, &mut columns);
         assert_eq!(columns.device, [1.0, 2.0, 3.0, 4.0, 5.0]);
+    }
+
+    /// Two row sets with the same address, length, first and last row: the slots resolved for
+    /// the first must not answer for the second, announced or not.
+    #[test]
+    fn slots_are_never_reused_for_other_rows_in_the_same_buffer() {
+        let cluster = Cluster::new(vec![
+            Worker::new(3).with_ranks(0, 2),
+            Worker::new(7).with_ranks(0, 1),
+            Worker::new(9).with_ranks(0, 2),
+        ])
+        .unwrap();
+        let topology = SlotAllocator::default().initial(cluster);
+        let mut index = KvIndex::new(topology.slot_bound());
+        let prompt = [11, 12, 13, 14, 15];
+        for slot in 0..topology.slot_bound() as u32 {
+            for &block in &prompt[..=slot as usize] {
+                index.apply(&KvEvent::on_device(slot, KvEventKind::Stored, block));
+            }
+        }
+        let kv = ShardedLock::new(index);
+        let trust = RowTrust::with_slots(topology.slot_bound());
+        let mut buffers = OverlapBuffers::default();
+        let source = IndexOverlap::new(&topology, &kv, &prompt, &mut buffers).with_trust(&trust);
+        let mut rows = vec![row(3, 0), row(3, 1), row(7, 0), row(9, 1)];
+        let device = |source: &IndexOverlap<'_>, rows: &[RowId]| {
+            let mut columns = Columns::default();
+            columns.device.resize(rows.len(), f64::NAN);
+            columns.host.resize(rows.len(), f64::NAN);
+            columns.disk.resize(rows.len(), f64::NAN);
+            source.overlap_columns(rows, &mut columns);
+            let mut indexed: [Vec<f64>; 3] = Default::default();
+            source.kv_indexed_columns(rows, &mut indexed);
+            assert_eq!(
+                columns.device, indexed[0],
+                "the walk and the index agree here"
+            );
+            columns.device
+        };
+        // Unannounced: every fill resolves its own rows.
+        assert_eq!(device(&source, &rows), [1.0, 2.0, 3.0, 5.0]);
+        rows[1] = row(9, 0);
+        rows[2] = row(3, 1);
+        assert_eq!(device(&source, &rows), [1.0, 4.0, 2.0, 5.0]);
+        // Announced: one resolution serves the window, and the next window resolves again.
+        source.columns_begin(&rows);
+        assert_eq!(device(&source, &rows), [1.0, 4.0, 2.0, 5.0]);
+        // Another slice inside the window gets its own answer.
+        assert_eq!(device(&source, &rows[1..3]), [4.0, 2.0]);
+        assert_eq!(device(&source, &rows), [1.0, 4.0, 2.0, 5.0]);
+        source.columns_end();
+        rows[1] = row(7, 0);
+        rows[2] = row(9, 0);
+        assert_eq!(device(&source, &rows), [1.0, 3.0, 4.0, 5.0]);
+        source.columns_begin(&rows);
+        assert_eq!(device(&source, &rows), [1.0, 3.0, 4.0, 5.0]);
+        source.columns_end();
+        rows[1] = row(3, 1);
+        source.columns_begin(&rows);
+        assert_eq!(device(&source, &rows), [1.0, 2.0, 4.0, 5.0]);
+        source.columns_end();
+    }
+
+    /// Announced rows that are a run of slots read the ledger as a run; other rows, and rows
+    /// not announced, by worker. Both give every row its own load.
+    #[test]
+    fn load_columns_read_a_run_of_slots_as_one() {
+        let cluster = Cluster::new(vec![
+            Worker::new(3).with_ranks(0, 2),
+            Worker::new(7).with_ranks(0, 1),
+            Worker::new(9).with_ranks(0, 2),
+        ])
+        .unwrap();
+        let topology = SlotAllocator::default().initial(cluster);
+        let kv = ShardedLock::new(KvIndex::new(topology.slot_bound()));
+        let ledger = Ledger::with_slots(topology.slot_bound());
+        for (r, slot) in topology.rows() {
+            for _ in 0..=slot {
+                ledger.book(
+                    slot,
+                    crate::ledger::Charge {
+                        prefill_tokens: 100,
+                        decode_blocks: u64::from(r.dp_rank),
+                    },
+                );
+            }
+        }
+        let mut buffers = OverlapBuffers::default();
+        let source = IndexOverlap::new(&topology, &kv, &[], &mut buffers);
+        let signals = CoreSignals {
+            source: &source,
+            topology: &topology,
+            ledger: &ledger,
+            recency: None,
+        };
+        let load = |rows: &[RowId]| {
+            let n = rows.len();
+            let mut out = Columns {
+                available: vec![false; n],
+                active_requests: vec![0; n],
+                active_prefill_tokens: vec![0; n],
+                decode_blocks: vec![0; n],
+                ..Columns::default()
+            };
+            signals.load_columns(rows, &mut out);
+            for (i, &r) in rows.iter().enumerate() {
+                assert_eq!(
+                    out.active_requests[i],
+                    signals.load(r).active_requests,
+                    "{r:?}"
+                );
+                assert_eq!(out.decode_blocks[i], signals.load(r).decode_blocks, "{r:?}");
+            }
+            out.active_requests
+        };
+        let all: Vec<RowId> = topology.rows().map(|(r, _)| r).collect();
+        assert_eq!(source.slot_run(&all, &topology), None, "not announced");
+        assert_eq!(load(&all), [1, 2, 3, 4, 5]);
+        source.columns_begin(&all);
+        assert_eq!(source.slot_run(&all, &topology), Some(0));
+        assert_eq!(source.slot_run(&all[1..], &topology), None, "other rows");
+        let other = topology.clone();
+        assert_eq!(source.slot_run(&all, &other), None, "another topology");
+        assert_eq!(load(&all), [1, 2, 3, 4, 5]);
+        source.columns_end();
+        let scattered = [row(9, 1), row(3, 0), row(8, 0), row(7, 0)];
+        source.columns_begin(&scattered);
+        assert_eq!(source.slot_run(&scattered, &topology), None);
+        assert_eq!(load(&scattered), [5, 1, 0, 3]);
+        source.columns_end();
+        let tail = &all[2..];
+        source.columns_begin(tail);
+        assert_eq!(source.slot_run(tail, &topology), Some(2));
+        assert_eq!(load(tail), [3, 4, 5]);
+        source.columns_end();
+    }
+
+    /// The indexed-blocks columns follow the index: stores, evictions, a cleared row, a row
+    /// added, on every tier; read as a run of slots and as a gather.
+    #[test]
+    fn indexed_columns_follow_the_index() {
+        let cluster = Cluster::new(vec![
+            Worker::new(1).with_ranks(0, 2),
+            Worker::new(2).with_ranks(0, 1),
+        ])
+        .unwrap();
+        let topology = SlotAllocator::default().initial(cluster);
+        let kv = ShardedLock::new(KvIndex::new(topology.slot_bound()));
+        let all = [row(1, 0), row(1, 1), row(2, 0)];
+        let scattered = [row(2, 0), row(5, 0), row(1, 0)];
+        let columns = |rows: &[RowId]| {
+            let mut buffers = OverlapBuffers::default();
+            let source = IndexOverlap::new(&topology, &kv, &[], &mut buffers);
+            let mut out: [Vec<f64>; 3] = Default::default();
+            source.columns_begin(rows);
+            source.kv_indexed_columns(rows, &mut out);
+            source.columns_end();
+            out
+        };
+        let apply = |slot: u32, kind: KvEventKind, block: u64, tier: Tier| {
+            kv.write().unwrap().apply(&KvEvent {
+                row: slot,
+                kind,
+                block,
+                tier,
+            });
+        };
+        assert_eq!(columns(&all), [vec![0.0; 3], vec![0.0; 3], vec![0.0; 3]]);
+        let s = |r| topology.slot(r).unwrap();
+        for block in 0..4 {
+            apply(s(row(1, 1)), KvEventKind::Stored, block, Tier::Device);
+        }
+        apply(s(row(2, 0)), KvEventKind::Stored, 9, Tier::Device);
+        apply(s(row(2, 0)), KvEventKind::Stored, 9, Tier::Host);
+        apply(s(row(1, 0)), KvEventKind::Stored, 7, Tier::Disk);
+        apply(s(row(1, 1)), KvEventKind::Evicted, 2, Tier::Device);
+        assert_eq!(
+            columns(&all),
+            [
+                vec![0.0, 3.0, 1.0],
+                vec![0.0, 0.0, 1.0],
+                vec![1.0, 0.0, 0.0]
+            ]
+        );
+        assert_eq!(
+            columns(&scattered),
+            [
+                vec![1.0, 0.0, 0.0],
+                vec![1.0, 0.0, 0.0],
+                vec![0.0, 0.0, 1.0]
+            ]
+        );
+        kv.write().unwrap().clear_row(s(row(1, 1)));
+        kv.write().unwrap().clear_row_tier(s(row(2, 0)), Tier::Host);
+        assert_eq!(
+            columns(&all),
+            [vec![0.0, 0.0, 1.0], vec![0.0; 3], vec![1.0, 0.0, 0.0]]
+        );
+        // Rows past the index's (a worker added before the index grew) read as holding nothing.
+        kv.write().unwrap().ensure_rows(8);
+        apply(7, KvEventKind::Stored, 1, Tier::Device);
+        assert_eq!(kv.read().unwrap().held_columns()[0][7], 1.0);
+        assert_eq!(columns(&all)[0], [0.0, 0.0, 1.0]);
     }
 }
