@@ -295,30 +295,12 @@ impl Ledger {
     /// [`Ledger::fill`], reading each cell whole (`WHOLE`) or its booked counters alone.
     #[inline(always)]
     fn fill_with<const WHOLE: bool>(&self, topology: &Topology, rows: &[RowId], out: &mut Columns) {
-        let Columns {
-            available,
-            active_requests: active,
-            active_prefill_tokens: prefill,
-            decode_blocks: decode,
-            ..
-        } = out;
-        // Columns cut to one length up front: the loop then has no bounds checks on them, and
-        // the rare row outside its run's cells is served out of line (as a zipped loop with the
-        // fallback inline it was about 48 instructions a row, `docs/performance.md`, "What the
-        // profiles showed").
-        let n = rows
-            .len()
-            .min(available.len())
-            .min(active.len())
-            .min(prefill.len())
-            .min(decode.len());
-        let (rows, available, active, prefill, decode) = (
-            &rows[..n],
-            &mut available[..n],
-            &mut active[..n],
-            &mut prefill[..n],
-            &mut decode[..n],
-        );
+        // The rare row outside its run's cells is served out of line (as a zipped loop with
+        // the fallback inline it was about 48 instructions a row, `docs/performance.md`, "What
+        // the profiles showed").
+        let (available, active, prefill, decode) = load_columns(out, rows.len());
+        let n = available.len();
+        let rows = &rows[..n];
         let mut worker = None;
         let mut run = crate::topology::SlotRun::EMPTY;
         let mut cells: &[Cell] = &[];
@@ -355,18 +337,8 @@ impl Ledger {
 
     #[inline(always)]
     fn fill_run_with<const WHOLE: bool>(&self, base: Slot, rows: usize, out: &mut Columns) {
-        let Columns {
-            available,
-            active_requests: active,
-            active_prefill_tokens: prefill,
-            decode_blocks: decode,
-            ..
-        } = out;
-        let n = rows
-            .min(available.len())
-            .min(active.len())
-            .min(prefill.len())
-            .min(decode.len());
+        let (available, active, prefill, decode) = load_columns(out, rows);
+        let n = available.len();
         let mut done = 0;
         while done < n {
             let slot = base as usize + done;
@@ -438,9 +410,48 @@ impl Ledger {
     }
 }
 
+/// `out`'s four load columns cut to one length, the shortest of them and `rows`: a fill's loop
+/// over them then has no bounds checks.
+#[inline(always)]
+fn load_columns(
+    out: &mut Columns,
+    rows: usize,
+) -> (&mut [bool], &mut [u64], &mut [u64], &mut [u64]) {
+    let Columns {
+        available,
+        active_requests,
+        active_prefill_tokens,
+        decode_blocks,
+        ..
+    } = out;
+    let n = rows
+        .min(available.len())
+        .min(active_requests.len())
+        .min(active_prefill_tokens.len())
+        .min(decode_blocks.len());
+    (
+        &mut available[..n],
+        &mut active_requests[..n],
+        &mut active_prefill_tokens[..n],
+        &mut decode_blocks[..n],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Load columns for `n` rows holding what no fill writes (unavailable, 9s), so a row a
+    /// fill skipped shows.
+    fn unfilled(n: usize) -> Columns {
+        Columns {
+            available: vec![false; n],
+            active_requests: vec![9; n],
+            active_prefill_tokens: vec![9; n],
+            decode_blocks: vec![9; n],
+            ..Columns::default()
+        }
+    }
 
     fn c(prefill_tokens: u64, decode_blocks: u64) -> Charge {
         Charge {
@@ -532,13 +543,7 @@ mod tests {
             .collect();
         assert_eq!(expected[5].active_requests, 40, "the observation is read");
         let n = rows.len();
-        let mut out = Columns {
-            available: vec![false; n],
-            active_requests: vec![9; n],
-            active_prefill_tokens: vec![9; n],
-            decode_blocks: vec![9; n],
-            ..Columns::default()
-        };
+        let mut out = unfilled(n);
         ledger.fill(&topology, &rows, &mut out);
         for (i, load) in expected.iter().enumerate() {
             let got = RowLoad {
@@ -636,13 +641,7 @@ mod tests {
         let rows: Vec<RowId> = topology.rows().map(|(r, _)| r).collect();
         let check = |ledger: &Ledger, step: &str| -> Vec<u64> {
             let n = rows.len();
-            let mut out = Columns {
-                available: vec![false; n],
-                active_requests: vec![9; n],
-                active_prefill_tokens: vec![9; n],
-                decode_blocks: vec![9; n],
-                ..Columns::default()
-            };
+            let mut out = unfilled(n);
             ledger.fill(&topology, &rows, &mut out);
             for (i, &r) in rows.iter().enumerate() {
                 let load = ledger.load(topology.slot(r).unwrap());
