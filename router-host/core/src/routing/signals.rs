@@ -400,6 +400,30 @@ mod tests {
     }
 
     /// The columns of one row set from one `IndexOverlap`, against its per-row answers.
+    /// Blocks of the prompt [`staircase`]'s slots cache.
+    const STAIRCASE_PROMPT: [u64; 5] = [11, 12, 13, 14, 15];
+
+    /// Workers 3 (ranks 0 and 1), 7 (rank 0) and 9 (ranks 0 and 1), slot s caching the first
+    /// s + 1 blocks of [`STAIRCASE_PROMPT`] on the device (so every row's overlap differs), and
+    /// every row's index current.
+    fn staircase() -> (Topology, ShardedLock<KvIndex>, RowTrust) {
+        let cluster = Cluster::new(vec![
+            Worker::new(3).with_ranks(0, 2),
+            Worker::new(7).with_ranks(0, 1),
+            Worker::new(9).with_ranks(0, 2),
+        ])
+        .unwrap();
+        let topology = SlotAllocator::default().initial(cluster);
+        let mut index = KvIndex::new(topology.slot_bound());
+        for slot in 0..topology.slot_bound() as u32 {
+            for &block in &STAIRCASE_PROMPT[..=slot as usize] {
+                index.apply(&KvEvent::on_device(slot, KvEventKind::Stored, block));
+            }
+        }
+        let trust = RowTrust::with_slots(topology.slot_bound());
+        (topology, ShardedLock::new(index), trust)
+    }
+
     fn check(source: &IndexOverlap<'_>, rows: &[RowId]) {
         let mut columns = Columns::default();
         columns.device.resize(rows.len(), f64::NAN);
@@ -457,23 +481,8 @@ mod tests {
 
     #[test]
     fn columns_follow_the_rows_asked_for_whatever_their_order_and_set() {
-        let cluster = Cluster::new(vec![
-            Worker::new(3).with_ranks(0, 2),
-            Worker::new(7).with_ranks(0, 1),
-            Worker::new(9).with_ranks(0, 2),
-        ])
-        .unwrap();
-        let topology = SlotAllocator::default().initial(cluster);
-        let mut index = KvIndex::new(topology.slot_bound());
-        // Slot s caches the first s + 1 blocks of the prompt.
-        let prompt = [11, 12, 13, 14, 15];
-        for slot in 0..topology.slot_bound() as u32 {
-            for &block in &prompt[..=slot as usize] {
-                index.apply(&KvEvent::on_device(slot, KvEventKind::Stored, block));
-            }
-        }
-        let kv = ShardedLock::new(index);
-        let trust = RowTrust::with_slots(topology.slot_bound());
+        let (topology, kv, trust) = staircase();
+        let prompt = STAIRCASE_PROMPT;
         let slot = topology.slot(row(9, 0)).unwrap();
         trust.set(slot, KvIndexState::Lagging);
         let mut buffers = OverlapBuffers::default();
@@ -502,22 +511,8 @@ mod tests {
     /// the first must not answer for the second, announced or not.
     #[test]
     fn slots_are_never_reused_for_other_rows_in_the_same_buffer() {
-        let cluster = Cluster::new(vec![
-            Worker::new(3).with_ranks(0, 2),
-            Worker::new(7).with_ranks(0, 1),
-            Worker::new(9).with_ranks(0, 2),
-        ])
-        .unwrap();
-        let topology = SlotAllocator::default().initial(cluster);
-        let mut index = KvIndex::new(topology.slot_bound());
-        let prompt = [11, 12, 13, 14, 15];
-        for slot in 0..topology.slot_bound() as u32 {
-            for &block in &prompt[..=slot as usize] {
-                index.apply(&KvEvent::on_device(slot, KvEventKind::Stored, block));
-            }
-        }
-        let kv = ShardedLock::new(index);
-        let trust = RowTrust::with_slots(topology.slot_bound());
+        let (topology, kv, trust) = staircase();
+        let prompt = STAIRCASE_PROMPT;
         let mut buffers = OverlapBuffers::default();
         let source = IndexOverlap::new(&topology, &kv, &prompt, &mut buffers).with_trust(&trust);
         let mut rows = vec![row(3, 0), row(3, 1), row(7, 0), row(9, 1)];
