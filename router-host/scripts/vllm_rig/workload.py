@@ -185,3 +185,13 @@ def sessions_by_worker(replies: list[Reply]) -> dict[str, set]:
         if r.endpoint == "chat":
             out.setdefault(r.session, set()).add(r.worker)
     return out
+
+
+def bound_workers(replies: list[Reply]) -> dict[str, str]:
+    """Each session's binding after these replies: the worker of its last chat turn (a session
+    the cache gate moved is bound to where it moved, not where it started)."""
+    last: dict[str, Reply] = {}
+    for r in replies:
+        if r.endpoint == "chat" and (r.session not in last or r.turn >= last[r.session].turn):
+            last[r.session] = r
+    return {s: r.worker for s, r in last.items()}
