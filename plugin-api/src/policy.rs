@@ -334,6 +334,12 @@ pub struct IndexTrust<'a> {
     codes: Option<&'a [f64]>,
 }
 
+/// Whether every code is `current` (0; `-0.0` too, as [`IndexTrust::trusted`] reads it). One
+/// pass without an early exit, so that it vectorises.
+fn all_current(codes: &[f64]) -> bool {
+    !codes.iter().fold(false, |off, &code| off | (code != 0.0))
+}
+
 impl<'a> IndexTrust<'a> {
     /// Every row current (what a host without the column means).
     pub const ALL_CURRENT: IndexTrust<'static> = IndexTrust { codes: None };
@@ -372,7 +378,7 @@ impl<'a> IndexTrust<'a> {
     /// the prompt: `(index, state)`. Empty when every row is current. For explanations (off
     /// the hot path).
     pub fn discounted(&self, rows: &Rows<'_>) -> Vec<(usize, KvIndexState)> {
-        let Some(overlap) = rows.overlap() else {
+        let (Some(overlap), Some(_)) = (rows.overlap(), self.codes) else {
             return Vec::new();
         };
         (0..rows.len())
@@ -546,11 +552,15 @@ impl<'a> Rows<'a> {
     }
 
     /// Each row's [`KvIndexState`] (the [`KV_INDEX_STATE`] column): every row current from
-    /// hosts older than 1.4 and when the host keeps no KV index (injected scenarios).
+    /// hosts older than 1.4 and when the host keeps no KV index (injected scenarios). A column
+    /// in which every row is current reads as no column (one pass over it here), so that the
+    /// per-row checks of a large fleet's decision cost nothing in the common case.
     #[inline]
     pub fn kv_index_trust(&self) -> IndexTrust<'a> {
         IndexTrust {
-            codes: self.extra_column(KV_INDEX_STATE),
+            codes: self
+                .extra_column(KV_INDEX_STATE)
+                .filter(|codes| !all_current(codes)),
         }
     }
 
