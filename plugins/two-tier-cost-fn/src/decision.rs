@@ -422,56 +422,33 @@ impl LoadOrder for ByBacklog {
     }
 }
 
-/// One leader of a scan: its row, the part of its key compared first, and its [`Tie`] once a
-/// comparison needed it.
+/// One leader of a scan: its row and the part of its key compared before the [`Tie`].
 #[derive(Clone, Copy)]
-struct Leader<P> {
+struct Leader<K> {
     row: usize,
-    prefix: P,
-    tie: Option<Tie>,
+    key: K,
 }
 
-impl<P: Copy + Ord> Leader<P> {
-    #[inline]
-    fn new(row: usize, prefix: P) -> Self {
-        Leader {
-            row,
-            prefix,
-            tie: None,
-        }
-    }
-
-    /// Whether row `i` (`prefix`, its tie in `tie` once computed) orders before this leader;
-    /// if so it becomes the leader. Always inlined: called three times a row, it was a call
-    /// each (about a third of the scan).
+impl<K: Copy + PartialOrd> Leader<K> {
+    /// Row `i` with `key` takes the lead if its key is less, or equal with a lesser [`Tie`].
+    /// The ties of both rows are computed only then, and not kept: in a large fleet most rows
+    /// never equal a leader, and keeping a leader's tie cost registers every row paid for.
     #[inline(always)]
-    fn challenge(
-        &mut self,
-        cols: &Columns<'_>,
-        prompt: Prompt,
-        i: usize,
-        prefix: P,
-        tie: &mut Option<Tie>,
-    ) -> bool {
-        let wins = prefix < self.prefix
-            || (prefix == self.prefix && {
-                let mine = *tie.get_or_insert_with(|| cols.tie(i, prompt));
-                let theirs = *self.tie.get_or_insert_with(|| cols.tie(self.row, prompt));
-                mine < theirs
-            });
-        if wins {
-            *self = Leader {
-                row: i,
-                prefix,
-                tie: *tie,
-            };
+    fn challenge(&mut self, cols: &Columns<'_>, prompt: Prompt, i: usize, key: K) {
+        if key < self.key || (key == self.key && tie_wins(cols, prompt, i, self.row)) {
+            *self = Leader { row: i, key };
         }
-        wins
     }
 }
 
-/// Running statistics of one pass over a row set. The keys of the current leaders are kept,
-/// not re-read: each row costs one prefix read and a few comparisons.
+/// Whether row `i`'s [`Tie`] orders before row `leader`'s. Out of line: the scan's loop stays
+/// small, and only rows that equal a leader come here.
+#[inline(never)]
+fn tie_wins(cols: &Columns<'_>, prompt: Prompt, i: usize, leader: usize) -> bool {
+    cols.tie(i, prompt) < cols.tie(leader, prompt)
+}
+
+/// Running statistics of one pass over a row set: per row a prefix read and a few comparisons.
 struct Scan<O: LoadOrder> {
     /// Least-loaded by the load signal: the fallback tier's row.
     least: Leader<O::Prefix>,
@@ -479,46 +456,44 @@ struct Scan<O: LoadOrder> {
     /// under [`LoadSignal::ActiveRequests`] (then not tracked).
     least_active: Leader<u64>,
     max_active: u64,
-    /// Highest overlap, then least loaded: the cache tier's row.
-    best: Leader<O::Prefix>,
-    best_eff: f64,
+    /// Highest overlap, then least loaded: the cache tier's row. Its key is the overlap
+    /// negated, so that less is better as in the others (overlaps are never NaN here).
+    best: Leader<(f64, O::Prefix)>,
 }
 
 impl<O: LoadOrder> Scan<O> {
     #[inline]
     fn first(i: usize, eff: f64, prefix: O::Prefix) -> Self {
         Scan {
-            least: Leader::new(i, prefix),
-            least_active: Leader::new(i, O::active(prefix)),
+            least: Leader {
+                row: i,
+                key: prefix,
+            },
+            least_active: Leader {
+                row: i,
+                key: O::active(prefix),
+            },
             max_active: O::active(prefix),
-            best: Leader::new(i, prefix),
-            best_eff: eff,
+            best: Leader {
+                row: i,
+                key: (-eff, prefix),
+            },
         }
     }
 
-    /// Always inlined into the scan: with the leader comparisons inlined into it, the compiler
-    /// stopped inlining it, and the call cost about 20 instructions a row.
+    /// Always inlined into the scan: a call per row cost about 20 instructions.
     #[inline(always)]
     fn add(&mut self, cols: &Columns<'_>, prompt: Prompt, i: usize, eff: f64, prefix: O::Prefix) {
-        // Row `i`'s tie, computed at most once and only if a comparison needs it.
-        let mut tie = None;
-        self.least.challenge(cols, prompt, i, prefix, &mut tie);
+        self.least.challenge(cols, prompt, i, prefix);
         let active = O::active(prefix);
         if O::SEPARATE_ACTIVE {
-            self.least_active
-                .challenge(cols, prompt, i, active, &mut tie);
+            self.least_active.challenge(cols, prompt, i, active);
         }
         self.max_active = self.max_active.max(active);
-        // Highest overlap wins; among equal overlap, the least-loaded row.
-        if eff > self.best_eff {
-            self.best = Leader {
-                row: i,
-                prefix,
-                tie,
-            };
-            self.best_eff = eff;
-        } else if eff == self.best_eff {
-            self.best.challenge(cols, prompt, i, prefix, &mut tie);
+        // Highest overlap wins; among equal overlap, the least-loaded row. The overlap is
+        // compared first and on its own: most rows lose there.
+        if -eff <= self.best.key.0 {
+            self.best.challenge(cols, prompt, i, (-eff, prefix));
         }
     }
 }
@@ -534,8 +509,7 @@ struct Summary {
 }
 
 /// One pass over the rows where `in_set` holds (`None` when there are none), compiled once per
-/// load order. Not inlined: on its own the loop keeps its state in registers (inlined into the
-/// caller, with both orders, it spilled some and cost 4 more instructions per row).
+/// load order. Not inlined: on its own the loop keeps its state in registers.
 #[inline(never)]
 fn scan<O: LoadOrder>(
     params: &ResolvedParams,
@@ -556,9 +530,9 @@ fn scan<O: LoadOrder>(
         }
     }
     let (least_active, min_active) = if O::SEPARATE_ACTIVE {
-        (scan.least_active.row, scan.least_active.prefix)
+        (scan.least_active.row, scan.least_active.key)
     } else {
-        (scan.least.row, O::active(scan.least.prefix))
+        (scan.least.row, O::active(scan.least.key))
     };
     Some(Summary {
         least_loaded: scan.least.row,
@@ -566,7 +540,7 @@ fn scan<O: LoadOrder>(
         min_active,
         max_active: scan.max_active,
         best_row: scan.best.row,
-        best_eff: scan.best_eff,
+        best_eff: -scan.best.key.0,
     })
 }
 
@@ -728,6 +702,143 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use plugin_api::testing::{TestRequest, TestRow, TestRows};
+    use plugin_api::{Context, Inputs, KvIndexState, Policy};
+    use std::sync::Mutex;
+
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |below| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % below
+        }
+    }
+
+    /// `[least loaded, fewest active, best overlap]`, `None` for an empty row set.
+    type Leaders = Option<[usize; 3]>;
+
+    /// Hands the rows it is asked to pick from to [`scan`] (over every row and over worker 1's)
+    /// and to the definition of what it finds, keying every row in full; remembers both.
+    struct ScanProbe {
+        params: ResolvedParams,
+        found: Mutex<Vec<(Leaders, Leaders)>>,
+    }
+
+    impl ScanProbe {
+        fn both<O: LoadOrder>(&self, cols: &Columns<'_>, prompt: Prompt) {
+            for target in [None, Some(1)] {
+                let in_set = |row: RowId| target.is_none_or(|w| row.worker_id == w);
+                let fast = scan::<O>(&self.params, cols, prompt, &in_set).map(|s| {
+                    let best_eff =
+                        cols.effective_overlap(s.best_row, self.params.host_cache_weight);
+                    assert_eq!(s.best_eff.to_bits(), best_eff.to_bits());
+                    assert_eq!(s.min_active, cols.active(s.least_active));
+                    [s.least_loaded, s.least_active, s.best_row]
+                });
+                let defined = by_definition::<O>(&self.params, cols, prompt, &in_set);
+                self.found.lock().unwrap().push((fast, defined));
+            }
+        }
+    }
+
+    impl Policy for ScanProbe {
+        fn inputs(&self) -> Inputs {
+            Inputs::CACHE | Inputs::LOAD
+        }
+
+        fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
+            let cols = Columns::from_rows(rows)?;
+            let prompt = Prompt {
+                tokens: ctx.prompt_tokens(),
+                block_size: ctx.block_size(),
+                spread: Some(ties::request_key(ctx))
+                    .filter(|_| ctx.prompt_tokens().is_multiple_of(2)),
+            };
+            self.both::<ByActive>(&cols, prompt);
+            self.both::<ByBacklog>(&cols, prompt);
+            Ok(0)
+        }
+    }
+
+    /// The leaders keyed in full, every row: least loaded by (prefix, tie), fewest active by
+    /// (active, tie), highest overlap then (prefix, tie).
+    fn by_definition<O: LoadOrder>(
+        params: &ResolvedParams,
+        cols: &Columns<'_>,
+        prompt: Prompt,
+        in_set: &impl Fn(RowId) -> bool,
+    ) -> Leaders {
+        let w = params.host_cache_weight;
+        let rows: Vec<usize> = (0..cols.len()).filter(|&i| in_set(cols.row(i))).collect();
+        let eff = |i: usize| cols.effective_overlap(i, w);
+        let prefix = |i: usize| O::prefix(cols, i, eff(i), O::request(prompt));
+        let least = *rows
+            .iter()
+            .min_by_key(|&&i| (prefix(i), cols.tie(i, prompt)))?;
+        let least_active = *rows
+            .iter()
+            .min_by_key(|&&i| (O::active(prefix(i)), cols.tie(i, prompt)))?;
+        let best = *rows.iter().min_by(|&&a, &&b| {
+            eff(b)
+                .partial_cmp(&eff(a))
+                .expect("never NaN")
+                .then((prefix(a), cols.tie(a, prompt)).cmp(&(prefix(b), cols.tie(b, prompt))))
+        })?;
+        Some([least, least_active, best])
+    }
+
+    #[test]
+    fn the_scan_finds_the_rows_keying_every_row_in_full_finds() {
+        let mut rng = xorshift(0x2545_f491_4f6c_dd1d);
+        let probe = ScanProbe {
+            params: crate::params::TwoTierParams::default()
+                .validate(0.5)
+                .expect("defaults"),
+            found: Mutex::new(Vec::new()),
+        };
+        // Few distinct values, so that rows tie every leader often; NaN and untrusted overlaps.
+        let devices = [0.0, 1.0, 2.0, 2.0, 3.0, f64::NAN, -0.0];
+        let states = [
+            KvIndexState::Current,
+            KvIndexState::Current,
+            KvIndexState::Unknown,
+        ];
+        for case in 0..3_000u64 {
+            let n = 1 + rng(24) as usize;
+            let rows: Vec<TestRow> = (0..n)
+                .map(|_| {
+                    TestRow::new(1 + rng(3), rng(3) as u32)
+                        .device(devices[rng(devices.len() as u64) as usize])
+                        .host(rng(2) as f64)
+                        .active(rng(3))
+                        .prefill_tokens(16 * rng(3))
+                })
+                .collect();
+            let mut rows = TestRows::new(rows);
+            if case % 3 > 0 {
+                let trust: Vec<_> = (0..n).map(|_| states[rng(3) as usize]).collect();
+                rows = rows.kv_index_states(&trust);
+            }
+            if case % 4 > 1 {
+                rows = rows
+                    .kv_indexed_device_blocks((0..n).map(|_| rng(3) as f64).collect())
+                    .kv_capacity_blocks((0..n).map(|_| 2.0 + rng(2) as f64).collect());
+            }
+            let request = TestRequest::new(32 + rng(3), 16).session(&format!("s{}", rng(5)));
+            rows.pick(&probe, &request).expect("probed");
+        }
+        let found = probe.found.into_inner().unwrap();
+        assert_eq!(found.len(), 3_000 * 4);
+        let non_empty = found.iter().filter(|(fast, _)| fast.is_some()).count();
+        assert!(
+            non_empty > 10_000,
+            "most row sets are non-empty ({non_empty})"
+        );
+        for (i, (fast, defined)) in found.iter().enumerate() {
+            assert_eq!(fast, defined, "probe {i}");
+        }
+    }
 
     /// What the backlog key read before [`Backlog`]: the definition.
     fn cached_by_definition(eff: f64, prompt: Prompt) -> u64 {
