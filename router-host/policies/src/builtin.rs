@@ -250,61 +250,62 @@ impl DefaultSelector {
         );
     }
 
-    /// docs/configuration.md, `default`:
-    /// `prefill_load_scale * (max(0, (active_prefill_tokens + isl) / block_size - credit)
-    ///  - (overlap_credit - 1) * device) + decode_blocks
-    ///  + decode_active_request_weight * active_requests`.
+    /// The row of lowest cost and its cost; among equal costs the lowest [`Self::tie_key`].
     ///
-    /// A row whose KV index is not current (`trust`) is priced load-only: its overlap reads 0.
-    fn cost(&self, ctx: &Context<'_>, rows: &Rows<'_>, trust: &IndexTrust<'_>, i: usize) -> f64 {
-        let (Some(overlap), Some(load)) = (rows.overlap(), rows.load()) else {
-            return 0.0;
-        };
-        let device = trust.overlap(i, overlap.device[i]);
-        let credit = device
-            + self.host_weight * trust.overlap(i, overlap.host[i])
-            + self.disk_weight * trust.overlap(i, overlap.disk[i]);
-        let block_size = f64::from(ctx.block_size().max(1));
-        let mut prefill = ((load.active_prefill_tokens[i] as f64 + ctx.prompt_tokens() as f64)
-            / block_size
-            - credit)
-            .max(0.0);
-        // Device credit beyond 1.0 is a reuse bonus kept outside the clamp: a row holding the
-        // whole prompt still counts its backlog, and more cached blocks still win. (Skipped at
-        // exactly 1.0, so the formula, NaN handling included, is the 1.0 one.)
-        let bonus = self.overlap_credit - 1.0;
-        if bonus != 0.0 {
-            prefill -= bonus * if device.is_nan() { 0.0 } else { device };
+    /// One pass; the keys of two rows are computed only when their costs are equal, and not
+    /// kept: under `spread` a key is a hash and two column reads, and most rows of a large fleet
+    /// never tie the best. The order is the same as keying every row.
+    fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
+        if rows.is_empty() {
+            return None;
         }
-        self.prefill_load_scale * prefill
-            + load.decode_blocks[i] as f64
-            + self.decode_active_request_weight * load.active_requests[i] as f64
+        let (request, room) = match self.tie_break {
+            TieBreak::LowestRow => (0, None),
+            TieBreak::Spread => (
+                ties::request_key(ctx),
+                match self.room {
+                    Room::Free => ties::RoomColumns::of(rows),
+                    Room::NotRecent => ties::RoomColumns::not_recent(rows),
+                },
+            ),
+        };
+        // Out of line: the loop stays small, and only rows that equal the best come here.
+        #[inline(never)]
+        fn key_wins(
+            selector: &DefaultSelector,
+            (request, room): (u64, Option<&ties::RoomColumns<'_>>),
+            rows: &Rows<'_>,
+            i: usize,
+            best: usize,
+        ) -> bool {
+            let key = |i: usize| selector.tie_key(request, room, i, rows.row(i));
+            key(i) < key(best)
+        }
+        let pricing = Pricing::of(self, ctx, rows);
+        let mut best = (0, pricing.cost(0));
+        for i in 1..rows.len() {
+            let cost = pricing.cost(i);
+            if cost < best.1
+                || (cost == best.1 && key_wins(self, (request, room.as_ref()), rows, i, best.0))
+            {
+                best = (i, cost);
+            }
+        }
+        Some(best)
     }
 
-    /// The cache gate: how many blocks row `i` would evict from its recently used cache to
-    /// store the prompt blocks it does not hold, `max(0, uncached - (capacity - recent))`, with
+    /// The cache gate: how many blocks a row would evict from its recently used cache to store
+    /// the prompt blocks it does not hold, `max(0, uncached - (capacity - recent))`, with
     /// `recent` the `kv_recent_device_blocks` column (else the indexed device blocks: then
-    /// every held block counts as live). 0 for a row of unknown capacity and without the
-    /// columns, so the gate changes nothing where capacity is unknown.
-    fn live_eviction(
-        &self,
-        ctx: &Context<'_>,
-        gate: Option<(&[f64], &[f64])>,
-        device: f64,
-        i: usize,
-    ) -> f64 {
-        let Some((capacity, used)) = gate else {
-            return 0.0;
-        };
-        let (Some(&capacity), Some(&used)) = (capacity.get(i), used.get(i)) else {
-            return 0.0;
-        };
+    /// every held block counts as live). 0 for a row of unknown capacity, so the gate changes
+    /// nothing where capacity is unknown.
+    fn live_eviction(request_blocks: f64, capacity: f64, used: f64, device: f64) -> f64 {
         // `max` would read a NaN capacity as 0 room: unknown capacity means no gate.
         if capacity.is_nan() {
             return 0.0;
         }
         let known = |x: f64| if x.is_nan() { 0.0 } else { x };
-        let uncached = (ctx.request_blocks() as f64 - known(device)).max(0.0);
+        let uncached = (request_blocks - known(device)).max(0.0);
         let evicted = uncached - (capacity - known(used)).max(0.0);
         if evicted > 0.0 {
             evicted
@@ -347,56 +348,100 @@ impl DefaultSelector {
             ),
         }
     }
+}
 
-    /// The row of lowest cost and its cost; among equal costs the lowest [`Self::tie_key`].
-    ///
-    /// A tie key is computed only for rows that tie the best cost so far (and for that best row
-    /// once), not for every row: under `spread` a key is a hash and two column reads, and most
-    /// rows of a large fleet never tie the best. The order is the same as keying every row.
-    fn best(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Option<(usize, f64)> {
-        let (request, room) = match self.tie_break {
-            TieBreak::LowestRow => (0, None),
-            TieBreak::Spread => (
-                ties::request_key(ctx),
-                match self.room {
-                    Room::Free => ties::RoomColumns::of(rows),
-                    Room::NotRecent => ties::RoomColumns::not_recent(rows),
-                },
-            ),
-        };
-        let trust = rows.kv_index_trust();
-        let gate = self.gate_columns(rows);
-        let key = |i: usize| self.tie_key(request, room.as_ref(), i, rows.row(i));
-        let mut best: Option<(usize, f64)> = None;
-        // The best row's key, once a tie asked for it.
-        let mut best_key = None;
-        for i in 0..rows.len() {
-            let mut cost = self.cost(ctx, rows, &trust, i);
-            if gate.is_some() {
-                let device = rows
-                    .overlap()
-                    .map_or(0.0, |o| trust.overlap(i, o.device[i]));
-                cost += self.live_eviction_weight
-                    * self.prefill_load_scale
-                    * self.live_eviction(ctx, gate, device, i);
-            }
-            match best {
-                None => best = Some((i, cost)),
-                Some((_, c)) if cost < c => {
-                    best = Some((i, cost));
-                    best_key = None;
-                }
-                Some((b, c)) if cost == c => {
-                    let k = key(i);
-                    if k < *best_key.get_or_insert_with(|| key(b)) {
-                        best = Some((i, cost));
-                        best_key = Some(k);
-                    }
-                }
-                Some(_) => {}
-            }
+/// One decision's [`DefaultSelector`] cost of each row: the columns it reads, checked present
+/// and cut to the rows once, and what does not depend on the row worked out once.
+struct Pricing<'r> {
+    selector: &'r DefaultSelector,
+    /// The overlap columns `(device, host, disk)`, when the host sent them.
+    overlap: Option<[&'r [f64]; 3]>,
+    /// The load columns `(active_prefill_tokens, decode_blocks, active_requests)`, when the
+    /// host sent them. Without both, a row's cost is the cache gate's part alone.
+    load: Option<[&'r [u64]; 3]>,
+    trust: IndexTrust<'r>,
+    /// The cache gate's `(capacity, used)` columns, when it is on and they were sent.
+    gate: Option<(&'r [f64], &'r [f64])>,
+    prompt_tokens: f64,
+    block_size: f64,
+    /// `1 / block_size` when that is exact (a power of two), so that the division per row is
+    /// a multiplication giving the same bits; `None` otherwise.
+    per_block: Option<f64>,
+    request_blocks: f64,
+}
+
+impl<'r> Pricing<'r> {
+    fn of(selector: &'r DefaultSelector, ctx: &Context<'_>, rows: &Rows<'r>) -> Self {
+        let n = rows.len();
+        let block_size = ctx.block_size().max(1);
+        Pricing {
+            selector,
+            overlap: rows
+                .overlap()
+                .map(|o| [&o.device[..n], &o.host[..n], &o.disk[..n]]),
+            load: rows.load().map(|l| {
+                [
+                    &l.active_prefill_tokens[..n],
+                    &l.decode_blocks[..n],
+                    &l.active_requests[..n],
+                ]
+            }),
+            trust: rows.kv_index_trust(),
+            gate: selector
+                .gate_columns(rows)
+                .filter(|(capacity, used)| capacity.len() == n && used.len() == n),
+            prompt_tokens: ctx.prompt_tokens() as f64,
+            block_size: f64::from(block_size),
+            per_block: block_size
+                .is_power_of_two()
+                .then(|| 1.0 / f64::from(block_size)),
+            request_blocks: ctx.request_blocks() as f64,
         }
-        best
+    }
+
+    /// docs/configuration.md, `default`:
+    /// `prefill_load_scale * (max(0, (active_prefill_tokens + isl) / block_size - credit)
+    ///  - (overlap_credit - 1) * device) + decode_blocks
+    ///  + decode_active_request_weight * active_requests`.
+    ///
+    /// A row whose KV index is not current (`trust`) is priced load-only: its overlap reads 0;
+    /// plus, with the cache gate on, `live_eviction_weight * prefill_load_scale` times
+    /// [`DefaultSelector::live_eviction`].
+    /// Always inlined: as a call per row it re-read every field it needs.
+    #[inline(always)]
+    fn cost(&self, i: usize) -> f64 {
+        let s = self.selector;
+        let trust = &self.trust;
+        let device = self.overlap.map_or(0.0, |[d, _, _]| trust.overlap(i, d[i]));
+        let mut cost = 0.0;
+        if let (Some([_, host, disk]), Some([prefill, decode, active])) = (self.overlap, self.load)
+        {
+            let credit = device
+                + s.host_weight * trust.overlap(i, host[i])
+                + s.disk_weight * trust.overlap(i, disk[i]);
+            let tokens = prefill[i] as f64 + self.prompt_tokens;
+            let blocks = match self.per_block {
+                Some(per_block) => tokens * per_block,
+                None => tokens / self.block_size,
+            };
+            let mut prefill = (blocks - credit).max(0.0);
+            // Device credit beyond 1.0 is a reuse bonus kept outside the clamp: a row holding
+            // the whole prompt still counts its backlog, and more cached blocks still win.
+            // (Skipped at exactly 1.0, so the formula, NaN handling included, is the 1.0 one.)
+            let bonus = s.overlap_credit - 1.0;
+            if bonus != 0.0 {
+                prefill -= bonus * if device.is_nan() { 0.0 } else { device };
+            }
+            cost = s.prefill_load_scale * prefill
+                + decode[i] as f64
+                + s.decode_active_request_weight * active[i] as f64;
+        }
+        if let Some((capacity, used)) = self.gate {
+            cost += s.live_eviction_weight
+                * s.prefill_load_scale
+                * DefaultSelector::live_eviction(self.request_blocks, capacity[i], used[i], device);
+        }
+        cost
     }
 }
 
@@ -753,6 +798,105 @@ mod tests {
 
     fn with(settings: BuiltinSettings) -> DefaultSelector {
         DefaultSelector::new(&settings)
+    }
+
+    /// The default's pick by definition: every row keyed in full, `(cost, tie key)`; counts
+    /// the decisions in which more than one row had the lowest cost.
+    struct ByDefinition(DefaultSelector, AtomicU64);
+
+    impl Policy for ByDefinition {
+        fn inputs(&self) -> Inputs {
+            Inputs::CACHE | Inputs::LOAD
+        }
+
+        fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
+            let d = &self.0;
+            let pricing = Pricing::of(d, ctx, rows);
+            let room = match d.room {
+                Room::Free => ties::RoomColumns::of(rows),
+                Room::NotRecent => ties::RoomColumns::not_recent(rows),
+            };
+            let request = ties::request_key(ctx);
+            let key = |i: usize| d.tie_key(request, room.as_ref(), i, rows.row(i));
+            let lowest = (0..rows.len())
+                .map(|i| pricing.cost(i))
+                .fold(f64::INFINITY, f64::min);
+            if (0..rows.len())
+                .filter(|&i| pricing.cost(i) == lowest)
+                .count()
+                > 1
+            {
+                self.1.fetch_add(1, Ordering::Relaxed);
+            }
+            (0..rows.len())
+                .min_by(|&a, &b| {
+                    let (ca, cb) = (pricing.cost(a), pricing.cost(b));
+                    assert!(!ca.is_nan() && !cb.is_nan());
+                    ca.total_cmp(&cb).then(key(a).cmp(&key(b)))
+                })
+                .ok_or_else(|| PickError::new("no rows"))
+        }
+    }
+
+    #[test]
+    fn the_scan_picks_what_keying_every_row_in_full_picks() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rng = move |below: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % below
+        };
+        use plugin_api::KvIndexState;
+        let states = [
+            KvIndexState::Current,
+            KvIndexState::Current,
+            KvIndexState::Stale,
+        ];
+        let tied = AtomicU64::new(0);
+        for case in 0..4_000u64 {
+            let settings = BuiltinSettings {
+                tie_break: [TieBreak::Spread, TieBreak::LowestRow][(case % 2) as usize],
+                room: [Room::Free, Room::NotRecent][(case / 2 % 2) as usize],
+                live_eviction_weight: [0.0, 1.0][(case / 4 % 2) as usize],
+                ..BuiltinSettings::default()
+            };
+            let selector = with(settings);
+            let n = 1 + rng(20) as usize;
+            // Few distinct values, so that costs tie often.
+            let rows: Vec<TestRow> = (0..n)
+                .map(|_| {
+                    TestRow::new(1 + rng(4), rng(2) as u32)
+                        .device(rng(2) as f64)
+                        .host((rng(4) / 3) as f64)
+                        .active(rng(2))
+                        .prefill_tokens(16 * rng(2))
+                        .decode_blocks(rng(2))
+                })
+                .collect();
+            let mut rows = TestRows::new(rows);
+            if case % 3 > 0 {
+                let trust: Vec<_> = (0..n).map(|_| states[rng(3) as usize]).collect();
+                rows = rows
+                    .kv_index_states(&trust)
+                    .kv_indexed_device_blocks((0..n).map(|_| rng(4) as f64).collect())
+                    .kv_capacity_blocks((0..n).map(|_| 2.0 + rng(3) as f64).collect());
+            }
+            if case % 5 > 2 {
+                rows = rows.kv_recent_device_blocks((0..n).map(|_| rng(2) as f64).collect());
+            }
+            let block_size = [16, 12][(case % 7 / 6) as usize];
+            let request =
+                TestRequest::new(32 + rng(17), block_size).session(&format!("s{}", rng(9)));
+            let picked = rows.pick(&selector, &request);
+            let definition = ByDefinition(selector, AtomicU64::new(0));
+            let defined = rows.pick(&definition, &request);
+            assert_eq!(picked, defined, "case {case}");
+            tied.fetch_add(definition.1.into_inner(), Ordering::Relaxed);
+        }
+        // Rows tied the lowest cost in about a fifth of the cases.
+        let tied = tied.into_inner();
+        assert!(tied > 500, "{tied} decisions with tied rows");
     }
 
     #[test]
