@@ -230,7 +230,8 @@ impl<'a> Selection<'a> {
 pub struct Scratch {
     /// The eligible rows.
     pub rows: Vec<RowId>,
-    /// The rows handed to the policy (after narrowing).
+    /// The soft target's rows, when the built-in default narrowed the eligible rows to them
+    /// (otherwise the policy is handed the eligible rows themselves).
     pub narrowed: Vec<RowId>,
     /// The columns lent to the policy.
     pub columns: RowColumns,
@@ -275,11 +276,6 @@ impl RowColumns {
 }
 
 impl Scratch {
-    /// The rows handed to the last policy called (after default-selector narrowing).
-    pub fn last_candidates(&self) -> &[RowId] {
-        &self.narrowed
-    }
-
     /// Fill the columns `inputs` asks for, for `rows`.
     ///
     /// Each column is sized once and then written in place (no per-value capacity check); each

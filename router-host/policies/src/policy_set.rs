@@ -301,19 +301,19 @@ impl PolicySet {
     ) -> Result<Pick, PolicyFailure> {
         let instance = &self.instances[id];
         instance.callable()?;
-        // Only the built-in default narrows to an eligible soft target (docs/routing-contract.md §4).
-        let mut narrowed = std::mem::take(&mut scratch.narrowed);
-        narrowed.clear();
-        match selection.target {
-            Some(target) if instance.narrows_soft_target => {
-                narrowed.extend(rows.iter().copied().filter(|r| target.matches(*r)));
-                if narrowed.is_empty() {
-                    narrowed.extend_from_slice(rows);
-                }
-            }
-            _ => narrowed.extend_from_slice(rows),
+        // Only the built-in default narrows to an eligible soft target (docs/routing-contract.md §4);
+        // otherwise the policy gets `rows` themselves, not a copy.
+        let mut target_rows = std::mem::take(&mut scratch.narrowed);
+        target_rows.clear();
+        if let Some(target) = selection.target.filter(|_| instance.narrows_soft_target) {
+            target_rows.extend(rows.iter().copied().filter(|r| target.matches(*r)));
         }
-        scratch.materialise(&narrowed, instance.inputs, signals);
+        let narrowed = if target_rows.is_empty() {
+            rows
+        } else {
+            &target_rows[..]
+        };
+        scratch.materialise(narrowed, instance.inputs, signals);
         let request = selection.request;
         // A pick that will be explained carries a token naming this input, so the policy can
         // explain the pick it made instead of deciding again (`plugin_api::EXPLAIN_TOKEN`).
@@ -385,7 +385,7 @@ impl PolicySet {
         // the request path and held to the same budget as `pick`.
         instance.record_decision_time(pick_ns, explain_ns);
         let candidates = narrowed.len();
-        scratch.narrowed = narrowed;
+        scratch.narrowed = target_rows;
         outcome.map(|row| Pick {
             row,
             explanation,
