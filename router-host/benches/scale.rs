@@ -23,7 +23,7 @@
 //! `ROUTER_BENCH_SCALE_SAMPLES` decisions (default 20,000) after a warm-up, and p50 / p99
 //! printed, with the p99 of the thread's CPU time for the whole decisions (on a shared machine a
 //! decision of tens of microseconds is often preempted, and the wall-clock p99 is then the
-//! scheduler's).
+//! scheduler's). The last line times a fixed loop the same way: the machine's own tail.
 //!
 //! Memory: every (shape, N, policy) runs in a child process of this benchmark, so its resident
 //! set is its own: the growth of `VmRSS` while the core, its index and the load were built, and
@@ -352,6 +352,34 @@ fn percentiles(samples: usize, mut f: impl FnMut(usize)) -> (f64, f64, f64) {
     )
 }
 
+/// Steps of [`fixed_work`]: about 40 µs on the 2-core VM of docs/performance.md.
+const FIXED_STEPS: u64 = 12_000;
+
+/// The same work every call: a chain of floating-point steps that touches no memory.
+fn fixed_work() {
+    let mut x = black_box(1.0f64);
+    for _ in 0..black_box(FIXED_STEPS) {
+        x = x * 1.000_000_1 + 0.5;
+        x -= 0.499_999_9;
+    }
+    black_box(x);
+}
+
+/// The machine's own tail, timed as the decisions are: on a VM whose vCPUs share their host, the
+/// p99 of identical work is well above its p50, and no decision of median M can show a p99
+/// below about that ratio times M.
+fn print_machine_tail(samples: usize) {
+    let (p50, p99, cpu99) = percentiles(samples, |_| fixed_work());
+    println!(
+        "fixed work ({FIXED_STEPS} floating-point steps, no memory; the machine's own tail): \
+         p50 {:.1} / p99 {:.1} / p99 CPU {:.1} µs; p99 CPU / p50 {:.2}",
+        p50 / 1000.0,
+        p99 / 1000.0,
+        cpu99 / 1000.0,
+        cpu99 / p50
+    );
+}
+
 /// One (shape, rows, policy): build, time, print one `RESULT` line for the parent.
 fn child(spec: &str) {
     let (shape, rows, policy) = parse_spec(spec);
@@ -579,4 +607,9 @@ fn main() {
             }
         }
     }
+    print_machine_tail(if quick {
+        500
+    } else {
+        env_usize("ROUTER_BENCH_SCALE_SAMPLES", 20_000)
+    });
 }
