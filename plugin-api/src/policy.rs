@@ -344,6 +344,13 @@ impl<'a> IndexTrust<'a> {
     /// Every row current (what a host without the column means).
     pub const ALL_CURRENT: IndexTrust<'static> = IndexTrust { codes: None };
 
+    /// Whether every row is current (then [`IndexTrust::overlap`] is the value itself, and a
+    /// scan can skip the per-row check).
+    #[inline]
+    pub fn all_current(&self) -> bool {
+        self.codes.is_none()
+    }
+
     /// Row `i`'s state.
     #[inline]
     pub fn state(&self, i: usize) -> KvIndexState {

@@ -283,13 +283,25 @@ impl DefaultSelector {
         }
         let pricing = Pricing::of(self, ctx, rows);
         let mut best = (0, pricing.cost(0));
-        for i in 1..rows.len() {
-            let cost = pricing.cost(i);
-            if cost < best.1
-                || (cost == best.1 && key_wins(self, (request, room.as_ref()), rows, i, best.0))
-            {
-                best = (i, cost);
+        // A chunk's costs are priced together and its lowest found in vector lanes; only a
+        // chunk that reaches the best so far is walked row by row, in the order above (a NaN
+        // cost never wins, and `lowest` skips it).
+        let mut costs = [0.0; CHUNK];
+        let mut start = 1;
+        while start < rows.len() {
+            let costs = &mut costs[..CHUNK.min(rows.len() - start)];
+            pricing.costs(start, costs);
+            if lowest(costs) <= best.1 {
+                for (i, &cost) in (start..).zip(costs.iter()) {
+                    if cost < best.1
+                        || (cost == best.1
+                            && key_wins(self, (request, room.as_ref()), rows, i, best.0))
+                    {
+                        best = (i, cost);
+                    }
+                }
             }
+            start += costs.len();
         }
         Some(best)
     }
@@ -350,6 +362,28 @@ impl DefaultSelector {
     }
 }
 
+/// How many rows [`DefaultSelector::best`] prices at a time: small enough to stay in L1, large
+/// enough that the lanes' lowest is found once per many rows.
+const CHUNK: usize = 64;
+
+/// The lowest of `costs`, NaN skipped (`+inf` if all are NaN); four lanes, so it vectorises.
+fn lowest(costs: &[f64]) -> f64 {
+    let mut lanes = [f64::INFINITY; 4];
+    let quads = costs.chunks_exact(4);
+    let rest = quads.remainder();
+    for quad in quads {
+        for (lane, &cost) in lanes.iter_mut().zip(quad) {
+            *lane = if cost < *lane { cost } else { *lane };
+        }
+    }
+    for &cost in rest {
+        lanes[0] = if cost < lanes[0] { cost } else { lanes[0] };
+    }
+    let [a, b, c, d] = lanes;
+    let low = |x: f64, y: f64| if y < x { y } else { x };
+    low(low(a, b), low(c, d))
+}
+
 /// One decision's [`DefaultSelector`] cost of each row: the columns it reads, checked present
 /// and cut to the rows once, and what does not depend on the row worked out once.
 struct Pricing<'r> {
@@ -396,6 +430,86 @@ impl<'r> Pricing<'r> {
                 .is_power_of_two()
                 .then(|| 1.0 / f64::from(block_size)),
             request_blocks: ctx.request_blocks() as f64,
+        }
+    }
+
+    /// The costs of rows `start..start + out.len()` into `out`, each the same bits as
+    /// [`Pricing::cost`]. The common case (overlap and load sent, every row current, a
+    /// power-of-two block size) is one branch-free loop over the columns, so that it
+    /// vectorises; anything else is priced row by row.
+    fn costs(&self, start: usize, out: &mut [f64]) {
+        match (self.overlap, self.load, self.per_block) {
+            (Some(overlap), Some(load), Some(per_block)) if self.trust.all_current() => {
+                let columns = (overlap, load, per_block);
+                match self.gate {
+                    None => self.costs_current(columns, None, start, out),
+                    Some(gate) => self.costs_current(columns, Some(gate), start, out),
+                }
+            }
+            _ => {
+                for (i, cost) in (start..).zip(out.iter_mut()) {
+                    *cost = self.cost(i);
+                }
+            }
+        }
+    }
+
+    /// [`Pricing::cost`] with every row current and `1 / block_size` exact, over a run of
+    /// rows. Always inlined into both arms of [`Pricing::costs`], so `gate` is a constant in
+    /// each.
+    #[inline(always)]
+    #[allow(clippy::type_complexity)]
+    fn costs_current(
+        &self,
+        ([device, host, disk], [prefill, decode, active], per_block): (
+            [&[f64]; 3],
+            [&[u64]; 3],
+            f64,
+        ),
+        gate: Option<(&[f64], &[f64])>,
+        start: usize,
+        out: &mut [f64],
+    ) {
+        let s = self.selector;
+        let n = out.len();
+        // Every column cut to exactly the run, so the loop's reads need no bounds checks.
+        fn run<T>(column: &[T], start: usize, n: usize) -> &[T] {
+            &column[start..][..n]
+        }
+        let (device, host, disk) = (
+            run(device, start, n),
+            run(host, start, n),
+            run(disk, start, n),
+        );
+        let (prefill, decode, active) = (
+            run(prefill, start, n),
+            run(decode, start, n),
+            run(active, start, n),
+        );
+        let gate = gate.map(|(capacity, used)| (run(capacity, start, n), run(used, start, n)));
+        let bonus = s.overlap_credit - 1.0;
+        for k in 0..n {
+            let device = device[k];
+            let credit = device + s.host_weight * host[k] + s.disk_weight * disk[k];
+            let blocks = (prefill[k] as f64 + self.prompt_tokens) * per_block;
+            let mut backlog = (blocks - credit).max(0.0);
+            if bonus != 0.0 {
+                backlog -= bonus * if device.is_nan() { 0.0 } else { device };
+            }
+            let mut cost = s.prefill_load_scale * backlog
+                + decode[k] as f64
+                + s.decode_active_request_weight * active[k] as f64;
+            if let Some((capacity, used)) = gate {
+                cost += s.live_eviction_weight
+                    * s.prefill_load_scale
+                    * DefaultSelector::live_eviction(
+                        self.request_blocks,
+                        capacity[k],
+                        used[k],
+                        device,
+                    );
+            }
+            out[k] = cost;
         }
     }
 
@@ -838,6 +952,80 @@ mod tests {
         }
     }
 
+    /// Asserts, inside a pick, that pricing a run of rows gives every row the same bits as
+    /// pricing it alone, for every run.
+    struct RunsPriceAsRows(DefaultSelector);
+
+    impl Policy for RunsPriceAsRows {
+        fn inputs(&self) -> Inputs {
+            Inputs::CACHE | Inputs::LOAD
+        }
+
+        fn pick(&self, ctx: &Context<'_>, rows: &Rows<'_>) -> Result<usize, PickError> {
+            let pricing = Pricing::of(&self.0, ctx, rows);
+            let mut out = [0.0; CHUNK];
+            for start in 0..rows.len() {
+                for len in [1, 3, CHUNK.min(rows.len() - start)] {
+                    let out = &mut out[..len.min(rows.len() - start)];
+                    pricing.costs(start, out);
+                    for (i, cost) in (start..).zip(out.iter()) {
+                        assert_eq!(cost.to_bits(), pricing.cost(i).to_bits(), "row {i}");
+                    }
+                }
+            }
+            Ok(0)
+        }
+    }
+
+    #[test]
+    fn a_run_of_rows_is_priced_as_each_row_alone() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rng = move |below: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % below
+        };
+        // Overlaps that are NaN, infinite, negative or fractional; loads past 2^53 (where
+        // converting to f64 rounds) and at the top of u64.
+        let overlaps = [0.0, 1.5, 7.0, -2.0, f64::NAN, f64::INFINITY, 1e300];
+        let counts = [0, 3, 17, 1 << 53 | 1, u64::MAX - 1, u64::MAX];
+        for case in 0..200u64 {
+            let settings = BuiltinSettings {
+                live_eviction_weight: [0.0, 0.25][(case % 2) as usize],
+                overlap_credit: [1.0, 2.5][(case / 2 % 2) as usize],
+                ..BuiltinSettings::default()
+            };
+            let n = 1 + rng(2 * CHUNK as u64 + 5) as usize;
+            let rows: Vec<TestRow> = (0..n)
+                .map(|i| {
+                    let overlap = [(); 3].map(|_| overlaps[rng(7) as usize]);
+                    let load = [(); 3].map(|_| counts[rng(6) as usize]);
+                    TestRow::new(i as u64, 0)
+                        .device(overlap[0])
+                        .host(overlap[1])
+                        .disk(overlap[2])
+                        .active(load[0])
+                        .prefill_tokens(load[1])
+                        .decode_blocks(load[2])
+                })
+                .collect();
+            let capacity = (0..n)
+                .map(|_| [f64::NAN, 4.0, 1e6][rng(3) as usize])
+                .collect();
+            let recent = (0..n)
+                .map(|_| [0.0, 2.0, f64::NAN][rng(3) as usize])
+                .collect();
+            let rows = TestRows::new(rows)
+                .kv_capacity_blocks(capacity)
+                .kv_recent_device_blocks(recent);
+            let block_size = [16, 12][(case / 4 % 2) as usize];
+            let request = TestRequest::new(rng(5_000), block_size);
+            let probe = RunsPriceAsRows(with(settings));
+            assert_eq!(rows.pick(&probe, &request), Ok(0), "case {case}");
+        }
+    }
+
     #[test]
     fn the_scan_picks_what_keying_every_row_in_full_picks() {
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -862,7 +1050,8 @@ mod tests {
                 ..BuiltinSettings::default()
             };
             let selector = with(settings);
-            let n = 1 + rng(20) as usize;
+            // Mostly within one chunk of the scan, every eighth case over several.
+            let n = 1 + rng(if case % 8 == 7 { 3 * CHUNK as u64 } else { 20 }) as usize;
             // Few distinct values, so that costs tie often.
             let rows: Vec<TestRow> = (0..n)
                 .map(|_| {
@@ -876,7 +1065,11 @@ mod tests {
                 .collect();
             let mut rows = TestRows::new(rows);
             if case % 3 > 0 {
-                let trust: Vec<_> = (0..n).map(|_| states[rng(3) as usize]).collect();
+                // Some rows not current, or (every third case) all current.
+                let states = &states[..if case % 3 == 1 { 3 } else { 1 }];
+                let trust: Vec<_> = (0..n)
+                    .map(|_| states[rng(states.len() as u64) as usize])
+                    .collect();
                 rows = rows
                     .kv_index_states(&trust)
                     .kv_indexed_device_blocks((0..n).map(|_| rng(4) as f64).collect())
