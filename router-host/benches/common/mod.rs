@@ -373,7 +373,7 @@ pub fn profile_loop(iters: u64, f: &mut dyn FnMut()) {
 
 use std::cell::{Cell, RefCell};
 
-use router_host::model::{OverlapSource, TierOverlap};
+use router_host::model::{Fill, OverlapSource, TierOverlap};
 
 /// Reusable buffers for [`RequestOverlap`].
 #[derive(Debug, Default)]
@@ -442,13 +442,12 @@ impl OverlapSource for RequestOverlap<'_> {
         }
     }
 
-    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) -> Fill {
         self.compute();
         let scratch = self.scratch.borrow();
         for (&row, device) in rows.iter().zip(&mut out.device) {
             *device = self.blocks(&scratch.out, row);
         }
-        out.host.fill(0.0);
-        out.disk.fill(0.0);
+        Fill::Zeros
     }
 }

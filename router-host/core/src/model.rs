@@ -299,6 +299,19 @@ impl Signals for NoSignals {
     }
 }
 
+/// What a column fill did with columns that are often all zeros (the offload tiers of a
+/// deployment without offload, the index states while every row is current): writing them would
+/// cost a decision at thousands of rows more than pricing the rows does, so the caller lends one
+/// shared column of zeros instead.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// The columns were written.
+    Written,
+    /// Every value is 0, and the columns were not written.
+    Zeros,
+}
+
 /// Per-row signals for the request being routed that the core does not own itself: prompt
 /// overlap (from a KV index, or injected) and, for scripted scenarios, injected load. What a
 /// caller hands the core; the core adds booked load to make the [`Signals`] selection reads.
@@ -318,27 +331,35 @@ pub trait OverlapSource {
     }
 
     /// The overlap of every row of `rows` into `out`'s overlap columns (`device`, `host`,
-    /// `disk`, each as long as `rows`). The default asks [`OverlapSource::overlap`] row by row;
-    /// a source that computes all rows at once overrides it.
-    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
+    /// `disk`, each as long as `rows`). [`Fill::Zeros`]: no row holds any of the prompt on host
+    /// or disk, and those two columns were left as they were. The default asks
+    /// [`OverlapSource::overlap`] row by row; a source that computes all rows at once overrides
+    /// it.
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) -> Fill {
         overlap_columns_by_row(rows, out, |row| self.overlap(row));
+        Fill::Written
     }
 
     /// How many blocks each row of `rows` holds on each tier (`out[t]` for tier `t` in
     /// [`Tier::ALL`](crate::kv_index::Tier::ALL) order, each made as long as `rows`), as the
     /// source's KV index knows them. Left empty when the source keeps no index (injected rows),
-    /// and then no indexed-blocks columns are sent. The default keeps none.
-    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
+    /// and then no indexed-blocks columns are sent. [`Fill::Zeros`]: the index holds nothing
+    /// on host or disk, and `out[1]` and `out[2]` were left as they were. The default keeps
+    /// none.
+    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) -> Fill {
         let _ = rows;
         out.iter_mut().for_each(Vec::clear);
+        Fill::Written
     }
 
     /// Each row's [`plugin_api::KvIndexState`] code (`kv_index_state`), `out` made as long as
     /// `rows`, when the overlap comes from a KV index whose rows have a trust state. Left empty
     /// otherwise (injected rows), and then no column is sent: every row counts as current.
-    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
+    /// [`Fill::Zeros`]: every row is current (code 0), and `out` was left as it was.
+    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) -> Fill {
         let _ = rows;
         out.clear();
+        Fill::Written
     }
 
     /// `row`'s KV index state (what [`OverlapSource::kv_index_state_column`] sends for it);

@@ -5,7 +5,10 @@
 //! [`Decision`] it returns. The rules a selector follows (eligibility, narrowing, bounds check,
 //! fallback) are in `docs/routing-contract.md`.
 
-use plugin_api::abi::{CompleteEvent, DispatchEvent, PickFailure, PickFailureKind};
+use abi_stable::std_types::RSlice;
+use plugin_api::abi::{
+    CompleteEvent, DispatchEvent, PickFailure, PickFailureKind, RawCandidateView,
+};
 use plugin_api::{
     Columns, Explanation, Inputs, KV_CAPACITY_BLOCKS, KV_INDEXED_DEVICE_BLOCKS,
     KV_INDEXED_DISK_BLOCKS, KV_INDEXED_HOST_BLOCKS, KV_INDEX_STATE, KV_RECENT_DEVICE_BLOCKS,
@@ -13,7 +16,7 @@ use plugin_api::{
 
 use crate::eligibility::EligibilityError;
 use crate::ledger::Charge;
-use crate::model::{AffinityTarget, Cluster, Request, RowId, Signals};
+use crate::model::{AffinityTarget, Cluster, Fill, Request, RowId, Signals};
 
 /// Decides one request over a cluster snapshot; shared by every routing thread.
 ///
@@ -241,9 +244,14 @@ pub struct Scratch {
 /// columns. Adding a column is a field here, the fill in the source that knows the value
 /// ([`Signals`] or [`crate::model::OverlapSource`]), and for an extra column its entry in
 /// [`RowColumns::extra`].
+///
+/// Columns a fill reported all zero ([`Fill::Zeros`]) are not written: they are lent from one
+/// shared column of zeros. So the policy's view is [`RowColumns::candidate_view`] and
+/// [`RowColumns::extra`], never the fields of an offload tier or the index states directly.
 #[derive(Debug, Default)]
 pub struct RowColumns {
-    /// The columns of the ABI's candidate view: ids, overlap (CACHE) and load (LOAD).
+    /// The columns of the ABI's candidate view: ids, overlap (CACHE) and load (LOAD); `host`
+    /// and `disk` are stale when the overlap's offload tiers were [`Fill::Zeros`].
     pub view: Columns,
     /// `kv_capacity_blocks`, sent with the LOAD columns; empty when no row's capacity is known
     /// (then it is not sent).
@@ -257,21 +265,60 @@ pub struct RowColumns {
     /// `kv_recent_device_blocks`, sent with the LOAD columns, capped at each row's indexed
     /// device blocks; empty (not sent) without the indexed-blocks columns or a recent window.
     pub kv_recent_device_blocks: Vec<f64>,
+    /// Which columns are lent from `zeros` this decision.
+    zero: ZeroColumns,
+    /// Zeros, at least as long as the rows of the last decision; never written otherwise.
+    zeros: Vec<f64>,
+}
+
+/// The columns of one decision that are all zero and lent from [`RowColumns`]' zeros.
+#[derive(Debug, Default, Clone, Copy)]
+struct ZeroColumns {
+    /// The overlap's `host` and `disk`.
+    offload_overlap: bool,
+    /// `kv_indexed_host_blocks` and `kv_indexed_disk_blocks` (sent beside the device's).
+    offload_indexed: bool,
+    /// `kv_index_state`: every row current.
+    index_state: bool,
 }
 
 impl RowColumns {
+    /// The ABI's candidate view with only the `inputs` column groups present, zero columns
+    /// lent; its `extra_columns` are left empty (see [`RowColumns::extra`]).
+    pub fn candidate_view(&self, inputs: Inputs) -> RawCandidateView<'_> {
+        let mut view = self.view.view(inputs);
+        if self.zero.offload_overlap && inputs.contains(Inputs::CACHE) {
+            let zeros = RSlice::from_slice(self.zeros(self.view.device.len()));
+            (view.host_blocks, view.disk_blocks) = (zeros, zeros);
+        }
+        view
+    }
+
     /// The extra columns by their ABI names, in the order they are sent; an empty one is not
     /// sent.
     pub fn extra(&self) -> [(&'static str, &[f64]); 6] {
-        let [device, host, disk] = &self.kv_indexed_blocks;
+        let [device, mut host, mut disk] = self.kv_indexed_blocks.each_ref().map(Vec::as_slice);
+        if self.zero.offload_indexed && !device.is_empty() {
+            (host, disk) = (self.zeros(device.len()), self.zeros(device.len()));
+        }
+        let states = match self.zero.index_state {
+            true => self.zeros(self.view.len()),
+            false => &self.kv_index_state,
+        };
         [
             (KV_CAPACITY_BLOCKS, &self.kv_capacity_blocks),
             (KV_INDEXED_DEVICE_BLOCKS, device),
             (KV_INDEXED_HOST_BLOCKS, host),
             (KV_INDEXED_DISK_BLOCKS, disk),
-            (KV_INDEX_STATE, &self.kv_index_state),
+            (KV_INDEX_STATE, states),
             (KV_RECENT_DEVICE_BLOCKS, &self.kv_recent_device_blocks),
         ]
+    }
+
+    /// `n` zeros (`n` is at most the rows of this decision, which [`Scratch::materialise`]
+    /// made room for).
+    fn zeros(&self, n: usize) -> &[f64] {
+        &self.zeros[..n.min(self.zeros.len())]
     }
 }
 
@@ -287,6 +334,11 @@ impl Scratch {
         signals: &S,
     ) {
         signals.columns_begin(rows);
+        let zeros = &mut self.columns.zeros;
+        if zeros.len() < rows.len() {
+            zeros.resize(rows.len(), 0.0);
+        }
+        let mut zero = ZeroColumns::default();
         let c = &mut self.columns.view;
         c.worker_id.clear();
         c.dp_rank.clear();
@@ -301,8 +353,10 @@ impl Scratch {
         fill(&mut c.host, cache);
         fill(&mut c.disk, cache);
         if cache > 0 {
-            signals.overlap_columns(rows, c);
-            signals.kv_index_state_column(rows, &mut self.columns.kv_index_state);
+            zero.offload_overlap = signals.overlap_columns(rows, c) == Fill::Zeros;
+            zero.index_state = signals
+                .kv_index_state_column(rows, &mut self.columns.kv_index_state)
+                == Fill::Zeros;
         } else {
             self.columns.kv_index_state.clear();
         }
@@ -319,13 +373,15 @@ impl Scratch {
         if load > 0 {
             signals.load_columns(rows, &mut extra.view);
             signals.kv_capacity_column(rows, &mut extra.kv_capacity_blocks);
-            signals.kv_indexed_columns(rows, &mut extra.kv_indexed_blocks);
+            zero.offload_indexed =
+                signals.kv_indexed_columns(rows, &mut extra.kv_indexed_blocks) == Fill::Zeros;
             recent_column(signals, rows, extra);
         } else {
             extra.kv_capacity_blocks.clear();
             extra.kv_indexed_blocks.iter_mut().for_each(Vec::clear);
             extra.kv_recent_device_blocks.clear();
         }
+        self.columns.zero = zero;
         signals.columns_end();
     }
 }

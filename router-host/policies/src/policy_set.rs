@@ -341,7 +341,7 @@ impl PolicySet {
                 RSlice::EMPTY
             },
         };
-        let mut view = scratch.columns.view.view(instance.inputs);
+        let mut view = scratch.columns.candidate_view(instance.inputs);
         // Each extra column is filled only when the host knows it: the capacity when some
         // worker's is known, the indexed blocks (with LOAD) and the index states (with CACHE)
         // when a KV index answers, the recent blocks beside the indexed ones when the core

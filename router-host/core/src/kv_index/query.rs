@@ -29,6 +29,12 @@ impl KvIndex {
         [device, host, disk]
     }
 
+    /// Whether any row has reported a block off the device since the index was made; if not,
+    /// the host and disk columns of [`KvIndex::held_columns`] are all zero.
+    pub fn holds_offload(&self) -> bool {
+        self.offload.is_some()
+    }
+
     /// (row, block) pairs held on the device, over all rows.
     pub fn holdings(&self) -> u64 {
         self.holdings_in(Tier::Device)

@@ -13,7 +13,9 @@ use plugin_api::Columns;
 use crate::recency::Recency;
 use crate::sessions::Clock;
 
-use crate::model::{load_columns_by_row, OverlapSource, RowId, RowLoad, Signals, TierOverlap};
+use crate::model::{
+    load_columns_by_row, Fill, OverlapSource, RowId, RowLoad, Signals, TierOverlap,
+};
 use crate::topology::Topology;
 
 /// Load from the ledger (by the snapshot's slots) unless the source overrides it; overlap from
@@ -31,16 +33,16 @@ impl<O: OverlapSource + ?Sized> OverlapSource for CoreSignals<'_, O> {
         self.source.overlap(row)
     }
 
-    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
-        self.source.overlap_columns(rows, out);
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) -> Fill {
+        self.source.overlap_columns(rows, out)
     }
 
-    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
-        self.source.kv_indexed_columns(rows, out);
+    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) -> Fill {
+        self.source.kv_indexed_columns(rows, out)
     }
 
-    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
-        self.source.kv_index_state_column(rows, out);
+    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) -> Fill {
+        self.source.kv_index_state_column(rows, out)
     }
 
     fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
@@ -315,32 +317,42 @@ impl OverlapSource for IndexOverlap<'_> {
         })
     }
 
-    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) {
+    fn overlap_columns(&self, rows: &[RowId], out: &mut Columns) -> Fill {
         let Columns {
             device, host, disk, ..
         } = out;
         self.with_slots(rows, true, |b| {
             gather(&b.held, b, device);
             if b.host.is_empty() && b.disk.is_empty() {
-                host.fill(0.0);
-                disk.fill(0.0);
-                return;
+                return Fill::Zeros;
             }
             gather(&b.host, b, host);
             gather(&b.disk, b, disk);
-        });
+            Fill::Written
+        })
     }
 
     /// Copies of the index's own `f64` counts ([`KvIndex::held_columns`]), kept as events
     /// arrive: a copy of a slice when the rows are a run of slots, a gather otherwise. A row the
     /// topology does not know holds nothing the index could count.
-    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) {
+    fn kv_indexed_columns(&self, rows: &[RowId], out: &mut [Vec<f64>; 3]) -> Fill {
         let kv = self.kv.read().unwrap_or_else(PoisonError::into_inner);
+        let tiers = if kv.holds_offload() { 3 } else { 1 };
         self.with_slots(rows, false, |b| {
-            for (column, out) in kv.held_columns().into_iter().zip(out.iter_mut()) {
+            for (column, out) in kv
+                .held_columns()
+                .into_iter()
+                .zip(out.iter_mut())
+                .take(tiers)
+            {
                 gather_f64(column, b, out);
             }
         });
+        if tiers == 3 {
+            Fill::Written
+        } else {
+            Fill::Zeros
+        }
     }
 
     fn columns_begin(&self, rows: &[RowId]) {
@@ -360,13 +372,15 @@ impl OverlapSource for IndexOverlap<'_> {
         self.with_slots(rows, false, |b| b.slots_run)
     }
 
-    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) {
-        out.clear();
-        let Some(trust) = self.trust else { return };
+    fn kv_index_state_column(&self, rows: &[RowId], out: &mut Vec<f64>) -> Fill {
+        let Some(trust) = self.trust else {
+            out.clear();
+            return Fill::Written;
+        };
         if self.all_current {
-            out.resize(rows.len(), 0.0);
-            return;
+            return Fill::Zeros;
         }
+        out.clear();
         // A row the topology does not know holds nothing: current.
         self.with_slots(rows, false, |b| {
             out.extend(b.slots.iter().map(|&slot| {
@@ -377,6 +391,7 @@ impl OverlapSource for IndexOverlap<'_> {
                 }
             }));
         });
+        Fill::Written
     }
 
     fn kv_index_state(&self, row: RowId) -> plugin_api::KvIndexState {
@@ -424,16 +439,32 @@ mod tests {
         (topology, ShardedLock::new(index), trust)
     }
 
+    /// Columns a fill left unwritten ([`Fill::Zeros`]), written out as the zeros the caller
+    /// lends in their place.
+    fn lend(fill: Fill, n: usize, columns: &mut [&mut Vec<f64>]) {
+        if fill == Fill::Zeros {
+            for column in columns {
+                column.clear();
+                column.resize(n, 0.0);
+            }
+        }
+    }
+
     fn check(source: &IndexOverlap<'_>, rows: &[RowId]) {
+        let n = rows.len();
         let mut columns = Columns::default();
-        columns.device.resize(rows.len(), f64::NAN);
-        columns.host.resize(rows.len(), f64::NAN);
-        columns.disk.resize(rows.len(), f64::NAN);
-        source.overlap_columns(rows, &mut columns);
-        let mut states = Vec::new();
-        source.kv_index_state_column(rows, &mut states);
+        columns.device.resize(n, f64::NAN);
+        columns.host.resize(n, f64::NAN);
+        columns.disk.resize(n, f64::NAN);
+        let fill = source.overlap_columns(rows, &mut columns);
+        lend(fill, n, &mut [&mut columns.host, &mut columns.disk]);
+        let mut states = vec![f64::NAN; n];
+        let fill = source.kv_index_state_column(rows, &mut states);
+        lend(fill, n, &mut [&mut states]);
         let mut indexed: [Vec<f64>; 3] = Default::default();
-        source.kv_indexed_columns(rows, &mut indexed);
+        let fill = source.kv_indexed_columns(rows, &mut indexed);
+        let [_, host, disk] = &mut indexed;
+        lend(fill, n, &mut [host, disk]);
         let kv = source.kv.read().unwrap_or_else(PoisonError::into_inner);
         for (i, &r) in rows.iter().enumerate() {
             let one = source.overlap(r);
@@ -503,7 +534,7 @@ mod tests {
         columns.device.resize(all.len(), 0.0);
         columns.host.resize(all.len(), 0.0);
         columns.disk.resize(all.len(), 0.0);
-        source.overlap_columns(&all, &mut columns);
+        let _offload_all_zero = source.overlap_columns(&all, &mut columns);
         assert_eq!(columns.device, [1.0, 2.0, 3.0, 4.0, 5.0]);
     }
 
@@ -521,9 +552,9 @@ mod tests {
             columns.device.resize(rows.len(), f64::NAN);
             columns.host.resize(rows.len(), f64::NAN);
             columns.disk.resize(rows.len(), f64::NAN);
-            source.overlap_columns(rows, &mut columns);
+            assert_eq!(source.overlap_columns(rows, &mut columns), Fill::Zeros);
             let mut indexed: [Vec<f64>; 3] = Default::default();
-            source.kv_indexed_columns(rows, &mut indexed);
+            assert_eq!(source.kv_indexed_columns(rows, &mut indexed), Fill::Zeros);
             assert_eq!(
                 columns.device, indexed[0],
                 "the walk and the index agree here"
@@ -646,9 +677,11 @@ mod tests {
             let source = IndexOverlap::new(&topology, &kv, &[], &mut buffers);
             let mut out: [Vec<f64>; 3] = Default::default();
             source.columns_begin(rows);
-            source.kv_indexed_columns(rows, &mut out);
+            let fill = source.kv_indexed_columns(rows, &mut out);
             source.columns_end();
-            out
+            let [_, host, disk] = &mut out;
+            lend(fill, rows.len(), &mut [host, disk]);
+            (fill, out)
         };
         let apply = |slot: u32, kind: KvEventKind, block: u64, tier: Tier| {
             kv.write().unwrap().apply(&KvEvent {
@@ -658,11 +691,21 @@ mod tests {
                 tier,
             });
         };
-        assert_eq!(columns(&all), [vec![0.0; 3], vec![0.0; 3], vec![0.0; 3]]);
+        assert_eq!(
+            columns(&all),
+            (Fill::Zeros, [vec![0.0; 3], vec![0.0; 3], vec![0.0; 3]])
+        );
         let s = |r| topology.slot(r).unwrap();
         for block in 0..4 {
             apply(s(row(1, 1)), KvEventKind::Stored, block, Tier::Device);
         }
+        // Nothing off the device yet: the offload columns are lent, not written.
+        assert_eq!(columns(&all).0, Fill::Zeros);
+        let columns = |rows: &[RowId]| {
+            let (fill, out) = columns(rows);
+            assert_eq!(fill, Fill::Written, "a row reported a block off the device");
+            out
+        };
         apply(s(row(2, 0)), KvEventKind::Stored, 9, Tier::Device);
         apply(s(row(2, 0)), KvEventKind::Stored, 9, Tier::Host);
         apply(s(row(1, 0)), KvEventKind::Stored, 7, Tier::Disk);
