@@ -40,31 +40,49 @@ use crate::topology::{Slot, Topology};
 /// unobserved and reading is branch-free.
 const UNOBSERVED: u64 = 0;
 
+/// A slot's own counters: 32 bytes, two slots to a cache line (a decision at thousands of rows
+/// reads every row's).
 #[derive(Debug, Default)]
 struct Cell {
     active: AtomicU64,
     prefill: AtomicU64,
     decode: AtomicU64,
     observed: AtomicU64,
-    /// Booked on this row by other replicas (one writer: whoever feeds the shared load).
-    shared_active: AtomicU64,
-    shared_prefill: AtomicU64,
-    shared_decode: AtomicU64,
+}
+
+/// What other replicas booked on a slot (one writer: whoever feeds the shared load). Kept apart
+/// from [`Cell`] so that a decision reads these only once any was set.
+#[derive(Debug, Default)]
+struct SharedCell {
+    active: AtomicU64,
+    prefill: AtomicU64,
+    decode: AtomicU64,
+}
+
+impl SharedCell {
+    fn load(&self) -> RowLoad {
+        RowLoad {
+            available: true,
+            active_requests: self.active.load(Ordering::Relaxed),
+            active_prefill_tokens: self.prefill.load(Ordering::Relaxed),
+            decode_blocks: self.decode.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl Cell {
     /// Each counter is read on its own (Relaxed): a decision reads a near-current load, never
     /// a torn value, and nothing else is ordered by these reads.
     #[inline]
-    fn load(&self) -> RowLoad {
+    fn load(&self, shared: &SharedCell) -> RowLoad {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let booked = get(&self.active).saturating_add(get(&self.shared_active));
+        let booked = get(&self.active).saturating_add(get(&shared.active));
         let observed = get(&self.observed).saturating_sub(1);
         RowLoad {
             available: true,
             active_requests: booked.max(observed),
-            active_prefill_tokens: get(&self.prefill).saturating_add(get(&self.shared_prefill)),
-            decode_blocks: get(&self.decode).saturating_add(get(&self.shared_decode)),
+            active_prefill_tokens: get(&self.prefill).saturating_add(get(&shared.prefill)),
+            decode_blocks: get(&self.decode).saturating_add(get(&shared.decode)),
         }
     }
 
@@ -77,15 +95,6 @@ impl Cell {
             active_requests: self.active.load(Ordering::Relaxed),
             active_prefill_tokens: self.prefill.load(Ordering::Relaxed),
             decode_blocks: self.decode.load(Ordering::Relaxed),
-        }
-    }
-
-    fn shared(&self) -> RowLoad {
-        RowLoad {
-            available: true,
-            active_requests: self.shared_active.load(Ordering::Relaxed),
-            active_prefill_tokens: self.shared_prefill.load(Ordering::Relaxed),
-            decode_blocks: self.shared_decode.load(Ordering::Relaxed),
         }
     }
 
@@ -123,16 +132,41 @@ crate::spelled_enum! {
     }
 }
 
-/// Cells per chunk: 1,024 cells of 56 bytes, 56 KiB.
+/// Slots per chunk: 1,024 cells of 32 bytes and 1,024 shared cells of 24, 56 KiB.
 const CHUNK_BITS: u32 = 10;
 const CHUNK: usize = 1 << CHUNK_BITS;
+
+/// One chunk's slots: [`CHUNK`] cells and as many shared cells, index for index.
+#[derive(Debug)]
+struct Chunk {
+    cells: Box<[Cell]>,
+    shared: Box<[SharedCell]>,
+}
+
+impl Chunk {
+    fn new() -> Chunk {
+        Chunk {
+            cells: (0..CHUNK).map(|_| Cell::default()).collect(),
+            shared: (0..CHUNK).map(|_| SharedCell::default()).collect(),
+        }
+    }
+
+    /// Cells `start..start + len` and their shared cells, when inside the chunk.
+    #[inline]
+    fn run(&self, start: usize, len: usize) -> Option<(&[Cell], &[SharedCell])> {
+        Some((
+            self.cells.get(start..start + len)?,
+            self.shared.get(start..start + len)?,
+        ))
+    }
+}
 
 /// Booked (and observed) load per slot.
 #[derive(Debug)]
 pub struct Ledger {
     /// Chunk `c` holds slots `c * CHUNK ..`; allocated by [`Ledger::ensure`], never freed or
     /// moved while the ledger lives.
-    chunks: Box<[OnceLock<Box<[Cell]>>]>,
+    chunks: Box<[OnceLock<Chunk>]>,
     /// Whether any cell was ever given an observation or a non-zero shared load. Until then
     /// every cell's are 0 and [`Ledger::fill`] reads the booked counters alone. Never cleared:
     /// once set, every read is whole.
@@ -177,7 +211,7 @@ impl Ledger {
     /// Concurrent bookings and releases go on meanwhile: existing cells never move.
     pub fn ensure(&self, slots: usize) {
         for chunk in self.chunks.iter().take(slots.div_ceil(CHUNK)) {
-            chunk.get_or_init(|| (0..CHUNK).map(|_| Cell::default()).collect());
+            chunk.get_or_init(Chunk::new);
         }
     }
 
@@ -187,12 +221,20 @@ impl Ledger {
     }
 
     #[inline]
-    fn cell(&self, slot: Slot) -> Option<&Cell> {
+    fn chunk(&self, slot: Slot) -> Option<(&Chunk, usize)> {
         let slot = slot as usize;
-        self.chunks
-            .get(slot >> CHUNK_BITS)?
-            .get()?
-            .get(slot & (CHUNK - 1))
+        let chunk = self.chunks.get(slot >> CHUNK_BITS)?.get()?;
+        Some((chunk, slot & (CHUNK - 1)))
+    }
+
+    #[inline]
+    fn cell(&self, slot: Slot) -> Option<&Cell> {
+        self.chunk(slot).and_then(|(chunk, i)| chunk.cells.get(i))
+    }
+
+    #[inline]
+    fn shared_cell(&self, slot: Slot) -> Option<&SharedCell> {
+        self.chunk(slot).and_then(|(chunk, i)| chunk.shared.get(i))
     }
 
     pub(crate) fn book(&self, slot: Slot, charge: Charge) {
@@ -233,7 +275,7 @@ impl Ledger {
     /// none). Read by [`Ledger::load`] on top of this replica's bookings, never by
     /// [`Ledger::booked`].
     pub fn set_shared(&self, slot: Slot, load: Option<RowLoad>) {
-        if let Some(cell) = self.cell(slot) {
+        if let Some(cell) = self.shared_cell(slot) {
             let load = load.unwrap_or_default();
             if load.active_requests != 0
                 || load.active_prefill_tokens != 0
@@ -241,18 +283,17 @@ impl Ledger {
             {
                 self.extras.store(true, Ordering::Release);
             }
-            cell.shared_active
-                .store(load.active_requests, Ordering::Release);
-            cell.shared_prefill
+            cell.active.store(load.active_requests, Ordering::Release);
+            cell.prefill
                 .store(load.active_prefill_tokens, Ordering::Release);
-            cell.shared_decode
-                .store(load.decode_blocks, Ordering::Release);
+            cell.decode.store(load.decode_blocks, Ordering::Release);
         }
     }
 
     /// The load other replicas booked on `slot`, as last set.
     pub fn shared(&self, slot: Slot) -> RowLoad {
-        self.cell(slot).map_or_else(RowLoad::default, Cell::shared)
+        self.shared_cell(slot)
+            .map_or_else(RowLoad::default, SharedCell::load)
     }
 
     /// Forget everything about `slot` (its worker was removed).
@@ -269,7 +310,9 @@ impl Ledger {
     /// The load of `slot` as policies see it (idle for a slot without a cell).
     #[inline]
     pub fn load(&self, slot: Slot) -> RowLoad {
-        self.cell(slot).map_or_else(RowLoad::default, Cell::load)
+        self.chunk(slot)
+            .and_then(|(chunk, i)| chunk.run(i, 1))
+            .map_or_else(RowLoad::default, |(cell, shared)| cell[0].load(&shared[0]))
     }
 
     /// The booked load alone (no observation), for invariant checks.
@@ -303,19 +346,20 @@ impl Ledger {
         let rows = &rows[..n];
         let mut worker = None;
         let mut run = crate::topology::SlotRun::EMPTY;
-        let mut cells: &[Cell] = &[];
+        let (mut cells, mut shared): (&[Cell], &[SharedCell]) = (&[], &[]);
         let mut cursor = 0;
         for i in 0..n {
             let row = rows[i];
             if worker != Some(row.worker_id) {
                 worker = Some(row.worker_id);
                 run = topology.run_near(row.worker_id, &mut cursor);
-                cells = self.run_cells(run);
+                (cells, shared) = self.run_cells(run);
             }
-            let load = match cells.get(row.dp_rank.wrapping_sub(run.dp_start) as usize) {
-                Some(cell) if WHOLE => cell.load(),
-                Some(cell) => cell.load_booked_only(),
-                None => self.load_outside(run, row.dp_rank),
+            let rank = row.dp_rank.wrapping_sub(run.dp_start) as usize;
+            let load = match (cells.get(rank), shared.get(rank)) {
+                (Some(cell), Some(shared)) if WHOLE => cell.load(shared),
+                (Some(cell), _) if !WHOLE => cell.load_booked_only(),
+                _ => self.load_outside(run, row.dp_rank),
             };
             available[i] = load.available;
             active[i] = load.active_requests;
@@ -348,7 +392,7 @@ impl Ledger {
                 .chunks
                 .get(slot >> CHUNK_BITS)
                 .and_then(OnceLock::get)
-                .and_then(|cells| cells.get(start..start + in_chunk));
+                .and_then(|chunk| chunk.run(start, in_chunk));
             let range = done..done + in_chunk;
             let columns = available[range.clone()]
                 .iter_mut()
@@ -356,30 +400,18 @@ impl Ledger {
                 .zip(&mut prefill[range.clone()])
                 .zip(&mut decode[range]);
             match cells {
-                Some(cells) => {
-                    for (cell, (((available, active), prefill), decode)) in
-                        cells.iter().zip(columns)
-                    {
-                        let load = if WHOLE {
-                            cell.load()
-                        } else {
-                            cell.load_booked_only()
-                        };
-                        *available = load.available;
-                        *active = load.active_requests;
-                        *prefill = load.active_prefill_tokens;
-                        *decode = load.decode_blocks;
+                // Booked counters alone: the shared cells are not touched.
+                Some((cells, _)) if !WHOLE => {
+                    for (cell, out) in cells.iter().zip(columns) {
+                        put(out, cell.load_booked_only());
                     }
                 }
-                None => {
-                    let idle = RowLoad::default();
-                    for (((available, active), prefill), decode) in columns {
-                        *available = idle.available;
-                        *active = idle.active_requests;
-                        *prefill = idle.active_prefill_tokens;
-                        *decode = idle.decode_blocks;
+                Some((cells, shared)) => {
+                    for ((cell, shared), out) in cells.iter().zip(shared).zip(columns) {
+                        put(out, cell.load(shared));
                     }
                 }
+                None => columns.for_each(|out| put(out, RowLoad::default())),
             }
             done += in_chunk;
         }
@@ -395,19 +427,30 @@ impl Ledger {
             .map_or_else(RowLoad::default, |slot| self.load(slot))
     }
 
-    /// The cells of a worker's run of slots as one slice, when they lie in one chunk (empty
-    /// otherwise: the caller then goes slot by slot).
+    /// The cells of a worker's run of slots and their shared cells, as slices, when they lie
+    /// in one chunk (empty otherwise: the caller then goes slot by slot).
     #[inline]
-    fn run_cells(&self, run: crate::topology::SlotRun) -> &[Cell] {
+    fn run_cells(&self, run: crate::topology::SlotRun) -> (&[Cell], &[SharedCell]) {
         let (first, len) = (run.base as usize, run.dp_size as usize);
         let chunk = first >> CHUNK_BITS;
         let start = first & (CHUNK - 1);
         self.chunks
             .get(chunk)
             .and_then(OnceLock::get)
-            .and_then(|cells| cells.get(start..start + len))
-            .unwrap_or(&[])
+            .and_then(|chunk| chunk.run(start, len))
+            .unwrap_or((&[], &[]))
     }
+}
+
+/// One row's place in the four load columns, as [`Ledger::fill_run`] zips them.
+type LoadOut<'a> = (((&'a mut bool, &'a mut u64), &'a mut u64), &'a mut u64);
+
+#[inline(always)]
+fn put((((available, active), prefill), decode): LoadOut<'_>, load: RowLoad) {
+    *available = load.available;
+    *active = load.active_requests;
+    *prefill = load.active_prefill_tokens;
+    *decode = load.decode_blocks;
 }
 
 /// `out`'s four load columns cut to one length, the shortest of them and `rows`: a fill's loop
