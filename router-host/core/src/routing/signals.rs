@@ -414,21 +414,25 @@ mod tests {
         RowId { worker_id, dp_rank }
     }
 
-    /// The columns of one row set from one `IndexOverlap`, against its per-row answers.
     /// Blocks of the prompt [`staircase`]'s slots cache.
     const STAIRCASE_PROMPT: [u64; 5] = [11, 12, 13, 14, 15];
 
-    /// Workers 3 (ranks 0 and 1), 7 (rank 0) and 9 (ranks 0 and 1), slot s caching the first
-    /// s + 1 blocks of [`STAIRCASE_PROMPT`] on the device (so every row's overlap differs), and
-    /// every row's index current.
-    fn staircase() -> (Topology, ShardedLock<KvIndex>, RowTrust) {
+    /// Workers 3 (ranks 0 and 1), 7 (rank 0) and 9 (ranks 0 and 1), in slots 0 to 4.
+    fn five_rows() -> Topology {
         let cluster = Cluster::new(vec![
             Worker::new(3).with_ranks(0, 2),
             Worker::new(7).with_ranks(0, 1),
             Worker::new(9).with_ranks(0, 2),
         ])
         .unwrap();
-        let topology = SlotAllocator::default().initial(cluster);
+        SlotAllocator::default().initial(cluster)
+    }
+
+    /// [`five_rows`], slot s caching the first
+    /// s + 1 blocks of [`STAIRCASE_PROMPT`] on the device (so every row's overlap differs), and
+    /// every row's index current.
+    fn staircase() -> (Topology, ShardedLock<KvIndex>, RowTrust) {
+        let topology = five_rows();
         let mut index = KvIndex::new(topology.slot_bound());
         for slot in 0..topology.slot_bound() as u32 {
             for &block in &STAIRCASE_PROMPT[..=slot as usize] {
@@ -450,6 +454,7 @@ mod tests {
         }
     }
 
+    /// The columns of one row set from one `IndexOverlap`, against its per-row answers.
     fn check(source: &IndexOverlap<'_>, rows: &[RowId]) {
         let n = rows.len();
         let mut columns = Columns::default();
@@ -589,13 +594,7 @@ mod tests {
     /// not announced, by worker. Both give every row its own load.
     #[test]
     fn load_columns_read_a_run_of_slots_as_one() {
-        let cluster = Cluster::new(vec![
-            Worker::new(3).with_ranks(0, 2),
-            Worker::new(7).with_ranks(0, 1),
-            Worker::new(9).with_ranks(0, 2),
-        ])
-        .unwrap();
-        let topology = SlotAllocator::default().initial(cluster);
+        let topology = five_rows();
         let kv = ShardedLock::new(KvIndex::new(topology.slot_bound()));
         let ledger = Ledger::with_slots(topology.slot_bound());
         for (r, slot) in topology.rows() {
