@@ -297,15 +297,28 @@ impl<'a> Columns<'a> {
     /// overlap here).
     #[inline]
     fn effective_overlap(&self, i: usize, host_weight: f64) -> f64 {
-        if !self.trust.trusted(i) {
+        self.effective_overlap_in::<false>(i, host_weight)
+    }
+
+    /// [`Columns::effective_overlap`]; with `ALL_CURRENT` (the caller checked that every row's
+    /// index is current) without the per-row trust check.
+    #[inline(always)]
+    fn effective_overlap_in<const ALL_CURRENT: bool>(&self, i: usize, host_weight: f64) -> f64 {
+        if !ALL_CURRENT && !self.trust.trusted(i) {
             return 0.0;
         }
-        let eff = self.device[i] + host_weight * self.host[i];
-        if eff.is_nan() {
-            0.0
-        } else {
-            eff
-        }
+        effective(self.device[i], self.host[i], host_weight)
+    }
+}
+
+/// [`Columns::effective_overlap`] of a trusted row from its overlap columns' values.
+#[inline(always)]
+fn effective(device: f64, host: f64, host_weight: f64) -> f64 {
+    let eff = device + host_weight * host;
+    if eff.is_nan() {
+        0.0
+    } else {
+        eff
     }
 }
 
@@ -329,7 +342,14 @@ trait LoadOrder {
     /// tier's fewest-active row must be tracked on its own.
     const SEPARATE_ACTIVE: bool;
     fn request(prompt: Prompt) -> Self::Request;
-    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, request: Self::Request) -> Self::Prefix;
+    /// The prefix of a row with `active` requests, `prefill` tokens to prefill and effective
+    /// overlap `eff`.
+    fn prefix(active: u64, prefill: u64, eff: f64, request: Self::Request) -> Self::Prefix;
+    /// [`LoadOrder::prefix`] of row `i`.
+    #[inline]
+    fn prefix_of(cols: &Columns<'_>, i: usize, eff: f64, request: Self::Request) -> Self::Prefix {
+        Self::prefix(cols.active[i], cols.prefill[i], eff, request)
+    }
     /// The active requests in a prefix.
     fn active(prefix: Self::Prefix) -> u64;
 }
@@ -344,8 +364,8 @@ impl LoadOrder for ByActive {
     #[inline]
     fn request(_prompt: Prompt) {}
     #[inline]
-    fn prefix(cols: &Columns<'_>, i: usize, _eff: f64, _request: ()) -> u64 {
-        cols.active[i]
+    fn prefix(active: u64, _prefill: u64, _eff: f64, _request: ()) -> u64 {
+        active
     }
     #[inline]
     fn active(prefix: u64) -> u64 {
@@ -388,15 +408,14 @@ impl Backlog {
             // `as` truncates toward zero, which for `eff >= 0` is the floor.
             (eff as i64 as u64) * self.block_size
         } else {
-            self.cached_at_least_full(eff)
+            Self::cached_at_least_full(eff, self.block_size, self.tokens)
         }
     }
 
+    /// Out of line, and by value (a `Backlog` by reference would be stored for it every row).
     #[inline(never)]
-    fn cached_at_least_full(self, eff: f64) -> u64 {
-        (eff as u64)
-            .saturating_mul(self.block_size)
-            .min(self.tokens)
+    fn cached_at_least_full(eff: f64, block_size: u64, tokens: u64) -> u64 {
+        (eff as u64).saturating_mul(block_size).min(tokens)
     }
 }
 
@@ -411,10 +430,10 @@ impl LoadOrder for ByBacklog {
         Backlog::of(prompt)
     }
     #[inline]
-    fn prefix(cols: &Columns<'_>, i: usize, eff: f64, request: Backlog) -> u128 {
+    fn prefix(active: u64, prefill: u64, eff: f64, request: Backlog) -> u128 {
         // A NaN `eff` was already made 0.
-        let backlog = cols.prefill[i].saturating_add(request.tokens - request.cached(eff));
-        (u128::from(backlog) << 64) | u128::from(cols.active[i])
+        let backlog = prefill.saturating_add(request.tokens - request.cached(eff));
+        (u128::from(backlog) << 64) | u128::from(active)
     }
     #[inline]
     fn active(prefix: u128) -> u64 {
@@ -431,21 +450,46 @@ struct Leader<K> {
 
 impl<K: Copy + PartialOrd> Leader<K> {
     /// Row `i` with `key` takes the lead if its key is less, or equal with a lesser [`Tie`].
-    /// The ties of both rows are computed only then, and not kept: in a large fleet most rows
-    /// never equal a leader, and keeping a leader's tie cost registers every row paid for.
+    /// The ties are computed only then: in a large fleet most rows never equal a leader. The
+    /// leader's tie is kept in `known` (in memory, not in the loop's registers), so a leader
+    /// that a few hundred idle rows tie has its tie worked out once.
     #[inline(always)]
-    fn challenge(&mut self, cols: &Columns<'_>, prompt: Prompt, i: usize, key: K) {
-        if key < self.key || (key == self.key && tie_wins(cols, prompt, i, self.row)) {
+    fn challenge(
+        &mut self,
+        cols: &Columns<'_>,
+        prompt: Prompt,
+        i: usize,
+        key: K,
+        known: &mut KnownTie,
+    ) {
+        if key < self.key || (key == self.key && tie_wins(cols, prompt, i, self.row, known)) {
             *self = Leader { row: i, key };
         }
     }
 }
 
-/// Whether row `i`'s [`Tie`] orders before row `leader`'s. Out of line: the scan's loop stays
-/// small, and only rows that equal a leader come here.
+/// The last tie [`tie_wins`] worked out for a leader: its row and tie.
+type KnownTie = Option<(usize, Tie)>;
+
+/// Whether row `i`'s [`Tie`] orders before row `leader`'s; `known` then holds the tie of
+/// whichever leads. Out of line: the scan's loop stays small, and only rows that equal a leader
+/// come here.
 #[inline(never)]
-fn tie_wins(cols: &Columns<'_>, prompt: Prompt, i: usize, leader: usize) -> bool {
-    cols.tie(i, prompt) < cols.tie(leader, prompt)
+fn tie_wins(
+    cols: &Columns<'_>,
+    prompt: Prompt,
+    i: usize,
+    leader: usize,
+    known: &mut KnownTie,
+) -> bool {
+    let leader_tie = match *known {
+        Some((row, tie)) if row == leader => tie,
+        _ => cols.tie(leader, prompt),
+    };
+    let tie = cols.tie(i, prompt);
+    let wins = tie < leader_tie;
+    *known = Some(if wins { (i, tie) } else { (leader, leader_tie) });
+    wins
 }
 
 /// Running statistics of one pass over a row set: per row a prefix read and a few comparisons.
@@ -482,18 +526,28 @@ impl<O: LoadOrder> Scan<O> {
     }
 
     /// Always inlined into the scan: a call per row cost about 20 instructions.
+    /// `known`: each leader's tie once worked out (`least`, `least_active`, `best`), apart
+    /// from the leaders so that they stay in registers.
     #[inline(always)]
-    fn add(&mut self, cols: &Columns<'_>, prompt: Prompt, i: usize, eff: f64, prefix: O::Prefix) {
-        self.least.challenge(cols, prompt, i, prefix);
+    fn add(
+        &mut self,
+        cols: &Columns<'_>,
+        prompt: Prompt,
+        (i, eff, prefix): (usize, f64, O::Prefix),
+        known: &mut [KnownTie; 3],
+    ) {
+        let [least, least_active, best] = known;
+        self.least.challenge(cols, prompt, i, prefix, least);
         let active = O::active(prefix);
         if O::SEPARATE_ACTIVE {
-            self.least_active.challenge(cols, prompt, i, active);
+            self.least_active
+                .challenge(cols, prompt, i, active, least_active);
         }
         self.max_active = self.max_active.max(active);
         // Highest overlap wins; among equal overlap, the least-loaded row. The overlap is
         // compared first and on its own: most rows lose there.
         if -eff <= self.best.key.0 {
-            self.best.challenge(cols, prompt, i, (-eff, prefix));
+            self.best.challenge(cols, prompt, i, (-eff, prefix), best);
         }
     }
 }
@@ -509,9 +563,23 @@ struct Summary {
 }
 
 /// One pass over the rows where `in_set` holds (`None` when there are none), compiled once per
-/// load order. Not inlined: on its own the loop keeps its state in registers.
-#[inline(never)]
+/// load order, and once more for when every row's index is current (no trust check per row).
 fn scan<O: LoadOrder>(
+    params: &ResolvedParams,
+    cols: &Columns<'_>,
+    prompt: Prompt,
+    in_set: &impl Fn(RowId) -> bool,
+) -> Option<Summary> {
+    if cols.trust.all_current() {
+        scan_in::<O, true>(params, cols, prompt, in_set)
+    } else {
+        scan_in::<O, false>(params, cols, prompt, in_set)
+    }
+}
+
+/// [`scan`]. Not inlined: on its own the loop keeps its state in registers.
+#[inline(never)]
+fn scan_in<O: LoadOrder, const ALL_CURRENT: bool>(
     params: &ResolvedParams,
     cols: &Columns<'_>,
     prompt: Prompt,
@@ -521,12 +589,31 @@ fn scan<O: LoadOrder>(
     let weight = params.host_cache_weight;
     let request = O::request(prompt);
     let first = (0..n).find(|&i| in_set(cols.row(i)))?;
-    let eff = cols.effective_overlap(first, weight);
-    let mut scan = Scan::<O>::first(first, eff, O::prefix(cols, first, eff, request));
+    let first_eff = cols.effective_overlap_in::<ALL_CURRENT>(first, weight);
+    let mut scan = Scan::<O>::first(
+        first,
+        first_eff,
+        O::prefix_of(cols, first, first_eff, request),
+    );
+    let mut known = [None; 3];
+    // Every column the loop reads, as a local cut to `n`: then no read has a bounds check (a
+    // panic that even a predicate ignoring the row could not remove).
+    let (worker_id, dp_rank) = (&cols.worker_id[..n], &cols.dp_rank[..n]);
+    let (device, host) = (&cols.device[..n], &cols.host[..n]);
+    let (active, prefill) = (&cols.active[..n], &cols.prefill[..n]);
     for i in first + 1..n {
-        if in_set(cols.row(i)) {
-            let eff = cols.effective_overlap(i, weight);
-            scan.add(cols, prompt, i, eff, O::prefix(cols, i, eff, request));
+        let row = RowId {
+            worker_id: worker_id[i],
+            dp_rank: dp_rank[i],
+        };
+        if in_set(row) {
+            let eff = if !ALL_CURRENT && !cols.trust.trusted(i) {
+                0.0
+            } else {
+                effective(device[i], host[i], weight)
+            };
+            let prefix = O::prefix(active[i], prefill[i], eff, request);
+            scan.add(cols, prompt, (i, eff, prefix), &mut known);
         }
     }
     let (least_active, min_active) = if O::SEPARATE_ACTIVE {
@@ -563,9 +650,9 @@ fn least_loaded_with_room(
         let eff = cols.effective_overlap(i, params.host_cache_weight);
         let tie = cols.tie(i, prompt);
         match params.load_signal {
-            LoadSignal::ActiveRequests => (ByActive::prefix(cols, i, eff, ()), 0, tie),
+            LoadSignal::ActiveRequests => (ByActive::prefix_of(cols, i, eff, ()), 0, tie),
             LoadSignal::PrefillBacklog => {
-                let prefix = ByBacklog::prefix(cols, i, eff, Backlog::of(prompt));
+                let prefix = ByBacklog::prefix_of(cols, i, eff, Backlog::of(prompt));
                 ((prefix >> 64) as u64, prefix as u64, tie)
             }
         }
@@ -772,7 +859,7 @@ mod tests {
         let w = params.host_cache_weight;
         let rows: Vec<usize> = (0..cols.len()).filter(|&i| in_set(cols.row(i))).collect();
         let eff = |i: usize| cols.effective_overlap(i, w);
-        let prefix = |i: usize| O::prefix(cols, i, eff(i), O::request(prompt));
+        let prefix = |i: usize| O::prefix_of(cols, i, eff(i), O::request(prompt));
         let least = *rows
             .iter()
             .min_by_key(|&&i| (prefix(i), cols.tie(i, prompt)))?;
@@ -805,7 +892,8 @@ mod tests {
             KvIndexState::Unknown,
         ];
         for case in 0..3_000u64 {
-            let n = 1 + rng(24) as usize;
+            // Every eighth case a larger set, where many rows tie each leader.
+            let n = 1 + rng(if case % 8 == 7 { 200 } else { 24 }) as usize;
             let rows: Vec<TestRow> = (0..n)
                 .map(|_| {
                     TestRow::new(1 + rng(3), rng(3) as u32)
