@@ -56,6 +56,32 @@ pub struct Topology {
     /// Which publication this is (`RoutingCore` numbers them), so a holder can tell with one
     /// plain load whether a newer snapshot exists.
     generation: u64,
+    fleet: Fleet,
+}
+
+/// Every registered row in cluster order with its slot, and whether those slots are one run:
+/// kept with the snapshot because a decision over the whole fleet (every worker eligible, the
+/// common case) would otherwise look up every row's slot again.
+#[derive(Debug, Clone, Default)]
+struct Fleet {
+    rows: Vec<RowId>,
+    slots: Vec<Slot>,
+    run: Option<Slot>,
+}
+
+/// `Some(base)` when `slots` are `base, base + 1, ...` (and none is `u32::MAX`, no slot).
+pub fn run_base(slots: &[Slot]) -> Option<Slot> {
+    let &base = slots.first()?;
+    let n = u32::try_from(slots.len()).ok()?;
+    if base >= u32::MAX - n {
+        return None;
+    }
+    // One pass without an early exit (it vectorises): any slot off the run leaves a bit set.
+    let off = slots
+        .iter()
+        .zip(base..)
+        .fold(0, |off, (&slot, expected)| off | (slot ^ expected));
+    (off == 0).then_some(base)
 }
 
 impl Topology {
@@ -75,14 +101,27 @@ impl Topology {
             .iter()
             .map(|w| w.total_kv_blocks.map_or(f64::NAN, |blocks| blocks as f64))
             .collect();
-        Topology {
+        let mut topology = Topology {
             ids: cluster.workers().iter().map(|w| w.worker_id).collect(),
             runs,
             knows_kv_capacity: kv_capacity.iter().any(|c| !c.is_nan()),
             kv_capacity,
             cluster,
             generation: 0,
-        }
+            fleet: Fleet::default(),
+        };
+        let (rows, slots): (Vec<RowId>, Vec<Slot>) = topology.rows().unzip();
+        let run = run_base(&slots);
+        topology.fleet = Fleet { rows, slots, run };
+        topology
+    }
+
+    /// The slots of `rows` and whether they are one run ([`run_base`]), when `rows` are every
+    /// registered row in cluster order (what eligibility yields when every worker is
+    /// eligible); `None` otherwise. A comparison of the rows instead of a lookup per row.
+    pub fn fleet_slots(&self, rows: &[RowId]) -> Option<(&[Slot], Option<Slot>)> {
+        (rows.len() == self.fleet.rows.len() && rows == &self.fleet.rows[..])
+            .then(|| (&self.fleet.slots[..], self.fleet.run))
     }
 
     /// The publication number (see [`Topology::published_as`]).
@@ -346,6 +385,32 @@ mod tests {
 
     fn row(worker_id: u64, dp_rank: u32) -> RowId {
         RowId { worker_id, dp_rank }
+    }
+
+    /// The whole fleet's slots come from the snapshot, equal to looking each row up, through
+    /// membership changes that leave holes and reuse them out of cluster order; any other row
+    /// set is looked up.
+    #[test]
+    fn the_fleets_slots_are_its_rows_slots_after_every_change() {
+        let mut alloc = SlotAllocator::default();
+        let cluster = Cluster::new(vec![Worker::new(9).with_ranks(4, 2), Worker::new(3)]).unwrap();
+        let t0 = alloc.initial(cluster);
+        let (t1, _) = alloc.add(&t0, Worker::new(5).with_ranks(0, 2)).unwrap();
+        let (t2, _) = alloc.remove(&t1, 9).unwrap();
+        let (t3, _) = alloc.add(&t2, Worker::new(8)).unwrap();
+        // (run base or none) of each snapshot's fleet: [3, 9, 9], [3, 5, 5, 9, 9] (slots 0,
+        // 3, 4, 1, 2), [3, 5, 5] (0, 3, 4), [3, 5, 5, 8] (0, 3, 4, 1).
+        for (topology, run) in [(&t0, Some(0)), (&t1, None), (&t2, None), (&t3, None)] {
+            let fleet: Vec<RowId> = topology.rows().map(|(r, _)| r).collect();
+            let looked_up: Vec<Slot> = topology.slots(&fleet).map(Option::unwrap).collect();
+            let (slots, fleet_run) = topology.fleet_slots(&fleet).expect("the fleet");
+            assert_eq!((slots, fleet_run), (&looked_up[..], run));
+            assert_eq!(run_base(&looked_up), run);
+            let mut reversed = fleet.clone();
+            reversed.reverse();
+            assert_eq!(topology.fleet_slots(&reversed).is_some(), fleet.len() < 2);
+            assert!(topology.fleet_slots(&fleet[1..]).is_none());
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::sessions::Clock;
 use crate::model::{
     load_columns_by_row, Fill, OverlapSource, RowId, RowLoad, Signals, TierOverlap,
 };
-use crate::topology::Topology;
+use crate::topology::{run_base, Topology};
 
 /// Load from the ledger (by the snapshot's slots) unless the source overrides it; overlap from
 /// the source.
@@ -248,22 +248,18 @@ fn key(rows: &[RowId]) -> (usize, usize) {
     (rows.as_ptr() as usize, rows.len())
 }
 
-/// `buffers.slots` (and `slots_run`) for `rows`.
+/// `buffers.slots` (and `slots_run`) for `rows`: the snapshot's own when `rows` are the whole
+/// fleet, else looked up row by row.
 fn resolve_slots(topology: &Topology, rows: &[RowId], buffers: &mut OverlapBuffers) {
     let slots = &mut buffers.slots;
     slots.clear();
+    if let Some((fleet, run)) = topology.fleet_slots(rows) {
+        slots.extend_from_slice(fleet);
+        buffers.slots_run = run;
+        return;
+    }
     slots.extend(topology.slots(rows).map(|slot| slot.unwrap_or(NO_SLOT)));
-    // One pass without an early exit (it vectorises): any slot off the run leaves a bit set.
-    buffers.slots_run = match slots.first() {
-        Some(&base) if u32::try_from(slots.len()).is_ok_and(|n| base < NO_SLOT - n) => {
-            let off = slots
-                .iter()
-                .zip(base..)
-                .fold(0, |off, (&slot, expected)| off | (slot ^ expected));
-            (off == 0).then_some(base)
-        }
-        _ => None,
-    };
+    buffers.slots_run = run_base(slots);
 }
 
 /// The slice `run` of a slot-indexed table, when the slots are a run and the table covers it.
