@@ -31,6 +31,31 @@ fn allowed(request: &Request, worker_id: u64) -> bool {
 /// Allow-lists up to this long are checked by a linear scan per worker.
 const LINEAR_ALLOW_LIST: usize = 16;
 
+/// The eligible rows of `request` (worker order, then rank order): the cluster's own rows when
+/// every row is eligible (no copy: the common case at thousands of rows), else `out` filled by
+/// [`eligible_rows`].
+pub fn eligible<'a>(
+    cluster: &'a Cluster,
+    request: &Request,
+    pin: Option<RowId>,
+    out: &'a mut Vec<RowId>,
+) -> Result<&'a [RowId], EligibilityError> {
+    if whole_fleet(cluster, request, pin) {
+        return Ok(cluster.rows());
+    }
+    eligible_rows(cluster, request, pin, out)?;
+    Ok(out)
+}
+
+/// Whether every row of `cluster` is eligible for `request` whatever the rest of the rules
+/// say: no pin, no allow-list, every worker routable.
+fn whole_fleet(cluster: &Cluster, request: &Request, pin: Option<RowId>) -> bool {
+    pin.is_none()
+        && request.allowed_worker_ids.is_none()
+        && cluster.all_routable()
+        && !cluster.rows().is_empty()
+}
+
 /// Fill `out` with the eligible rows of `request` (worker order, then rank order).
 ///
 /// `pin` is the row the request must go to, if any: the explicit pinned worker, or a hard session
@@ -45,6 +70,10 @@ pub fn eligible_rows(
     if let Some(pin) = pin {
         check_pin(cluster, request, pin)?;
         out.push(pin);
+        return Ok(());
+    }
+    if whole_fleet(cluster, request, pin) {
+        out.extend_from_slice(cluster.rows());
         return Ok(());
     }
     let mut excluded_for_overload = false;
@@ -137,6 +166,60 @@ mod tests {
     fn every_rank_of_every_available_not_overloaded_worker_in_worker_order() {
         let got = rows(&Request::default(), None).unwrap();
         assert_eq!(got, vec![row(1, 0), row(2, 0), row(2, 1)]);
+    }
+
+    /// With every worker routable the cluster's own rows are handed out; each flag that takes
+    /// a worker out (set through a topology edit, as the core does) gives the rows of the
+    /// others, as walking the workers does.
+    #[test]
+    fn the_whole_fleet_is_the_clusters_rows_until_a_flag_takes_a_worker_out() {
+        let mut alloc = crate::topology::SlotAllocator::default();
+        let t0 = alloc.initial(
+            Cluster::new(vec![
+                Worker::new(2).with_ranks(0, 2),
+                Worker::new(1),
+                Worker::new(3).with_ranks(4, 3),
+            ])
+            .unwrap(),
+        );
+        let eligible = |cluster: &Cluster| {
+            let mut out = Vec::new();
+            eligible_rows(cluster, &Request::default(), None, &mut out).map(|()| out)
+        };
+        assert!(t0.cluster().all_routable());
+        let all = eligible(t0.cluster()).unwrap();
+        assert_eq!(all, t0.cluster().rows());
+        assert_eq!(
+            all,
+            [
+                row(1, 0),
+                row(2, 0),
+                row(2, 1),
+                row(3, 4),
+                row(3, 5),
+                row(3, 6)
+            ]
+        );
+        let flags: [fn(&mut Worker); 3] = [
+            |w| w.available = false,
+            |w| w.draining = true,
+            |w| w.overloaded = true,
+        ];
+        for flag in flags {
+            let t1 = alloc.edit(&t0, 2, flag).unwrap();
+            assert!(!t1.cluster().all_routable());
+            assert_eq!(
+                eligible(t1.cluster()).unwrap(),
+                [row(1, 0), row(3, 4), row(3, 5), row(3, 6)]
+            );
+            let t2 = alloc.edit(&t1, 2, |w| *w = Worker::new(2)).unwrap();
+            assert!(t2.cluster().all_routable());
+            assert_eq!(
+                eligible(t2.cluster()).unwrap(),
+                all,
+                "ranks kept by the edit"
+            );
+        }
     }
 
     #[test]

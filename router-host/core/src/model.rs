@@ -82,10 +82,25 @@ pub enum ClusterError {
     },
 }
 
-/// The registered workers, sorted by id (so row order is deterministic).
-#[derive(Debug, Clone, Default, PartialEq)]
+/// The registered workers, sorted by id (so row order is deterministic). Immutable once made:
+/// what is derived from the workers is worked out once, in [`Cluster::new`].
+#[derive(Debug, Clone, PartialEq)]
 pub struct Cluster {
     workers: Vec<Worker>,
+    /// Every worker's rows, in order: the eligible rows when every worker is.
+    rows: Vec<RowId>,
+    /// Whether every worker is available, not draining and not overloaded.
+    all_routable: bool,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Cluster {
+            workers: Vec::new(),
+            rows: Vec::new(),
+            all_routable: true,
+        }
+    }
 }
 
 impl Cluster {
@@ -119,7 +134,26 @@ impl Cluster {
                 });
             }
         }
-        Ok(Cluster { workers })
+        let rows = workers.iter().flat_map(Worker::rows).collect();
+        let all_routable = workers
+            .iter()
+            .all(|w| w.available && !w.draining && !w.overloaded);
+        Ok(Cluster {
+            workers,
+            rows,
+            all_routable,
+        })
+    }
+
+    /// Every worker's rows, in worker order then rank order.
+    pub fn rows(&self) -> &[RowId] {
+        &self.rows
+    }
+
+    /// Whether every worker is available, not draining and not overloaded (then, without an
+    /// allow-list or a pin, every row is eligible).
+    pub fn all_routable(&self) -> bool {
+        self.all_routable
     }
 
     pub fn workers(&self) -> &[Worker] {
@@ -133,13 +167,6 @@ impl Cluster {
             .map(|i| &self.workers[i])
     }
 
-    pub fn worker_mut(&mut self, worker_id: u64) -> Option<&mut Worker> {
-        self.workers
-            .binary_search_by_key(&worker_id, |w| w.worker_id)
-            .ok()
-            .map(|i| &mut self.workers[i])
-    }
-
     /// Whether `row` names a registered worker and one of its ranks.
     pub fn has_row(&self, row: RowId) -> bool {
         self.worker(row.worker_id)
@@ -148,7 +175,7 @@ impl Cluster {
 
     /// Total number of rows.
     pub fn row_count(&self) -> usize {
-        self.workers.iter().map(|w| w.dp_size as usize).sum()
+        self.rows.len()
     }
 }
 

@@ -231,7 +231,8 @@ impl<'a> Selection<'a> {
 /// Reusable buffers for one selecting thread: steady-state selection allocates nothing.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    /// The eligible rows.
+    /// The eligible rows, when they are not the whole cluster's (which are lent as they are:
+    /// [`crate::eligibility::eligible`]).
     pub rows: Vec<RowId>,
     /// The soft target's rows, when the built-in default narrowed the eligible rows to them
     /// (otherwise the policy is handed the eligible rows themselves).

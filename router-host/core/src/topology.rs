@@ -59,12 +59,11 @@ pub struct Topology {
     fleet: Fleet,
 }
 
-/// Every registered row in cluster order with its slot, and whether those slots are one run:
-/// kept with the snapshot because a decision over the whole fleet (every worker eligible, the
-/// common case) would otherwise look up every row's slot again.
+/// The slot of every registered row ([`Cluster::rows`], in cluster order), and whether those
+/// slots are one run: kept with the snapshot because a decision over the whole fleet (every
+/// worker eligible, the common case) would otherwise look up every row's slot again.
 #[derive(Debug, Clone, Default)]
 struct Fleet {
-    rows: Vec<RowId>,
     slots: Vec<Slot>,
     run: Option<Slot>,
 }
@@ -110,18 +109,21 @@ impl Topology {
             generation: 0,
             fleet: Fleet::default(),
         };
-        let (rows, slots): (Vec<RowId>, Vec<Slot>) = topology.rows().unzip();
+        let slots: Vec<Slot> = topology.rows().map(|(_, slot)| slot).collect();
         let run = run_base(&slots);
-        topology.fleet = Fleet { rows, slots, run };
+        topology.fleet = Fleet { slots, run };
         topology
     }
 
     /// The slots of `rows` and whether they are one run ([`run_base`]), when `rows` are every
     /// registered row in cluster order (what eligibility yields when every worker is
-    /// eligible); `None` otherwise. A comparison of the rows instead of a lookup per row.
+    /// eligible); `None` otherwise. A comparison of the rows (none for the cluster's own)
+    /// instead of a lookup per row.
     pub fn fleet_slots(&self, rows: &[RowId]) -> Option<(&[Slot], Option<Slot>)> {
-        (rows.len() == self.fleet.rows.len() && rows == &self.fleet.rows[..])
-            .then(|| (&self.fleet.slots[..], self.fleet.run))
+        let fleet = self.cluster.rows();
+        // The cluster's own rows (lent by eligibility) are known without looking at them.
+        let same = rows.len() == fleet.len() && (std::ptr::eq(rows, fleet) || rows == fleet);
+        same.then(|| (&self.fleet.slots[..], self.fleet.run))
     }
 
     /// The publication number (see [`Topology::published_as`]).
@@ -364,17 +366,19 @@ impl SlotAllocator {
         worker_id: u64,
         edit: impl FnOnce(&mut Worker),
     ) -> Result<Topology, MembershipError> {
-        let mut cluster = current.cluster.clone();
-        let worker = cluster
-            .worker_mut(worker_id)
+        let mut workers = current.cluster.workers().to_vec();
+        let worker = workers
+            .iter_mut()
+            .find(|w| w.worker_id == worker_id)
             .ok_or(MembershipError::Unknown(worker_id))?;
         let (start, size) = (worker.dp_start, worker.dp_size);
         edit(worker);
         // Flags only: the rows, and so the slots, stay as they are.
         worker.dp_start = start;
         worker.dp_size = size;
-        // Rebuilt rather than cloned, so what is derived from the workers (the capacity column)
-        // follows the edit.
+        // Rebuilt rather than cloned, so what is derived from the workers (the eligible rows,
+        // the capacity column) follows the edit.
+        let cluster = Cluster::new(workers)?;
         Ok(Topology::build(cluster, |w| current.run_of(w).base))
     }
 }

@@ -43,7 +43,7 @@ use crate::loader::{resolve, LoadError, Loader, SearchPath, Verify};
 use crate::watchdog::Call;
 pub use crate::watchdog::{Hang, OnHang};
 use router_config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
-use router_core::eligibility::eligible_rows;
+use router_core::eligibility::eligible;
 use router_core::model::{Cluster, RequestRole, RowId, Signals};
 
 /// Choices of whoever builds a [`PolicySet`] that are not configuration.
@@ -243,18 +243,18 @@ impl PolicySet {
         scratch: &mut Scratch,
     ) -> Result<Decision, SelectError> {
         let request = selection.request;
-        let mut rows = std::mem::take(&mut scratch.rows);
-        let eligible = eligible_rows(cluster, request, selection.pin, &mut rows);
-        let result = eligible.map_err(SelectError::from).and_then(|()| {
+        let mut buffer = std::mem::take(&mut scratch.rows);
+        let eligible = eligible(cluster, request, selection.pin, &mut buffer);
+        let result = eligible.map_err(SelectError::from).and_then(|rows| {
             let configured = self.instance_for(request.role);
-            match self.call(configured, &rows, selection, signals, scratch) {
+            match self.call(configured, rows, selection, signals, scratch) {
                 Ok(pick) => Ok(Decision::new(configured, configured, pick, None)),
                 Err(failure) => {
-                    self.fall_back(configured, failure, &rows, selection, signals, scratch)
+                    self.fall_back(configured, failure, rows, selection, signals, scratch)
                 }
             }
         });
-        scratch.rows = rows;
+        scratch.rows = buffer;
         result
     }
 

@@ -14,7 +14,7 @@ use super::{
     Shard, DRAWN_ID_BIT,
 };
 use crate::admission::{AdmissionMode, LaneKey, NoRoom, Ticket};
-use crate::eligibility::{check_pin, eligible_rows};
+use crate::eligibility::{check_pin, eligible};
 use crate::ledger::{Charge, DecodeBooking, Ledger};
 use crate::model::{OverlapSource, Request, RowId};
 use crate::select::{Decision, Scratch, Selection};
@@ -299,13 +299,16 @@ impl RoutingCore {
             // request goes, even if the policy then keeps a busy soft target.
             AdmissionMode::AnyEligible => {
                 let all_busy = with_buffer(&SCRATCH, |scratch| {
-                    let rows = &mut scratch.rows;
-                    let eligible =
-                        eligible_rows(topology.cluster(), request, plan.selection.pin, rows);
-                    eligible.is_ok()
-                        && rows
-                            .iter()
+                    let eligible = eligible(
+                        topology.cluster(),
+                        request,
+                        plan.selection.pin,
+                        &mut scratch.rows,
+                    );
+                    eligible.is_ok_and(|rows| {
+                        rows.iter()
                             .all(|&r| self.is_busy(topology, class, source, r))
+                    })
                 });
                 if all_busy {
                     return Ok(None);
