@@ -21,7 +21,7 @@ use crate::model::{AffinityTarget, Cluster, Fill, Request, RowId, Signals};
 /// Decides one request over a cluster snapshot; shared by every routing thread.
 ///
 /// Implementations must book nothing and return only a row of the eligible set they computed
-/// with [`crate::eligibility::eligible_rows`] (after bounds-checking any index a policy returned).
+/// with [`crate::eligibility::eligible`] (after bounds-checking any index a policy returned).
 pub trait Selector: Send + Sync {
     fn select(
         &self,

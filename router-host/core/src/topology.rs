@@ -152,7 +152,7 @@ impl Topology {
 
     /// [`Topology::run_of`] for workers visited in cluster order: `cursor` (start at 0) is
     /// where the next worker is expected, and is tried before a search. A decision's rows come
-    /// in cluster order ([`crate::eligibility::eligible_rows`]), so filling its columns finds
+    /// in cluster order ([`crate::eligibility::eligible`]), so filling its columns finds
     /// each worker with one comparison: a binary search per worker made every fill
     /// `O(rows log workers)`, the largest part of a decision at thousands of workers.
     #[inline]
