@@ -977,15 +977,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_run_of_rows_is_priced_as_each_row_alone() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rng = move |below: u64| {
+    /// A seeded xorshift generator of values below its argument: reproducible random cases.
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |below| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             x % below
-        };
+        }
+    }
+
+    #[test]
+    fn a_run_of_rows_is_priced_as_each_row_alone() {
+        let mut rng = xorshift(0x2545_f491_4f6c_dd1d);
         // Overlaps that are NaN, infinite, negative or fractional; loads past 2^53 (where
         // converting to f64 rounds) and at the top of u64.
         let overlaps = [0.0, 1.5, 7.0, -2.0, f64::NAN, f64::INFINITY, 1e300];
@@ -1028,13 +1032,7 @@ mod tests {
 
     #[test]
     fn the_scan_picks_what_keying_every_row_in_full_picks() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rng = move |below: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % below
-        };
+        let mut rng = xorshift(0x9e37_79b9_7f4a_7c15);
         use plugin_api::KvIndexState;
         let states = [
             KvIndexState::Current,
