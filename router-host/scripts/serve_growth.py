@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "router-host" / "scripts" / "lib"))
+from ports import free_port  # noqa: E402  (ports no two children share)
 
 POLICIES = {
     "default": "",
@@ -43,12 +44,6 @@ POLICIES = {
         "worker_selection:\n  aggregated: rr\n  instances:\n    - {{name: rr, type: round-robin}}\n"
     ),
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status(pid):

@@ -43,6 +43,8 @@ import yaml  # PyYAML: run.sh makes sure it is importable (system or its own ven
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent / "lib"))
+import ports  # noqa: E402  (scripts/lib: ports no two children share)
 BASE_CONFIG = REPO / "examples" / "two-tier-soft-affinity.yaml"
 # `--over-capacity`: the overlay that makes the router shed (merged before `--config-overlay`),
 # the engines' batch limit, the clients' default number and the classes they name (share of the
@@ -138,30 +140,16 @@ class ChaosError(Exception):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_run(1)
 
 
 def free_port_run(n: int) -> int:
-    """A port P with P .. P+n-1 all free now on 127.0.0.1 (an engine's ranks bind PORT + r)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise ChaosError(f"no run of {n} free ports on 127.0.0.1")
+    """A port P with P .. P+n-1 free on 127.0.0.1 (an engine's ranks bind PORT + r); see
+    `scripts/lib/ports.py` for why not the kernel's pick."""
+    try:
+        return ports.free_port_run(n)
+    except OSError as e:
+        raise ChaosError(str(e)) from e
 
 
 def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:

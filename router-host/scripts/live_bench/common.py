@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,12 +19,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RIG_DIR = HERE.parent / "vllm_rig"
-if str(RIG_DIR) not in sys.path:
-    sys.path.insert(0, str(RIG_DIR))
+LIB_DIR = HERE.parent / "lib"
+for d in (RIG_DIR, LIB_DIR):
+    if str(d) not in sys.path:
+        sys.path.insert(0, str(d))
 
 # Re-exported for the other scripts of this directory.
 from support import Fatal, RigFailure, http, metric_sum, scrape, tail, wait_for  # noqa: E402,F401
 from support import _group_alive, _kill_group  # noqa: E402,F401  (process groups, as the rig kills them)
+from ports import free_port  # noqa: E402,F401  (scripts/lib: ports no two children share)
 
 __all__ = [
     "BenchError",
@@ -189,17 +191,6 @@ def install_signal_handlers() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
-
-
-# -- ports -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 free now (the kernel's pick; a tiny race with other processes is
-    accepted: a router that cannot bind fails its start with a clear error)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- /proc -----------------------------------------------------------------------------------
