@@ -750,3 +750,41 @@ pub struct Completion<'a> {
     pub session_id: Option<&'a str>,
     pub outcome: Outcome,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::all_current;
+
+    /// The vectorised pass reads a code as `code == 0.0` does, for every kind of `f64`, in every
+    /// lane and in the scalar tail.
+    #[test]
+    fn all_current_is_every_code_equal_to_zero() {
+        let odd = [
+            -0.0,
+            f64::MIN_POSITIVE,
+            -f64::MIN_POSITIVE,
+            f64::from_bits(1),
+            f64::from_bits(1 | (1 << 63)),
+            f64::NAN,
+            -f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            1.0,
+            2.0,
+            3.0,
+            -1.0,
+        ];
+        assert!(all_current(&[]));
+        assert!(all_current(&[0.0; 67]));
+        for code in odd {
+            // Alone, and at each place in a run long enough for the vectorised loop's lanes
+            // and its scalar tail.
+            assert_eq!(all_current(&[code]), code == 0.0, "{code:e}");
+            for at in 0..67 {
+                let mut codes = [0.0; 67];
+                codes[at] = code;
+                assert_eq!(all_current(&codes), code == 0.0, "{code:e} at {at}");
+            }
+        }
+    }
+}
