@@ -114,6 +114,61 @@ fn custom_picker_receives_affinity_target_without_narrowing_candidates() {
     assert_eq!(target, "3:0");
 }
 
+/// A decision over every row of a cluster whose workers are all routable is lent the cluster's
+/// own id columns; any other decision gets ids written for its rows. One scratch serves both,
+/// in either order, and the plugin sees exactly its rows each time.
+#[test]
+fn a_decision_over_every_row_sees_the_same_ids_lent_as_written() {
+    let router = probe("{}");
+    let fleet = Cluster::new(vec![
+        Worker::new(7).with_ranks(2, 3),
+        Worker::new(1),
+        Worker::new(4).with_ranks(0, 2),
+    ])
+    .unwrap();
+    let every = ["1:0", "4:0", "4:1", "7:2", "7:3", "7:4"];
+    let mut scratch = Scratch::default();
+    let mut saw = |request: &Request| {
+        let d = router
+            .select(
+                &fleet,
+                Selection::of(request).explained(),
+                &NoSignals,
+                &mut scratch,
+            )
+            .expect("routed");
+        let e = d.explanation.expect("probe explains");
+        let rows: Vec<String> = e
+            .get_label("row_list")
+            .unwrap()
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        rows
+    };
+    let whole = Request::default();
+    let allowed = Request {
+        allowed_worker_ids: Some(vec![7, 4]),
+        ..Default::default()
+    };
+    let pinned = Request {
+        pinned_worker: Some(row(7, 3)),
+        ..Default::default()
+    };
+    assert!(
+        fleet.id_columns_of(fleet.rows()).is_some(),
+        "the whole fleet's ids are lent"
+    );
+    let copy: Vec<RowId> = fleet.rows().to_vec();
+    assert!(fleet.id_columns_of(&copy).is_none(), "a copy's are not");
+    for _ in 0..2 {
+        assert_eq!(saw(&whole), every);
+        assert_eq!(saw(&allowed), ["4:0", "4:1", "7:2", "7:3", "7:4"]);
+        assert_eq!(saw(&whole), every);
+        assert_eq!(saw(&pinned), ["7:3"]);
+    }
+}
+
 #[test]
 fn eligibility_allow_list_pin_and_dp_ranks_reach_the_plugin() {
     let router = probe("{}");

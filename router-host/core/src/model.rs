@@ -89,8 +89,18 @@ pub struct Cluster {
     workers: Vec<Worker>,
     /// Every worker's rows, in order: the eligible rows when every worker is.
     rows: Vec<RowId>,
+    /// `rows` as the candidate view's id columns, lent to a decision over every row.
+    worker_ids: Vec<u64>,
+    dp_ranks: Vec<u32>,
     /// Whether every worker is available, not draining and not overloaded.
     all_routable: bool,
+}
+
+/// The id columns of a run of rows (the candidate view's `worker_id` and `dp_rank`), borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdColumns<'a> {
+    pub worker_id: &'a [u64],
+    pub dp_rank: &'a [u32],
 }
 
 impl Default for Cluster {
@@ -98,6 +108,8 @@ impl Default for Cluster {
         Cluster {
             workers: Vec::new(),
             rows: Vec::new(),
+            worker_ids: Vec::new(),
+            dp_ranks: Vec::new(),
             all_routable: true,
         }
     }
@@ -134,14 +146,28 @@ impl Cluster {
                 });
             }
         }
-        let rows = workers.iter().flat_map(Worker::rows).collect();
+        let rows: Vec<RowId> = workers.iter().flat_map(Worker::rows).collect();
+        let worker_ids = rows.iter().map(|r| r.worker_id).collect();
+        let dp_ranks = rows.iter().map(|r| r.dp_rank).collect();
         let all_routable = workers
             .iter()
             .all(|w| w.available && !w.draining && !w.overloaded);
         Ok(Cluster {
             workers,
             rows,
+            worker_ids,
+            dp_ranks,
             all_routable,
+        })
+    }
+
+    /// The id columns of `rows` when they are this cluster's own [`Cluster::rows`] (the same
+    /// slice, as eligibility lends it when every row is eligible): a decision over every row
+    /// lends these instead of writing its own. `None` for any other slice.
+    pub fn id_columns_of(&self, rows: &[RowId]) -> Option<IdColumns<'_>> {
+        std::ptr::eq(rows, self.rows.as_slice()).then_some(IdColumns {
+            worker_id: &self.worker_ids,
+            dp_rank: &self.dp_ranks,
         })
     }
 

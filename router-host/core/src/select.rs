@@ -16,7 +16,7 @@ use plugin_api::{
 
 use crate::eligibility::EligibilityError;
 use crate::ledger::Charge;
-use crate::model::{AffinityTarget, Cluster, Fill, Request, RowId, Signals};
+use crate::model::{AffinityTarget, Cluster, Fill, IdColumns, Request, RowId, Signals};
 
 /// Decides one request over a cluster snapshot; shared by every routing thread.
 ///
@@ -252,7 +252,8 @@ pub struct Scratch {
 #[derive(Debug, Default)]
 pub struct RowColumns {
     /// The columns of the ABI's candidate view: ids, overlap (CACHE) and load (LOAD); `host`
-    /// and `disk` are stale when the overlap's offload tiers were [`Fill::Zeros`].
+    /// and `disk` are stale when the overlap's offload tiers were [`Fill::Zeros`], the ids
+    /// when they were lent ([`Scratch::materialise`]).
     pub view: Columns,
     /// `kv_capacity_blocks`, sent with the LOAD columns; empty when no row's capacity is known
     /// (then it is not sent).
@@ -266,6 +267,8 @@ pub struct RowColumns {
     /// `kv_recent_device_blocks`, sent with the LOAD columns, capped at each row's indexed
     /// device blocks; empty (not sent) without the indexed-blocks columns or a recent window.
     pub kv_recent_device_blocks: Vec<f64>,
+    /// Rows of this decision.
+    rows: usize,
     /// Which columns are lent from `zeros` this decision.
     zero: ZeroColumns,
     /// Zeros, at least as long as the rows of the last decision; never written otherwise.
@@ -285,11 +288,21 @@ struct ZeroColumns {
 
 impl RowColumns {
     /// The ABI's candidate view with only the `inputs` column groups present, zero columns
-    /// lent; its `extra_columns` are left empty (see [`RowColumns::extra`]).
-    pub fn candidate_view(&self, inputs: Inputs) -> RawCandidateView<'_> {
+    /// lent, and the id columns lent from `ids` when [`Scratch::materialise`] was given them
+    /// (pass the same); its `extra_columns` are left empty (see [`RowColumns::extra`]).
+    pub fn candidate_view<'a>(
+        &'a self,
+        inputs: Inputs,
+        ids: Option<IdColumns<'a>>,
+    ) -> RawCandidateView<'a> {
         let mut view = self.view.view(inputs);
+        if let Some(ids) = ids {
+            debug_assert_eq!(ids.worker_id.len(), self.rows, "ids of another decision");
+            view.worker_id = RSlice::from_slice(ids.worker_id);
+            view.dp_rank = RSlice::from_slice(ids.dp_rank);
+        }
         if self.zero.offload_overlap && inputs.contains(Inputs::CACHE) {
-            let zeros = RSlice::from_slice(self.zeros(self.view.device.len()));
+            let zeros = RSlice::from_slice(self.zeros(self.rows));
             (view.host_blocks, view.disk_blocks) = (zeros, zeros);
         }
         view
@@ -303,7 +316,7 @@ impl RowColumns {
             (host, disk) = (self.zeros(device.len()), self.zeros(device.len()));
         }
         let states = match self.zero.index_state {
-            true => self.zeros(self.view.len()),
+            true => self.zeros(self.rows),
             false => &self.kv_index_state,
         };
         [
@@ -324,13 +337,15 @@ impl RowColumns {
 }
 
 impl Scratch {
-    /// Fill the columns `inputs` asks for, for `rows`.
+    /// Fill the columns `inputs` asks for, for `rows`; the id columns only when `ids` (the
+    /// same rows' ids, kept elsewhere: [`Cluster::id_columns_of`]) is `None`.
     ///
     /// Each column is sized once and then written in place (no per-value capacity check); each
     /// row's load is read once for all of its columns, and the overlap of all rows in one call.
     pub fn materialise<S: Signals + ?Sized>(
         &mut self,
         rows: &[RowId],
+        ids: Option<IdColumns<'_>>,
         inputs: Inputs,
         signals: &S,
     ) {
@@ -340,11 +355,14 @@ impl Scratch {
             zeros.resize(rows.len(), 0.0);
         }
         let mut zero = ZeroColumns::default();
+        self.columns.rows = rows.len();
         let c = &mut self.columns.view;
         c.worker_id.clear();
         c.dp_rank.clear();
-        c.worker_id.extend(rows.iter().map(|r| r.worker_id));
-        c.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
+        if ids.is_none() {
+            c.worker_id.extend(rows.iter().map(|r| r.worker_id));
+            c.dp_rank.extend(rows.iter().map(|r| r.dp_rank));
+        }
         let cache = if inputs.contains(Inputs::CACHE) {
             rows.len()
         } else {

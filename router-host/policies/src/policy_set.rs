@@ -44,7 +44,7 @@ use crate::watchdog::Call;
 pub use crate::watchdog::{Hang, OnHang};
 use router_config::{InstanceConfig, OnError, RouterConfig, DEFAULT_INSTANCE};
 use router_core::eligibility::eligible;
-use router_core::model::{Cluster, RequestRole, RowId, Signals};
+use router_core::model::{Cluster, IdColumns, RequestRole, RowId, Signals};
 
 /// Choices of whoever builds a [`PolicySet`] that are not configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -246,6 +246,11 @@ impl PolicySet {
         let mut buffer = std::mem::take(&mut scratch.rows);
         let eligible = eligible(cluster, request, selection.pin, &mut buffer);
         let result = eligible.map_err(SelectError::from).and_then(|rows| {
+            // A decision over every row lends the cluster's id columns instead of writing them.
+            let rows = Candidates {
+                rows,
+                ids: cluster.id_columns_of(rows),
+            };
             let configured = self.instance_for(request.role);
             match self.call(configured, rows, selection, signals, scratch) {
                 Ok(pick) => Ok(Decision::new(configured, configured, pick, None)),
@@ -262,7 +267,7 @@ impl PolicySet {
         &self,
         configured: InstanceId,
         failure: PolicyFailure,
-        rows: &[RowId],
+        rows: Candidates<'_>,
         selection: Selection<'_>,
         signals: &S,
         scratch: &mut Scratch,
@@ -294,7 +299,7 @@ impl PolicySet {
     fn call<S: Signals + ?Sized>(
         &self,
         id: InstanceId,
-        rows: &[RowId],
+        Candidates { rows, ids }: Candidates<'_>,
         selection: Selection<'_>,
         signals: &S,
         scratch: &mut Scratch,
@@ -308,12 +313,12 @@ impl PolicySet {
         if let Some(target) = selection.target.filter(|_| instance.narrows_soft_target) {
             target_rows.extend(rows.iter().copied().filter(|r| target.matches(*r)));
         }
-        let narrowed = if target_rows.is_empty() {
-            rows
+        let (narrowed, ids) = if target_rows.is_empty() {
+            (rows, ids)
         } else {
-            &target_rows[..]
+            (&target_rows[..], None)
         };
-        scratch.materialise(narrowed, instance.inputs, signals);
+        scratch.materialise(narrowed, ids, instance.inputs, signals);
         let request = selection.request;
         // A pick that will be explained carries a token naming this input, so the policy can
         // explain the pick it made instead of deciding again (`plugin_api::EXPLAIN_TOKEN`).
@@ -341,7 +346,7 @@ impl PolicySet {
                 RSlice::EMPTY
             },
         };
-        let mut view = scratch.columns.candidate_view(instance.inputs);
+        let mut view = scratch.columns.candidate_view(instance.inputs, ids);
         // Each extra column is filled only when the host knows it: the capacity when some
         // worker's is known, the indexed blocks (with LOAD) and the index states (with CACHE)
         // when a KV index answers, the recent blocks beside the indexed ones when the core
@@ -393,6 +398,14 @@ impl PolicySet {
             pick_ns,
         })
     }
+}
+
+/// The eligible rows of one decision, and their id columns when the cluster lends them (the rows
+/// are its own: [`Cluster::id_columns_of`]).
+#[derive(Clone, Copy)]
+struct Candidates<'a> {
+    rows: &'a [RowId],
+    ids: Option<IdColumns<'a>>,
 }
 
 /// Log a failed call of `instance` (`fails`: the request fails instead of falling back). Only

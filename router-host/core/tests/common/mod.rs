@@ -119,7 +119,7 @@ impl Selector for Cheapest {
         };
         // Taken out and put back (a move, no allocation): `materialise` borrows the scratch.
         let rows = std::mem::take(&mut scratch.rows);
-        scratch.materialise(&rows, Inputs::CACHE | Inputs::LOAD, signals);
+        scratch.materialise(&rows, None, Inputs::CACHE | Inputs::LOAD, signals);
         let target = selection.target.filter(|_| self.follow_target);
         let on_target = |r: &RowId| {
             target.is_some_and(|t| {
