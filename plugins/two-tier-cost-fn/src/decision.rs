@@ -403,10 +403,14 @@ impl Backlog {
     /// saturating conversion); the rest takes the general way.
     #[inline(always)]
     fn cached(self, eff: f64) -> u64 {
-        let eff = eff.max(0.0);
+        // A NaN or negative overlap caches nothing (one compare: `f64::max` also orders NaN).
+        let eff = if eff > 0.0 { eff } else { 0.0 };
         if eff < self.full {
-            // `as` truncates toward zero, which for `eff >= 0` is the floor.
-            (eff as i64 as u64) * self.block_size
+            // SAFETY: `0 <= eff < full <= 2^53`: finite and within `i64`, where truncation
+            // (toward zero: for `eff >= 0` the floor) is defined. `as` would also check for NaN
+            // and saturate, a few instructions on every row of a large fleet.
+            let blocks = unsafe { eff.to_int_unchecked::<i64>() } as u64;
+            blocks * self.block_size
         } else {
             Self::cached_at_least_full(eff, self.block_size, self.tokens)
         }
@@ -453,6 +457,8 @@ impl<K: Copy + PartialOrd> Leader<K> {
     /// The ties are computed only then: in a large fleet most rows never equal a leader. The
     /// leader's tie is kept in `known` (in memory, not in the loop's registers), so a leader
     /// that a few hundred idle rows tie has its tie worked out once.
+    /// One comparison for the common row, which loses (`key > self.key`); a second only for a
+    /// row that reaches the leader.
     #[inline(always)]
     fn challenge(
         &mut self,
@@ -462,7 +468,7 @@ impl<K: Copy + PartialOrd> Leader<K> {
         key: K,
         known: &mut KnownTie,
     ) {
-        if key < self.key || (key == self.key && tie_wins(cols, prompt, i, self.row, known)) {
+        if key <= self.key && (key < self.key || tie_wins(cols, prompt, i, self.row, known)) {
             *self = Leader { row: i, key };
         }
     }
