@@ -470,7 +470,6 @@ impl<'r> Pricing<'r> {
         start: usize,
         out: &mut [f64],
     ) {
-        let s = self.selector;
         let n = out.len();
         // Every column cut to exactly the run, so the loop's reads need no bounds checks.
         fn run<T>(column: &[T], start: usize, n: usize) -> &[T] {
@@ -487,76 +486,104 @@ impl<'r> Pricing<'r> {
             run(active, start, n),
         );
         let gate = gate.map(|(capacity, used)| (run(capacity, start, n), run(used, start, n)));
-        let bonus = s.overlap_credit - 1.0;
         for k in 0..n {
-            let device = device[k];
-            let credit = device + s.host_weight * host[k] + s.disk_weight * disk[k];
-            let blocks = (prefill[k] as f64 + self.prompt_tokens) * per_block;
-            let mut backlog = (blocks - credit).max(0.0);
-            if bonus != 0.0 {
-                backlog -= bonus * if device.is_nan() { 0.0 } else { device };
-            }
-            let mut cost = s.prefill_load_scale * backlog
-                + decode[k] as f64
-                + s.decode_active_request_weight * active[k] as f64;
-            if let Some((capacity, used)) = gate {
-                cost += s.live_eviction_weight
-                    * s.prefill_load_scale
-                    * DefaultSelector::live_eviction(
-                        self.request_blocks,
-                        capacity[k],
-                        used[k],
-                        device,
-                    );
-            }
-            out[k] = cost;
+            let row = RowInputs {
+                device: device[k],
+                host: host[k],
+                disk: disk[k],
+                prefill: prefill[k],
+                decode: decode[k],
+                active: active[k],
+            };
+            let load = self.load_cost(row, Some(per_block));
+            out[k] = match gate {
+                None => load,
+                Some((capacity, used)) => load + self.gate_cost(capacity[k], used[k], row.device),
+            };
         }
     }
 
-    /// docs/configuration.md, `default`:
-    /// `prefill_load_scale * (max(0, (active_prefill_tokens + isl) / block_size - credit)
-    ///  - (overlap_credit - 1) * device) + decode_blocks
-    ///  + decode_active_request_weight * active_requests`.
-    ///
-    /// A row whose KV index is not current (`trust`) is priced load-only: its overlap reads 0;
-    /// plus, with the cache gate on, `live_eviction_weight * prefill_load_scale` times
-    /// [`DefaultSelector::live_eviction`].
+    /// Row `i`'s cost (see [`Pricing::load_cost`] and [`Pricing::gate_cost`]). A row whose KV
+    /// index is not current (`trust`) is priced load-only: its overlap reads 0.
     /// Always inlined: as a call per row it re-read every field it needs.
     #[inline(always)]
     fn cost(&self, i: usize) -> f64 {
-        let s = self.selector;
         let trust = &self.trust;
         let device = self.overlap.map_or(0.0, |[d, _, _]| trust.overlap(i, d[i]));
-        let mut cost = 0.0;
-        if let (Some([_, host, disk]), Some([prefill, decode, active])) = (self.overlap, self.load)
-        {
-            let credit = device
-                + s.host_weight * trust.overlap(i, host[i])
-                + s.disk_weight * trust.overlap(i, disk[i]);
-            let tokens = prefill[i] as f64 + self.prompt_tokens;
-            let blocks = match self.per_block {
-                Some(per_block) => tokens * per_block,
-                None => tokens / self.block_size,
-            };
-            let mut prefill = (blocks - credit).max(0.0);
-            // Device credit beyond 1.0 is a reuse bonus kept outside the clamp: a row holding
-            // the whole prompt still counts its backlog, and more cached blocks still win.
-            // (Skipped at exactly 1.0, so the formula, NaN handling included, is the 1.0 one.)
-            let bonus = s.overlap_credit - 1.0;
-            if bonus != 0.0 {
-                prefill -= bonus * if device.is_nan() { 0.0 } else { device };
+        let load = match (self.overlap, self.load) {
+            (Some([_, host, disk]), Some([prefill, decode, active])) => {
+                let row = RowInputs {
+                    device,
+                    host: trust.overlap(i, host[i]),
+                    disk: trust.overlap(i, disk[i]),
+                    prefill: prefill[i],
+                    decode: decode[i],
+                    active: active[i],
+                };
+                self.load_cost(row, self.per_block)
             }
-            cost = s.prefill_load_scale * prefill
-                + decode[i] as f64
-                + s.decode_active_request_weight * active[i] as f64;
+            _ => 0.0,
+        };
+        match self.gate {
+            None => load,
+            Some((capacity, used)) => load + self.gate_cost(capacity[i], used[i], device),
         }
-        if let Some((capacity, used)) = self.gate {
-            cost += s.live_eviction_weight
-                * s.prefill_load_scale
-                * DefaultSelector::live_eviction(self.request_blocks, capacity[i], used[i], device);
-        }
-        cost
     }
+
+    /// The cost of a row with the load columns (docs/configuration.md, `default`):
+    ///
+    /// ```text
+    /// prefill_load_scale * (max(0, (active_prefill_tokens + isl) / block_size - credit)
+    ///                       - (overlap_credit - 1) * device)
+    ///   + decode_blocks + decode_active_request_weight * active_requests
+    /// ```
+    ///
+    /// The one place the formula is written: [`Pricing::cost`] and [`Pricing::costs_current`]
+    /// both call it, so a run of rows is priced as each row alone. `per_block` is `1 /
+    /// block_size` when that is exact (then a multiplication giving the same bits), else `None`.
+    #[inline(always)]
+    fn load_cost(&self, row: RowInputs, per_block: Option<f64>) -> f64 {
+        let s = self.selector;
+        let credit = row.device + s.host_weight * row.host + s.disk_weight * row.disk;
+        let tokens = row.prefill as f64 + self.prompt_tokens;
+        let blocks = match per_block {
+            Some(per_block) => tokens * per_block,
+            None => tokens / self.block_size,
+        };
+        let mut prefill = (blocks - credit).max(0.0);
+        // Device credit beyond 1.0 is a reuse bonus kept outside the clamp: a row holding the
+        // whole prompt still counts its backlog, and more cached blocks still win. (Skipped at
+        // exactly 1.0, so the formula, NaN handling included, is the 1.0 one.)
+        let bonus = s.overlap_credit - 1.0;
+        if bonus != 0.0 {
+            prefill -= bonus * if row.device.is_nan() { 0.0 } else { row.device };
+        }
+        s.prefill_load_scale * prefill
+            + row.decode as f64
+            + s.decode_active_request_weight * row.active as f64
+    }
+
+    /// The cache gate's part of a row's cost: `live_eviction_weight * prefill_load_scale`
+    /// times [`DefaultSelector::live_eviction`].
+    #[inline(always)]
+    fn gate_cost(&self, capacity: f64, used: f64, device: f64) -> f64 {
+        let s = self.selector;
+        s.live_eviction_weight
+            * s.prefill_load_scale
+            * DefaultSelector::live_eviction(self.request_blocks, capacity, used, device)
+    }
+}
+
+/// One row's inputs to [`Pricing::load_cost`], its overlap already read through the trust
+/// check (0 for a row whose index is not current).
+#[derive(Clone, Copy)]
+struct RowInputs {
+    device: f64,
+    host: f64,
+    disk: f64,
+    prefill: u64,
+    decode: u64,
+    active: u64,
 }
 
 impl Policy for DefaultSelector {
