@@ -412,14 +412,12 @@ impl Backlog {
             let blocks = unsafe { eff.to_int_unchecked::<i64>() } as u64;
             blocks * self.block_size
         } else {
-            Self::cached_at_least_full(eff, self.block_size, self.tokens)
+            // Inline, not a call: a call in the scan's loop makes it spill its floating-point
+            // registers on every row.
+            (eff as u64)
+                .saturating_mul(self.block_size)
+                .min(self.tokens)
         }
-    }
-
-    /// Out of line, and by value (a `Backlog` by reference would be stored for it every row).
-    #[inline(never)]
-    fn cached_at_least_full(eff: f64, block_size: u64, tokens: u64) -> u64 {
-        (eff as u64).saturating_mul(block_size).min(tokens)
     }
 }
 
@@ -445,115 +443,121 @@ impl LoadOrder for ByBacklog {
     }
 }
 
-/// One leader of a scan: its row and the part of its key compared before the [`Tie`].
+/// Where a leader of a scan is: its row, and its [`Tie`] once worked out. Kept in memory, apart
+/// from the leaders' keys: the scan's loop compares keys on every row and keeps them in
+/// registers, and writes a row here only when the lead changes (a few times a pass).
 #[derive(Clone, Copy)]
-struct Leader<K> {
+struct Lead {
     row: usize,
-    key: K,
+    tie: Option<Tie>,
 }
 
-impl<K: Copy + PartialOrd> Leader<K> {
-    /// Row `i` with `key` takes the lead if its key is less, or equal with a lesser [`Tie`].
-    /// The ties are computed only then: in a large fleet most rows never equal a leader. The
-    /// leader's tie is kept in `known` (in memory, not in the loop's registers), so a leader
-    /// that a few hundred idle rows tie has its tie worked out once.
-    /// One comparison for the common row, which loses (`key > self.key`); a second only for a
-    /// row that reaches the leader.
-    #[inline(always)]
-    fn challenge(
-        &mut self,
-        cols: &Columns<'_>,
-        prompt: Prompt,
-        i: usize,
-        key: K,
-        known: &mut KnownTie,
-    ) {
-        if key <= self.key && (key < self.key || tie_wins(cols, prompt, i, self.row, known)) {
-            *self = Leader { row: i, key };
+impl Lead {
+    fn at(row: usize) -> Self {
+        Lead { row, tie: None }
+    }
+}
+
+/// Row `i` with `key` takes the lead from `(leader, lead)` if its key is less, or equal with a
+/// lesser [`Tie`]. One comparison for the common row, which loses (`key > leader`); the ties are
+/// computed only for a row that equals the leader: in a large fleet most rows never do, and a
+/// leader that a few hundred idle rows tie has its own tie worked out once.
+#[inline(always)]
+fn challenge<K: Copy + PartialOrd>(
+    leader: &mut K,
+    lead: &mut Lead,
+    cols: &Columns<'_>,
+    prompt: Prompt,
+    i: usize,
+    key: K,
+) {
+    if key <= *leader {
+        if key < *leader {
+            *leader = key;
+            *lead = Lead::at(i);
+        } else {
+            tie_wins(cols, prompt, i, lead);
         }
     }
 }
 
-/// The last tie [`tie_wins`] worked out for a leader: its row and tie.
-type KnownTie = Option<(usize, Tie)>;
-
-/// Whether row `i`'s [`Tie`] orders before row `leader`'s; `known` then holds the tie of
-/// whichever leads. Out of line: the scan's loop stays small, and only rows that equal a leader
-/// come here.
+/// Row `i`, whose key equals the leader's: it takes the lead in `lead` if its [`Tie`] orders
+/// first; `lead` then holds the tie of whichever leads. Out of line: the scan's loop stays
+/// small, and only rows that equal a leader come here.
 #[inline(never)]
-fn tie_wins(
-    cols: &Columns<'_>,
-    prompt: Prompt,
-    i: usize,
-    leader: usize,
-    known: &mut KnownTie,
-) -> bool {
-    let leader_tie = match *known {
-        Some((row, tie)) if row == leader => tie,
-        _ => cols.tie(leader, prompt),
+fn tie_wins(cols: &Columns<'_>, prompt: Prompt, i: usize, lead: &mut Lead) {
+    let leader_tie = match lead.tie {
+        Some(tie) => tie,
+        None => cols.tie(lead.row, prompt),
     };
     let tie = cols.tie(i, prompt);
-    let wins = tie < leader_tie;
-    *known = Some(if wins { (i, tie) } else { (leader, leader_tie) });
-    wins
+    *lead = if tie < leader_tie {
+        Lead {
+            row: i,
+            tie: Some(tie),
+        }
+    } else {
+        Lead {
+            row: lead.row,
+            tie: Some(leader_tie),
+        }
+    };
 }
 
 /// Running statistics of one pass over a row set: per row a prefix read and a few comparisons.
+/// The leaders' keys; their rows are in a `[Lead; 3]` beside it (`least`, `least_active`,
+/// `best`).
 struct Scan<O: LoadOrder> {
     /// Least-loaded by the load signal: the fallback tier's row.
-    least: Leader<O::Prefix>,
+    least: O::Prefix,
     /// Fewest active requests (then the tie): the load tier's row. The same row as `least`
     /// under [`LoadSignal::ActiveRequests`] (then not tracked).
-    least_active: Leader<u64>,
+    least_active: u64,
     max_active: u64,
     /// Highest overlap, then least loaded: the cache tier's row. Its key is the overlap
     /// negated, so that less is better as in the others (overlaps are never NaN here).
-    best: Leader<(f64, O::Prefix)>,
+    best: (f64, O::Prefix),
 }
 
 impl<O: LoadOrder> Scan<O> {
     #[inline]
-    fn first(i: usize, eff: f64, prefix: O::Prefix) -> Self {
-        Scan {
-            least: Leader {
-                row: i,
-                key: prefix,
-            },
-            least_active: Leader {
-                row: i,
-                key: O::active(prefix),
-            },
+    fn first(i: usize, eff: f64, prefix: O::Prefix) -> (Self, [Lead; 3]) {
+        let scan = Scan {
+            least: prefix,
+            least_active: O::active(prefix),
             max_active: O::active(prefix),
-            best: Leader {
-                row: i,
-                key: (-eff, prefix),
-            },
-        }
+            best: (-eff, prefix),
+        };
+        (scan, [Lead::at(i); 3])
     }
 
     /// Always inlined into the scan: a call per row cost about 20 instructions.
-    /// `known`: each leader's tie once worked out (`least`, `least_active`, `best`), apart
-    /// from the leaders so that they stay in registers.
     #[inline(always)]
     fn add(
         &mut self,
+        leads: &mut [Lead; 3],
         cols: &Columns<'_>,
         prompt: Prompt,
         (i, eff, prefix): (usize, f64, O::Prefix),
-        known: &mut [KnownTie; 3],
     ) {
-        let [least, least_active, best] = known;
-        self.least.challenge(cols, prompt, i, prefix, least);
+        let [least, least_active, best] = leads;
+        challenge(&mut self.least, least, cols, prompt, i, prefix);
         let active = O::active(prefix);
         if O::SEPARATE_ACTIVE {
-            self.least_active
-                .challenge(cols, prompt, i, active, least_active);
+            challenge(
+                &mut self.least_active,
+                least_active,
+                cols,
+                prompt,
+                i,
+                active,
+            );
         }
         self.max_active = self.max_active.max(active);
         // Highest overlap wins; among equal overlap, the least-loaded row. The overlap is
         // compared first and on its own: most rows lose there.
-        if -eff <= self.best.key.0 {
-            self.best.challenge(cols, prompt, i, (-eff, prefix), best);
+        if -eff <= self.best.0 {
+            challenge(&mut self.best, best, cols, prompt, i, (-eff, prefix));
         }
     }
 }
@@ -596,12 +600,11 @@ fn scan_in<O: LoadOrder, const ALL_CURRENT: bool>(
     let request = O::request(prompt);
     let first = (0..n).find(|&i| in_set(cols.row(i)))?;
     let first_eff = cols.effective_overlap_in::<ALL_CURRENT>(first, weight);
-    let mut scan = Scan::<O>::first(
+    let (mut scan, mut leads) = Scan::<O>::first(
         first,
         first_eff,
         O::prefix_of(cols, first, first_eff, request),
     );
-    let mut known = [None; 3];
     // Every column the loop reads, as a local cut to `n`: then no read has a bounds check (a
     // panic that even a predicate ignoring the row could not remove).
     let (worker_id, dp_rank) = (&cols.worker_id[..n], &cols.dp_rank[..n]);
@@ -619,21 +622,22 @@ fn scan_in<O: LoadOrder, const ALL_CURRENT: bool>(
                 effective(device[i], host[i], weight)
             };
             let prefix = O::prefix(active[i], prefill[i], eff, request);
-            scan.add(cols, prompt, (i, eff, prefix), &mut known);
+            scan.add(&mut leads, cols, prompt, (i, eff, prefix));
         }
     }
+    let [least, least_active, best] = leads;
     let (least_active, min_active) = if O::SEPARATE_ACTIVE {
-        (scan.least_active.row, scan.least_active.key)
+        (least_active.row, scan.least_active)
     } else {
-        (scan.least.row, O::active(scan.least.key))
+        (least.row, O::active(scan.least))
     };
     Some(Summary {
-        least_loaded: scan.least.row,
+        least_loaded: least.row,
         least_active,
         min_active,
         max_active: scan.max_active,
-        best_row: scan.best.row,
-        best_eff: -scan.best.key.0,
+        best_row: best.row,
+        best_eff: -scan.best.0,
     })
 }
 
