@@ -443,9 +443,9 @@ impl LoadOrder for ByBacklog {
     }
 }
 
-/// Where a leader of a scan is: its row, and its [`Tie`] once worked out. Kept in memory, apart
-/// from the leaders' keys: the scan's loop compares keys on every row and keeps them in
-/// registers, and writes a row here only when the lead changes (a few times a pass).
+/// Where a leader of a scan is: its row, and its [`Tie`] once worked out. Apart from the
+/// leaders' keys, which the scan's loop compares on every row and keeps in registers: a row is
+/// written here only when the lead changes (a few times a pass), and a tie once per leader.
 #[derive(Clone, Copy)]
 struct Lead {
     row: usize,
@@ -482,9 +482,10 @@ fn challenge<K: Copy + PartialOrd>(
 }
 
 /// Row `i`, whose key equals the leader's: it takes the lead in `lead` if its [`Tie`] orders
-/// first; `lead` then holds the tie of whichever leads. Out of line: the scan's loop stays
-/// small, and only rows that equal a leader come here.
-#[inline(never)]
+/// first; `lead` then holds the tie of whichever leads. Inlined though only rows that equal a
+/// leader come here: a call anywhere in the scan's loop leaves it the six registers a call
+/// preserves, and the loop reloads its columns from the stack on every row.
+#[inline(always)]
 fn tie_wins(cols: &Columns<'_>, prompt: Prompt, i: usize, lead: &mut Lead) {
     let leader_tie = match lead.tie {
         Some(tie) => tie,
