@@ -43,7 +43,7 @@ pub fn eligible<'a>(
     if whole_fleet(cluster, request, pin) {
         return Ok(cluster.rows());
     }
-    eligible_rows(cluster, request, pin, out)?;
+    walk(cluster, request, pin, out)?;
     Ok(out)
 }
 
@@ -66,14 +66,26 @@ pub fn eligible_rows(
     pin: Option<RowId>,
     out: &mut Vec<RowId>,
 ) -> Result<(), EligibilityError> {
+    if whole_fleet(cluster, request, pin) {
+        out.clear();
+        out.extend_from_slice(cluster.rows());
+        return Ok(());
+    }
+    walk(cluster, request, pin, out)
+}
+
+/// [`eligible_rows`] when not every row is eligible (or might not be): the pin, or each worker's
+/// flags and the allow-list, worker by worker.
+fn walk(
+    cluster: &Cluster,
+    request: &Request,
+    pin: Option<RowId>,
+    out: &mut Vec<RowId>,
+) -> Result<(), EligibilityError> {
     out.clear();
     if let Some(pin) = pin {
         check_pin(cluster, request, pin)?;
         out.push(pin);
-        return Ok(());
-    }
-    if whole_fleet(cluster, request, pin) {
-        out.extend_from_slice(cluster.rows());
         return Ok(());
     }
     let mut excluded_for_overload = false;
